@@ -1,0 +1,51 @@
+"""reference.py -- the oracle: plain PyTorch training with the whole model in memory.
+
+What it is
+    ReferenceTrainer has the same surface as stream.Trainer (step, set_lr, weights) but does the
+    obvious thing: every weight is a leaf tensor on one device, one autograd graph per micro-batch,
+    torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True) with two parameter groups (decay on
+    tensors with >= 2 dims). `python train.py --engine reference` uses it; the tests hold the streaming
+    engine to it.
+What it is not
+    Not fast and not memory-frugal on purpose: any cleverness here would weaken it as an oracle.
+"""
+import torch
+
+import model
+
+
+class ReferenceTrainer:
+    def __init__(self, cfg, weights, device="cpu", dtype=torch.float32, lr=3e-4, betas=(0.9, 0.95),
+                 eps=1e-8, weight_decay=0.1, grad_clip=0.0, micro_batches=1):
+        self.cfg, self.dev, self.dtype = cfg, torch.device(device), dtype
+        self.grad_clip, self.M = grad_clip, micro_batches
+        self.params = {k: v.detach().to(self.dev, torch.float32).clone().requires_grad_() for k, v in weights.items()}
+        decay = [p for p in self.params.values() if p.dim() >= 2]
+        no_decay = [p for p in self.params.values() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=lr, betas=betas, eps=eps, fused=True)
+
+    def step(self, tokens, targets):
+        """One optimizer step over (B, T) tokens/targets in self.M micro-batches; returns the mean loss."""
+        n = (targets != model.IGNORE).sum().clamp(min=1).item()  # tokens of the whole step
+        total = 0.0
+        for tok, tgt in zip(tokens.chunk(self.M), targets.chunk(self.M)):
+            tok, tgt = tok.to(self.dev), tgt.to(self.dev)
+            with torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                h = model.hidden(self.cfg, self.params, tok)
+                loss_sum = model.chunked_loss_sum(self.cfg, h, model.head_weights(self.params, self.cfg), tgt, 4096)
+            (loss_sum / n).backward()
+            total += loss_sum.item()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total / n
+
+    def set_lr(self, lr):
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def weights(self):
+        return {k: v.detach().cpu().clone() for k, v in self.params.items()}

@@ -1,0 +1,312 @@
+"""model.py -- a Llama-style GPT written as stateless functions over flat weight buffers.
+
+What it is
+    GPTConfig and PRESETS (toy ... 120b); the parameter layout of every "unit" (the embedding, each
+    transformer layer, the head) as ONE flat buffer laid out [2-D matrices | 1-D vectors]; the layer
+    as a pure function block(cfg, x, w, rope) of its input and views into such a buffer; init_weights;
+    a plain in-memory reference forward; a chunked cross-entropy head.
+What it is not
+    No nn.Module, no optimizer, no device logic. stream.py decides where buffers live and when they
+    move; this file only says what the numbers are and how they combine.
+Reference
+    Hugging Face LlamaForCausalLM / Qwen2 / Qwen3 (the names of the weights follow their checkpoints,
+    so load_hf/save_hf are a rename-free copy), nanoGPT and llm.c for the shape of the code.
+Try it
+    python model.py            # prints the presets with parameter counts and the toy layer layout
+    python -m pytest tests/test_model.py
+"""
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100  # target id that contributes no loss (padding, prompt tokens in SFT)
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4            # < n_head: grouped-query attention
+    d_model: int = 128
+    d_ff: int = 352               # SwiGLU hidden size
+    head_dim: int = 0             # 0: d_model // n_head (Qwen3 sets it explicitly)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False        # Qwen2
+    qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
+    tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
+
+    def __post_init__(self):
+        if self.head_dim == 0 and self.n_head > 0:
+            self.head_dim = self.d_model // self.n_head
+
+    def check(self):
+        """Raise ValueError (one line, what to do) for a config that cannot describe a model."""
+        for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} must be positive, got {getattr(self, k)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}; "
+                             f"pick n_head among the divisors of {self.d_model}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
+                             f"grouped-query attention shares each k/v head between n_head/n_kv_head q heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        return self
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# Parameter counts in the comments are exact (python model.py prints them).
+PRESETS = {
+    # a laptop model: byte vocabulary, trains on 2 CPU cores in minutes.               0.87M
+    "toy": GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_kv_head=4, d_model=128, d_ff=352,
+                     max_seq_len=256),
+    # GPT-2-small-sized Llama (tied embeddings, GPT-2's padded vocab).                  124M
+    "small": GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_kv_head=12, d_model=768,
+                       d_ff=2048, max_seq_len=1024, tie_embeddings=True),
+    # Llama-3.2-1B.                                                                    1.24B
+    "1b": GPTConfig(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048,
+                    d_ff=8192, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True),
+    # Llama-2-7B.                                                                      6.74B
+    "7b": GPTConfig(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, d_model=4096,
+                    d_ff=11008, max_seq_len=4096),
+    # Qwen2.5-14B (qkv bias, GQA 40/8).                                               14.77B
+    "14b": GPTConfig(vocab_size=152064, n_layer=48, n_head=40, n_kv_head=8, d_model=5120,
+                     d_ff=13824, max_seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
+    # Qwen2.5-32B.                                                                    32.76B
+    "32b": GPTConfig(vocab_size=152064, n_layer=64, n_head=40, n_kv_head=8, d_model=5120,
+                     d_ff=27648, max_seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
+    # Llama-3-70B.                                                                    70.55B
+    "70b": GPTConfig(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
+                     d_ff=28672, max_seq_len=4096, rope_theta=500000.0),
+    # Llama-3-70B's layer, 114 deep.                                                  99.65B
+    "100b": GPTConfig(vocab_size=128256, n_layer=114, n_head=64, n_kv_head=8, d_model=8192,
+                      d_ff=28672, max_seq_len=4096, rope_theta=500000.0),
+    # a wider Llama-style GQA model (d 12288, 96/8 heads), 76 deep.                   119.82B
+    "120b": GPTConfig(vocab_size=128256, n_layer=76, n_head=96, n_kv_head=8, d_model=12288,
+                      d_ff=32768, max_seq_len=4096, rope_theta=500000.0),
+}
+
+
+# ----------------------------------------------------------------------------- flat layouts
+class Layout:
+    """One unit's parameters packed into one flat buffer: [2-D matrices | 1-D vectors].
+
+    entries: (short name, full weights-dict key, shape, offset). The leading n_decay elements are
+    the matrices (AdamW decays them), the rest are vectors (no decay): two fused optimizer calls.
+    """
+
+    def __init__(self, name, entries):
+        dims = [len(shape) >= 2 for _, _, shape in entries]
+        assert dims == sorted(dims, reverse=True), f"{name}: matrices must come before vectors"
+        self.name, self.entries, off = name, [], 0
+        for short, key, shape in entries:
+            self.entries.append((short, key, tuple(shape), off))
+            off += math.prod(shape)
+        self.numel = off
+        self.n_decay = sum(math.prod(s) for _, _, s, _ in self.entries if len(s) >= 2)
+
+    def views(self, flat):
+        """{short name: view of flat} -- no copy; the views share flat's storage and dtype."""
+        return {short: flat[o:o + math.prod(s)].view(s) for short, _, s, o in self.entries}
+
+    def key_views(self, flat):
+        """{full weights-dict key: view of flat}."""
+        return {key: flat[o:o + math.prod(s)].view(s) for _, key, s, o in self.entries}
+
+    def keys(self):
+        return [key for _, key, _, _ in self.entries]
+
+    def table(self):
+        rows = [f"{self.name}: {self.numel:,} elements, decayed [0, {self.n_decay:,})"]
+        rows += [f"  {key:<44} {str(list(s)):>14} @ {o:>12,}" for _, key, s, o in self.entries]
+        return "\n".join(rows)
+
+
+def layer_entries(cfg):
+    """(short name, shape) of one transformer layer, matrices first. Names follow Hugging Face."""
+    d, hd, nh, nkv, ff = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_ff
+    mats = [("self_attn.q_proj.weight", (nh * hd, d)), ("self_attn.k_proj.weight", (nkv * hd, d)),
+            ("self_attn.v_proj.weight", (nkv * hd, d)), ("self_attn.o_proj.weight", (d, nh * hd)),
+            ("mlp.gate_proj.weight", (ff, d)), ("mlp.up_proj.weight", (ff, d)),
+            ("mlp.down_proj.weight", (d, ff))]
+    vecs = [("input_layernorm.weight", (d,)), ("post_attention_layernorm.weight", (d,))]
+    if cfg.qkv_bias:
+        vecs += [("self_attn.q_proj.bias", (nh * hd,)), ("self_attn.k_proj.bias", (nkv * hd,)),
+                 ("self_attn.v_proj.bias", (nkv * hd,))]
+    if cfg.qk_norm:
+        vecs += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+    return mats + vecs
+
+
+EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def units(cfg):
+    """The model as a list of Layouts in forward order: [embed], layer.0 ... layer.{L-1}, head.
+
+    With tied embeddings there is no separate embed unit: the head's matrix IS the embedding
+    (one key, one master copy, one gradient that sums both uses).
+    """
+    V, d = cfg.vocab_size, cfg.d_model
+    out = [] if cfg.tie_embeddings else [Layout("embed", [("embed", EMBED, (V, d))])]
+    for i in range(cfg.n_layer):
+        out.append(Layout(f"layer.{i}", [(s, f"model.layers.{i}.{s}", sh) for s, sh in layer_entries(cfg)]))
+    head_key = EMBED if cfg.tie_embeddings else HEAD
+    out.append(Layout("head", [("lm_head", head_key, (V, d)), ("norm", NORM, (d,))]))
+    return out
+
+
+def n_params(cfg):
+    return sum(u.numel for u in units(cfg))
+
+
+# ----------------------------------------------------------------------------- the functions
+def rms_norm(x, w, eps):
+    """Hugging Face's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rope_cache(cfg, T, device=None, dtype=torch.float32):
+    """cos, sin: (T, head_dim), computed in fp32 as Hugging Face does, then cast to dtype."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                                             # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, h, T, hd). Rotate the two halves of each head (the Llama / NeoX convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def block(cfg, x, w, rope):
+    """One transformer layer as a pure function.
+
+    x: (B, T, d) layer input; w: {short name: tensor} (views into the layer's flat buffer);
+    rope: (cos, sin) from rope_cache. Returns the layer output (B, T, d), same dtype as x.
+    """
+    B, T, _ = x.shape
+    nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+    # attention: pre-norm, q/k/v projections (Qwen2 adds a bias), Qwen3 normalises each q/k head
+    h = rms_norm(x, w["input_layernorm.weight"], eps)
+    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(B, T, nh, hd)
+    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(B, T, nkv, hd)
+    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(B, T, nkv, hd)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["self_attn.q_norm.weight"], eps), rms_norm(k, w["self_attn.k_norm.weight"], eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, h, T, hd)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)  # (B, nh, T, hd)
+    x = x + F.linear(y.transpose(1, 2).reshape(B, T, nh * hd), w["self_attn.o_proj.weight"])
+    # SwiGLU MLP
+    h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
+    h = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])  # (B, T, ff)
+    return x + F.linear(h, w["mlp.down_proj.weight"])
+
+
+def head_loss(cfg, x, w, targets):
+    """Final norm + LM head + summed cross-entropy for one chunk of tokens.
+
+    x: (N, d) hidden states; w: the head unit's views {"lm_head": (V, d), "norm": (d,)};
+    targets: (N,) with IGNORE for no loss. Returns the fp32 SUM of the losses (callers divide by the
+    step's token count, so micro-batches and chunks add up to exactly the big-batch mean).
+    """
+    logits = F.linear(rms_norm(x, w["norm"], cfg.norm_eps), w["lm_head"])  # (N, V): one chunk only
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
+
+
+def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
+    """Sum of head_loss over token chunks of x: (B, T, d). Each chunk is checkpointed, so autograd
+    keeps no (chunk, V) logits alive either: peak memory is one chunk's logits in forward and backward."""
+    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    total = x.new_zeros((), dtype=torch.float32)
+    for s in range(0, x.shape[0], chunk_tokens):
+        xs, ts = x[s:s + chunk_tokens], targets[s:s + chunk_tokens]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(head_loss, cfg, xs, w, ts, use_reentrant=False)
+        else:
+            total = total + head_loss(cfg, xs, w, ts)
+    return total
+
+
+def layer_weights(weights, i, cfg):
+    """{short name: tensor} of layer i, taken from a weights dict."""
+    return {s: weights[f"model.layers.{i}.{s}"] for s, _ in layer_entries(cfg)}
+
+
+def head_weights(weights, cfg):
+    return {"lm_head": weights[EMBED if cfg.tie_embeddings else HEAD], "norm": weights[NORM]}
+
+
+def hidden(cfg, weights, tokens):
+    """Reference trunk: tokens (B, T) -> final hidden states (B, T, d) before the final norm."""
+    T = tokens.shape[1]
+    x = F.embedding(tokens, weights[EMBED])                      # (B, T, d)
+    rope = rope_cache(cfg, T, x.device, x.dtype)
+    for i in range(cfg.n_layer):
+        x = block(cfg, x, layer_weights(weights, i, cfg), rope)
+    return x
+
+
+def forward(cfg, weights, tokens):
+    """Plain in-memory reference forward: logits (B, T, vocab), differentiable w.r.t. weights."""
+    w = head_weights(weights, cfg)
+    return F.linear(rms_norm(hidden(cfg, weights, tokens), w["norm"], cfg.norm_eps), w["lm_head"])
+
+
+def loss(cfg, weights, tokens, targets, chunk_tokens=4096):
+    """Reference training loss: mean cross-entropy over the non-ignored targets, chunked head."""
+    n = (targets != IGNORE).sum().clamp(min=1)
+    return chunked_loss_sum(cfg, hidden(cfg, weights, tokens), head_weights(weights, cfg), targets, chunk_tokens) / n
+
+
+# ----------------------------------------------------------------------------- init
+def init_unit(cfg, layout, gen):
+    """Fill one unit's tensors, in layout order, from generator gen: {key: fp32 CPU tensor}.
+
+    N(0, 0.02) for matrices and embeddings; residual output projections (o_proj, down_proj) scaled by
+    1/sqrt(2 n_layer) as in GPT-2; norms 1; biases 0.
+    """
+    out = {}
+    for short, key, shape, _ in layout.entries:
+        if len(shape) == 1:
+            t = torch.ones(shape) if short.endswith("norm.weight") or short == "norm" else torch.zeros(shape)
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if short.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            t = torch.empty(shape).normal_(0.0, std, generator=gen)
+        out[key] = t
+    return out
+
+
+def init_weights(cfg, seed=0):
+    """dict[str, fp32 CPU tensor] keyed like a Hugging Face checkpoint: the project's interchange format."""
+    cfg.check()
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for u in units(cfg):
+        weights.update(init_unit(cfg, u, gen))
+    return weights
+
+
+if __name__ == "__main__":
+    for name, c in PRESETS.items():
+        print(f"{name:>5}: {n_params(c):>16,} params  L={c.n_layer} d={c.d_model} "
+              f"heads={c.n_head}/{c.n_kv_head} ff={c.d_ff} V={c.vocab_size}")
+    print()
+    for u in units(PRESETS["toy"])[:2]:
+        print(u.table())

@@ -1,0 +1,91 @@
+"""optim.py -- the pinned host store and a per-unit CPU AdamW.
+
+What it is
+    HostAdamW keeps, for every unit of the model (the embedding, each layer, the head), flat buffers
+    in host memory: the fp32 master weights, fp32 Adam m and v, an fp32 gradient buffer, and -- when
+    the GPU computes in bf16 -- a bf16 shadow of the master that the engine streams to the GPU. The
+    buffers are pinned when CUDA is present, so copies to and from the GPU are DMA, not staged.
+    step(u) updates one unit with torch's fused CPU AdamW kernel, so a worker thread can update
+    layer i while the GPU is still busy with layer i-1. Also here: global grad-norm clipping and the
+    warmup + cosine learning-rate schedule.
+What it is not
+    Not a torch.optim.Optimizer (no param groups, no state_dict of dicts): units are flat buffers and a
+    unit's [matrices | vectors] layout makes "decay" and "no decay" two contiguous regions, so a step
+    is exactly two kernel calls. It imports nothing of this project; any list of (numel, n_decay) works.
+Reference
+    torch.optim.AdamW(fused=True) with two parameter groups (decay on tensors with >= 2 dims).
+    tests/test_optim.py checks equality over 10 steps; bench/adamw_cpu.py compares speed.
+
+Framework internal: torch._fused_adamw_ is the private kernel behind AdamW(fused=True). It updates
+params, m and v in place and reads (does not increment) the step tensor; torch.optim increments it
+first, and so do we. Its grad_scale argument divides the gradient inside the kernel: we pass
+1/clip_coef there, which applies clipping without an extra pass over the gradients.
+"""
+import math
+
+import torch
+
+
+class HostAdamW:
+    def __init__(self, sizes, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 pin=False, shadow_dtype=None):
+        """sizes: [(numel, n_decay)] per unit -- the first n_decay elements are decayed.
+        shadow_dtype: keep a copy of the master in this dtype (the one the GPU computes in), refreshed
+        after every step; None when the engine streams the fp32 master itself."""
+        self.sizes, self.lr, self.betas, self.eps, self.wd = list(sizes), lr, betas, eps, weight_decay
+
+        def buf(n, dtype=torch.float32):  # zeros: a fresh pinned page must not leak old data into m/v
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+        self.master = [buf(n) for n, _ in self.sizes]   # fp32 master weights
+        self.m = [buf(n) for n, _ in self.sizes]        # fp32 Adam first moment
+        self.v = [buf(n) for n, _ in self.sizes]        # fp32 Adam second moment
+        self.grad = [buf(n) for n, _ in self.sizes]     # fp32 gradient, written by the engine's D2H copy
+        self.shadow = [buf(n, shadow_dtype) for n, _ in self.sizes] if shadow_dtype else None
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.sizes]  # per unit, as torch keeps it
+
+    def nbytes(self):
+        per = 16 + (self.shadow[0].element_size() if self.shadow else 0)
+        return per * sum(n for n, _ in self.sizes)
+
+    def refresh_shadow(self, u):
+        if self.shadow is not None:
+            self.shadow[u].copy_(self.master[u])
+
+    def step(self, u, lr=None, clip_coef=1.0):
+        """AdamW on unit u with the gradient in self.grad[u] (multiplied by clip_coef)."""
+        lr = self.lr if lr is None else lr
+        n, n_decay = self.sizes[u]
+        p, g, m, v = self.master[u], self.grad[u], self.m[u], self.v[u]
+        step = self.steps[u]
+        step += 1
+        scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
+        for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):  # [matrices | vectors]
+            if hi > lo:
+                torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [step],
+                                    lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd,
+                                    eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+        self.refresh_shadow(u)
+
+    def grad_sq(self, u):
+        """Squared L2 norm of unit u's gradient (fp32); the global norm is sqrt of the sum over units."""
+        g = self.grad[u]
+        return float(torch.dot(g, g))
+
+
+def clip_coef(total_norm, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1. max_norm 0 = off."""
+    if not max_norm or max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def lr_at(step, max_lr, total_steps, warmup=0, min_ratio=0.1):
+    """Linear warmup to max_lr over `warmup` steps, then cosine decay to min_ratio * max_lr at total_steps.
+    step counts from 0 (the first update uses lr_at(0))."""
+    if warmup and step < warmup:
+        return max_lr * (step + 1) / warmup
+    if total_steps <= warmup:
+        return max_lr
+    t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return max_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))

@@ -1,0 +1,347 @@
+"""stream.py -- the engine: train a model whose weights live in host memory, one layer at a time.
+
+What it is
+    Trainer keeps every weight and optimizer state in optim.HostAdamW (pinned host memory) and uses the
+    GPU as a stateless compute engine: two weight slots, two gradient slots, one layer's activations.
+    Three CUDA streams overlap the work; events order it. Without CUDA the same schedule runs on the
+    CPU with no-op streams and synchronous copies -- that is what CI and the exactness tests run.
+What it is not
+    No tensor/pipeline parallelism, no nn.Module, no autograd graph across layers. The model maths is
+    model.py's; the optimizer is optim.py's. Reference: megatrain_min/reference.py (plain PyTorch), which
+    tests/test_stream.py holds this engine to.
+
+One step, layer-major (every micro-batch passes through a layer during ONE visit of its weights):
+
+  forward   embed rows gathered on the host -> x[j] (B/M, T, d) for micro-batches j = 0..M-1
+            for layer i:  ckpt[i][j] = x[j];  x[j] = block(x[j], slot)          (no autograd graph)
+  head      per micro-batch, per token chunk: norm + lm_head + CE, forward AND backward at once
+  backward  for layer i = L-1..0:  recompute block(ckpt[i][j]) with grad, autograd.grad w.r.t.
+            (input, weights), fp32 gradient accumulated in a grad slot, then D2H to the host store
+  update    a worker thread runs AdamW on each unit as its gradient lands (no clipping), or, with
+            clipping, once the global norm is known, in forward order, so that the next step's
+            forward of layer i waits only for layer i's update.
+
+The three streams for L=3 (H = head, 0/1/2 = layers, ' = backward; slot A/B in brackets):
+
+  H2D      |0[A]|1[B]|2[A]|H[B]|    |1[B]|0[A]|            ckpt reloads ride here too when offloaded
+  compute  |emb |  0  |  1  |  2  | H+H' | 2'  | 1'  | 0'  |     (2' reuses slot A: no second copy)
+  D2H                          (ckpt offloads) |gH |g2 |g1 |g0|   -> host grad -> AdamW on the worker
+
+Each copy is one contiguous transfer of a unit's flat buffer. A slot is refilled only after the
+compute stream has finished with it (event slot_free), and the compute stream uses a slot only after
+its copy landed (event slot_loaded). A grad slot is zeroed only after its previous D2H finished.
+
+Try it
+    python -m pytest tests/test_stream.py       # CPU: equals the reference trainer step for step
+    python train.py --engine stream             # the default engine of train.py
+"""
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import model
+from optim import HostAdamW, clip_coef
+
+
+class Lane:
+    """A CUDA stream, or nothing on the CPU (work then runs synchronously, in program order)."""
+
+    def __init__(self, cuda, sync=False):
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.sync = sync  # debug: synchronise after every recorded operation (the race detector's baseline)
+
+    def __call__(self):  # `with lane():` -- issue the work inside on this stream
+        if self.stream is None:
+            return contextlib.nullcontext()
+        if self.sync:
+            torch.cuda.synchronize()
+        return torch.cuda.stream(self.stream)
+
+    def wait(self, event):
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def record(self):
+        if self.stream is None:
+            return None
+        if self.sync:
+            torch.cuda.synchronize()
+        return self.stream.record_event()
+
+    def keep(self, t):  # t was allocated on another stream: the caching allocator must not reuse it early
+        if self.stream is not None:
+            t.record_stream(self.stream)
+
+
+def wait_event(event):
+    """Block the calling host thread until the GPU passed `event` (no-op on the CPU)."""
+    if event is not None:
+        event.synchronize()
+
+
+class Trainer:
+    def __init__(self, cfg, weights, device=None, dtype=None, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+                 weight_decay=0.1, grad_clip=0.0, micro_batches=1, offload_checkpoints=None,
+                 chunk_tokens=None, mode="fast", sync=False):
+        """cfg: model.GPTConfig; weights: {key: fp32 tensor} as model.init_weights returns.
+        device: "cuda" or "cpu" (default: cuda when available); dtype: compute dtype (bf16 on CUDA,
+        fp32 on CPU by default); grad_clip 0 = off; offload_checkpoints: keep boundary checkpoints in
+        pinned host memory (None = only when they would not fit on the GPU); mode: "fast" streams a
+        compute-dtype shadow of the master, "lean" streams the fp32 master and casts on the GPU (no
+        shadow: 12 B/param + gradients on the host); sync: synchronise after every operation (debug)."""
+        self.cfg = cfg.check()
+        self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cuda = self.dev.type == "cuda"
+        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        self.M, self.grad_clip, self.lr = micro_batches, grad_clip, lr
+        self.chunk = chunk_tokens or max(64, (1 << 26) // cfg.vocab_size)  # <= 256 MB of fp32 logits per chunk
+        self.offload = offload_checkpoints
+        if cuda and self.dtype == torch.float32:
+            torch.backends.cuda.matmul.allow_tf32 = False  # "fp32" means fp32 unless asked otherwise
+            torch.backends.cudnn.allow_tf32 = False
+
+        # ---- host store: every unit's master/m/v/grad (+ compute-dtype shadow in fast mode)
+        self.units = model.units(cfg)                 # [embed], layer.0..layer.{L-1}, head
+        self.layers = [u for u, lay in enumerate(self.units) if lay.name.startswith("layer.")]
+        self.head = len(self.units) - 1
+        self.embed = self.head if cfg.tie_embeddings else 0  # the unit whose first V*d elements are the embedding
+        shadow = self.dtype if (mode == "fast" and self.dtype != torch.float32) else None
+        self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], lr=lr, betas=betas, eps=eps,
+                             weight_decay=weight_decay, pin=cuda, shadow_dtype=shadow)
+        if mode not in ("fast", "lean"):
+            raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
+        for u, lay in enumerate(self.units):
+            for key, view in lay.key_views(self.opt.master[u]).items():
+                view.copy_(weights[key])
+            self.opt.refresh_shadow(u)
+
+        # ---- GPU: two weight slots (ping-pong), two fp32 grad slots, streams. Independent of depth.
+        n_slot = max(self.units[u].numel for u in self.layers + [self.head])
+        self.wslot = [torch.empty(n_slot, dtype=self.dtype, device=self.dev) for _ in range(2)]
+        self.gslot = [torch.zeros(n_slot, dtype=torch.float32, device=self.dev) for _ in range(2)]
+        self.stage = (torch.empty(n_slot, dtype=torch.float32, device=self.dev)  # lean mode: fp32 lands here
+                      if shadow is None and self.dtype != torch.float32 else None)
+        self.h2d, self.comp, self.d2h = Lane(cuda, sync), Lane(cuda, sync), Lane(cuda, sync)
+        self.slot_loaded, self.slot_free, self.gslot_free = [None, None], [None, None], [None, None]
+        self.resident = {}                            # unit -> slot holding its current weights
+        self.worker = ThreadPoolExecutor(max_workers=1)  # the CPU optimizer, off the critical path
+        self.pending = {}                             # unit -> Future of its update
+        self.rope = {}
+        self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=cuda)
+
+    # ------------------------------------------------------------------ weights in and out
+    def _ready(self, u):
+        """Block until unit u's last update finished (never copy half-updated weights)."""
+        fut = self.pending.pop(u, None)
+        if fut is not None:
+            fut.result()
+
+    def _load(self, u, slot):
+        """H2D: unit u's weights into wslot[slot], one contiguous copy, once compute is done with the slot."""
+        self._ready(u)
+        n = self.units[u].numel
+        src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]
+        with self.h2d():
+            self.h2d.wait(self.slot_free[slot])
+            if self.stage is None:
+                self.wslot[slot][:n].copy_(src, non_blocking=True)
+            else:  # lean: fp32 crosses PCIe, the cast to the compute dtype happens on the GPU
+                self.stage[:n].copy_(src, non_blocking=True)
+                self.wslot[slot][:n].copy_(self.stage[:n])
+            self.slot_loaded[slot] = self.h2d.record()
+        self.resident = {k: s for k, s in self.resident.items() if s != slot}
+        self.resident[u] = slot
+
+    def _prefetch(self, u, busy_slot):
+        """Make sure unit u is (being) loaded into the slot that the current visit does not use."""
+        if u not in self.resident:
+            self._load(u, 1 - busy_slot)
+        return self.resident[u]
+
+    def weights(self):
+        """{key: fp32 CPU tensor}: copies of the master weights, after all pending updates."""
+        for u in list(self.pending):
+            self._ready(u)
+        return {k: v.clone() for u, lay in enumerate(self.units) for k, v in lay.key_views(self.opt.master[u]).items()}
+
+    def set_lr(self, lr):
+        self.lr = lr
+
+    # ------------------------------------------------------------------ activations to and from the host
+    def _offload(self, x):
+        """D2H copy of a boundary checkpoint into pinned host memory; returns the host tensor."""
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.dev.type == "cuda")
+        ev = self.comp.record()
+        with self.d2h():
+            self.d2h.wait(ev)
+            self.d2h.keep(x)
+            host.copy_(x, non_blocking=True)
+        return host
+
+    def _reload(self, hosts, offloaded):
+        """H2D copies of a layer's offloaded checkpoints (after their D2H finished); returns (GPU tensors, event)."""
+        with self.h2d():
+            self.h2d.wait(offloaded)
+            xs = [h.to(self.dev, non_blocking=True) for h in hosts]
+            ev = self.h2d.record()
+        for x in xs:
+            self.comp.keep(x)
+        return xs, ev
+
+    # ------------------------------------------------------------------ one training step
+    def step(self, tokens, targets):
+        """tokens, targets: (B, T) int64 CPU tensors, targets == -100 ignored. Returns the step's mean
+        loss (before the update). Updates may still be running on the worker when this returns."""
+        cfg, M, L = self.cfg, self.M, len(self.layers)
+        B, T = tokens.shape
+        if B % M:
+            raise ValueError(f"batch size {B} is not divisible by micro_batches={M}")
+        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
+        tok_mb = tokens.chunk(M)                               # M x (B/M, T), on the host
+        offload = self.offload if self.offload is not None else self._auto_offload(B, T)
+        if T not in self.rope:
+            self.rope[T] = model.rope_cache(cfg, T, self.dev, self.dtype)
+        rope = self.rope[T]
+
+        # ---- forward: embedding rows gathered on the host, only (B, T, d) crosses PCIe
+        self.resident = {}                              # last step's slots hold stale weights
+        self._load(self.layers[0], 0)
+        self._ready(self.embed)
+        emb = self.units[self.embed].views(self.opt.master[self.embed])
+        emb = emb["embed" if "embed" in emb else "lm_head"]                       # (V, d) fp32 master
+        with self.h2d():
+            x = [emb[t].to(self.dtype).pin_memory().to(self.dev, non_blocking=True) if self.dev.type == "cuda"
+                 else emb[t].to(self.dtype) for t in tok_mb]                    # M x (B/M, T, d)
+            ev = self.h2d.record()
+        ckpt = []                                       # ckpt[i][j]: input of layer i, micro-batch j
+        with self.comp():
+            self.comp.wait(ev)
+            for x_j in x:
+                self.comp.keep(x_j)
+            for i, u in enumerate(self.layers):
+                s = self.resident[u]
+                nxt = self.layers[i + 1] if i + 1 < L else self.head
+                self.comp.wait(self.slot_loaded[s])
+                w = self.units[u].views(self.wslot[s])
+                ckpt.append(([self._offload(x_j) for x_j in x], self.d2h.record()) if offload else (x, None))
+                x = [model.block(cfg, x_j, w, rope) for x_j in x]             # (B/M, T, d) each, no graph
+                self.slot_free[s] = self.comp.record()
+                self._prefetch(nxt, s)
+
+            # ---- head: forward and backward fused, per micro-batch and token chunk
+            s = self.resident[self.head]
+            self._prefetch(self.layers[-1], s)          # resident already: the last layer stays in its slot
+            self.comp.wait(self.slot_loaded[s])
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.dev)
+            dy = []
+            g, gs = self._grad_slot(self.head, 0)
+            w = {k: v.detach().requires_grad_() for k, v in self.units[self.head].views(self.wslot[s]).items()}
+            for j, x_j in enumerate(x):
+                tgt = targets.chunk(M)[j].reshape(-1).to(self.dev, non_blocking=True)
+                xf, dx = x_j.reshape(-1, cfg.d_model), torch.empty_like(x_j).view(-1, cfg.d_model)
+                for c in range(0, xf.shape[0], self.chunk):
+                    xc = xf[c:c + self.chunk].detach().requires_grad_()       # (chunk, d)
+                    with torch.enable_grad():
+                        lc = model.head_loss(cfg, xc, w, tgt[c:c + self.chunk]) / n_tok
+                        gx, *gw = torch.autograd.grad(lc, [xc, *w.values()])
+                    dx[c:c + self.chunk] = gx
+                    for acc, gi in zip(g.values(), gw):
+                        acc.add_(gi)
+                    loss_sum += lc.detach()
+                dy.append(dx.view_as(x_j))
+            x = None
+            self.loss_host.copy_(loss_sum, non_blocking=True)
+            loss_ready = self.comp.record()
+            self._drain(self.head, gs, s)
+
+            # ---- backward: recompute each layer from its checkpoint, last layer first
+            reloaded = self._reload(*ckpt[L - 1]) if offload else ckpt[L - 1]
+            for i in reversed(range(L)):
+                u = self.layers[i]
+                s = self.resident[u]
+                if i > 0:
+                    self._prefetch(self.layers[i - 1], s)
+                xs, ev = reloaded
+                if i > 0:
+                    reloaded = self._reload(*ckpt[i - 1]) if offload else ckpt[i - 1]  # on H2D
+                self.comp.wait(self.slot_loaded[s])
+                self.comp.wait(ev)
+                g, gs = self._grad_slot(u, L - i)
+                w = {k: v.detach().requires_grad_() for k, v in self.units[u].views(self.wslot[s]).items()}
+                for j in range(M):
+                    xin = xs[j].detach().requires_grad_()                  # (B/M, T, d) boundary ckpt
+                    with torch.enable_grad():
+                        y = model.block(cfg, xin, w, rope)
+                        dy[j], *gw = torch.autograd.grad(y, [xin, *w.values()], dy[j])
+                    for acc, gi in zip(g.values(), gw):
+                        acc.add_(gi)                                       # fp32 accumulation
+                ckpt[i] = xs = None
+                self._drain(u, gs, s)
+
+            # ---- embedding gradient: dy of layer 0 goes to the host and is scattered into the rows used
+            dy_host = [self._offload(d) for d in dy]
+            dy_ready = self.d2h.record()
+        self._submit(self.embed, self._scatter_embedding, tok_mb, dy_host, dy_ready, self.lr)
+
+        # ---- updates: each unit as its gradient lands, or all of them once the global norm is known
+        wait_event(loss_ready)
+        loss = self.loss_host.item()
+        if self.grad_clip:
+            sq = [self.pending.pop(u).result() for u in range(len(self.units))]
+            coef = clip_coef(sum(sq) ** 0.5, self.grad_clip)
+            for u in range(len(self.units)):                          # forward order
+                self.pending[u] = self.worker.submit(self.opt.step, u, self.lr, coef)
+        return loss
+
+    # ------------------------------------------------------------------ gradient plumbing
+    def _grad_slot(self, u, k):
+        """Grad slot k % 2 for unit u, zeroed once its previous D2H copy finished: (views, slot)."""
+        gs = k % 2
+        self.comp.wait(self.gslot_free[gs])
+        self.gslot[gs][:self.units[u].numel].zero_()
+        return self.units[u].views(self.gslot[gs]), gs
+
+    def _drain(self, u, gs, s):
+        """Compute is done with unit u: free its weight slot, D2H its gradient, hand it to the worker."""
+        self.slot_free[s] = ev = self.comp.record()
+        n = self.units[u].numel
+        with self.d2h():
+            self.d2h.wait(ev)
+            self.opt.grad[u].copy_(self.gslot[gs][:n], non_blocking=True)
+            self.gslot_free[gs] = done = self.d2h.record()
+        if u != self.embed:  # the embedding's unit is handed over after its scatter (_scatter_embedding)
+            self._submit(u, self._grad_landed, u, done, self.lr)
+
+    def _submit(self, u, fn, *args):
+        self.pending[u] = self.worker.submit(fn, *args)
+
+    def _grad_landed(self, u, done, lr):
+        """Worker: wait for unit u's gradient on the host, then update it now (no clipping) or
+        return its squared norm for the global clip (the update follows in step())."""
+        wait_event(done)
+        if self.grad_clip:
+            return self.opt.grad_sq(u)
+        self.opt.step(u, lr)
+
+    def _scatter_embedding(self, tok_mb, dy_host, dy_ready, lr):
+        """Worker: add dy of layer 0 into the embedding rows that were used (index_add on the host)."""
+        wait_event(dy_ready)
+        u, d = self.embed, self.cfg.d_model
+        V = self.cfg.vocab_size
+        grad = self.opt.grad[u][:V * d].view(V, d)
+        if u != self.head:
+            grad.zero_()                 # untied: the scatter is the whole embedding gradient
+        # tied: the head's D2H already wrote the lm_head gradient here; the scatter adds to it.
+        # That D2H was queued on the same stream before dy_ready, so it has landed too.
+        for t, g in zip(tok_mb, dy_host):
+            grad.index_add_(0, t.reshape(-1), g.reshape(-1, d).float())
+        return self._grad_landed(u, None, lr)
+
+    def _auto_offload(self, B, T):
+        """Offload boundary checkpoints when they would take more than half of the free GPU memory."""
+        if self.dev.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(self.dev)
+        need = len(self.layers) * B * T * self.cfg.d_model * torch.finfo(self.dtype).bits // 8
+        return need > free // 2
