@@ -36,6 +36,7 @@ Try it
     python train.py --engine stream             # the default engine of train.py
 """
 import contextlib
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -83,18 +84,22 @@ def wait_event(event):
 class Trainer:
     def __init__(self, cfg, weights, device=None, dtype=None, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1, grad_clip=0.0, micro_batches=1, offload_checkpoints=None,
-                 chunk_tokens=None, mode="fast", sync=False):
+                 chunk_tokens=None, mode="fast", sync=False, skip_nonfinite=False):
         """cfg: model.GPTConfig; weights: {key: fp32 tensor} as model.init_weights returns.
         device: "cuda" or "cpu" (default: cuda when available); dtype: compute dtype (bf16 on CUDA,
         fp32 on CPU by default); grad_clip 0 = off; offload_checkpoints: keep boundary checkpoints in
         pinned host memory (None = only when they would not fit on the GPU); mode: "fast" streams a
         compute-dtype shadow of the master, "lean" streams the fp32 master and casts on the GPU (no
-        shadow: 12 B/param + gradients on the host); sync: synchronise after every operation (debug)."""
+        shadow: 12 B/param + gradients on the host); sync: synchronise after every operation (debug);
+        skip_nonfinite: a step whose loss or gradient norm is not finite updates nothing (this needs every
+        gradient before any update, as clipping does, so the updates no longer overlap the backward)."""
         self.cfg = cfg.check()
         self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.dev.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         self.M, self.grad_clip, self.lr = micro_batches, grad_clip, lr
+        self.deferred = bool(grad_clip) or skip_nonfinite   # update only once every gradient is on the host
+        self.skip_nonfinite, self.skipped, self.grad_norm = skip_nonfinite, False, None
         self.chunk = chunk_tokens or max(64, (1 << 26) // cfg.vocab_size)  # <= 256 MB of fp32 logits per chunk
         self.offload = offload_checkpoints
         if cuda and self.dtype == torch.float32:
@@ -193,106 +198,142 @@ class Trainer:
     def step(self, tokens, targets):
         """tokens, targets: (B, T) int64 CPU tensors, targets == -100 ignored. Returns the step's mean
         loss (before the update). Updates may still be running on the worker when this returns."""
-        cfg, M, L = self.cfg, self.M, len(self.layers)
-        B, T = tokens.shape
-        if B % M:
-            raise ValueError(f"batch size {B} is not divisible by micro_batches={M}")
-        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
-        tok_mb = tokens.chunk(M)                               # M x (B/M, T), on the host
-        offload = self.offload if self.offload is not None else self._auto_offload(B, T)
-        if T not in self.rope:
-            self.rope[T] = model.rope_cache(cfg, T, self.dev, self.dtype)
-        rope = self.rope[T]
-
-        # ---- forward: embedding rows gathered on the host, only (B, T, d) crosses PCIe
-        self.resident = {}                              # last step's slots hold stale weights
-        self._load(self.layers[0], 0)
-        self._ready(self.embed)
-        emb = self.units[self.embed].views(self.opt.master[self.embed])
-        emb = emb["embed" if "embed" in emb else "lm_head"]                       # (V, d) fp32 master
-        with self.h2d():
-            x = [emb[t].to(self.dtype).pin_memory().to(self.dev, non_blocking=True) if self.dev.type == "cuda"
-                 else emb[t].to(self.dtype) for t in tok_mb]                    # M x (B/M, T, d)
-            ev = self.h2d.record()
-        ckpt = []                                       # ckpt[i][j]: input of layer i, micro-batch j
+        tok_mb, n_tok, rope, offload = self._prepare(tokens, targets)
         with self.comp():
-            self.comp.wait(ev)
-            for x_j in x:
-                self.comp.keep(x_j)
-            for i, u in enumerate(self.layers):
-                s = self.resident[u]
-                nxt = self.layers[i + 1] if i + 1 < L else self.head
-                self.comp.wait(self.slot_loaded[s])
-                w = self.units[u].views(self.wslot[s])
-                ckpt.append(([self._offload(x_j) for x_j in x], self.d2h.record()) if offload else (x, None))
-                x = [model.block(cfg, x_j, w, rope) for x_j in x]             # (B/M, T, d) each, no graph
-                self.slot_free[s] = self.comp.record()
-                self._prefetch(nxt, s)
-
-            # ---- head: forward and backward fused, per micro-batch and token chunk
-            s = self.resident[self.head]
-            self._prefetch(self.layers[-1], s)          # resident already: the last layer stays in its slot
-            self.comp.wait(self.slot_loaded[s])
-            loss_sum = torch.zeros((), dtype=torch.float32, device=self.dev)
-            dy = []
-            g, gs = self._grad_slot(self.head, 0)
-            w = {k: v.detach().requires_grad_() for k, v in self.units[self.head].views(self.wslot[s]).items()}
-            for j, x_j in enumerate(x):
-                tgt = targets.chunk(M)[j].reshape(-1).to(self.dev, non_blocking=True)
-                xf, dx = x_j.reshape(-1, cfg.d_model), torch.empty_like(x_j).view(-1, cfg.d_model)
-                for c in range(0, xf.shape[0], self.chunk):
-                    xc = xf[c:c + self.chunk].detach().requires_grad_()       # (chunk, d)
-                    with torch.enable_grad():
-                        lc = model.head_loss(cfg, xc, w, tgt[c:c + self.chunk]) / n_tok
-                        gx, *gw = torch.autograd.grad(lc, [xc, *w.values()])
-                    dx[c:c + self.chunk] = gx
-                    for acc, gi in zip(g.values(), gw):
-                        acc.add_(gi)
-                    loss_sum += lc.detach()
-                dy.append(dx.view_as(x_j))
-            x = None
-            self.loss_host.copy_(loss_sum, non_blocking=True)
-            loss_ready = self.comp.record()
-            self._drain(self.head, gs, s)
-
-            # ---- backward: recompute each layer from its checkpoint, last layer first
-            reloaded = self._reload(*ckpt[L - 1]) if offload else ckpt[L - 1]
-            for i in reversed(range(L)):
-                u = self.layers[i]
-                s = self.resident[u]
-                if i > 0:
-                    self._prefetch(self.layers[i - 1], s)
-                xs, ev = reloaded
-                if i > 0:
-                    reloaded = self._reload(*ckpt[i - 1]) if offload else ckpt[i - 1]  # on H2D
-                self.comp.wait(self.slot_loaded[s])
-                self.comp.wait(ev)
-                g, gs = self._grad_slot(u, L - i)
-                w = {k: v.detach().requires_grad_() for k, v in self.units[u].views(self.wslot[s]).items()}
-                for j in range(M):
-                    xin = xs[j].detach().requires_grad_()                  # (B/M, T, d) boundary ckpt
-                    with torch.enable_grad():
-                        y = model.block(cfg, xin, w, rope)
-                        dy[j], *gw = torch.autograd.grad(y, [xin, *w.values()], dy[j])
-                    for acc, gi in zip(g.values(), gw):
-                        acc.add_(gi)                                       # fp32 accumulation
-                ckpt[i] = xs = None
-                self._drain(u, gs, s)
-
-            # ---- embedding gradient: dy of layer 0 goes to the host and is scattered into the rows used
+            x, ckpt = self._forward(tok_mb, rope, offload, keep=True)
+            dy, loss_ready = self._head(x, targets, n_tok, backward=True)
+            self._backward(dy, ckpt, rope, offload)
+            # embedding gradient: dy of layer 0 goes to the host, the worker scatters it into the rows used
             dy_host = [self._offload(d) for d in dy]
             dy_ready = self.d2h.record()
         self._submit(self.embed, self._scatter_embedding, tok_mb, dy_host, dy_ready, self.lr)
 
-        # ---- updates: each unit as its gradient lands, or all of them once the global norm is known
+        # updates: each unit as its gradient lands, or all of them once the global norm is known
         wait_event(loss_ready)
         loss = self.loss_host.item()
-        if self.grad_clip:
-            sq = [self.pending.pop(u).result() for u in range(len(self.units))]
-            coef = clip_coef(sum(sq) ** 0.5, self.grad_clip)
+        self.skipped = False
+        if self.deferred:
+            self.grad_norm = sum(self.pending.pop(u).result() for u in range(len(self.units))) ** 0.5
+            if self.skip_nonfinite and not math.isfinite(self.grad_norm + loss):
+                self.skipped = True                                   # weights, m, v and step counts untouched
+                return loss
+            coef = clip_coef(self.grad_norm, self.grad_clip)
             for u in range(len(self.units)):                          # forward order
                 self.pending[u] = self.worker.submit(self.opt.step, u, self.lr, coef)
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, tokens, targets):
+        """Mean loss of (tokens, targets) with the current weights: the forward half of a step, streamed."""
+        tok_mb, n_tok, rope, _ = self._prepare(tokens, targets)
+        with self.comp():
+            x, _ = self._forward(tok_mb, rope, offload=False, keep=False)
+            _, loss_ready = self._head(x, targets, n_tok, backward=False)
+        wait_event(loss_ready)
+        return self.loss_host.item()
+
+    def _prepare(self, tokens, targets):
+        B, T = tokens.shape
+        if B % self.M:
+            raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
+        if T not in self.rope:
+            self.rope[T] = model.rope_cache(self.cfg, T, self.dev, self.dtype)
+        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
+        offload = self.offload if self.offload is not None else self._auto_offload(B, T)
+        return tokens.chunk(self.M), n_tok, self.rope[T], offload
+
+    def _forward(self, tok_mb, rope, offload, keep):
+        """Embedding + all layers, layer-major, no autograd graph. Returns (x, ckpt): x is M x (B/M, T, d)
+        on the compute stream; ckpt[i] = (inputs of layer i per micro-batch, D2H event or None)."""
+        cfg, L = self.cfg, len(self.layers)
+        self.resident = {}                              # last step's slots hold stale weights
+        self._load(self.layers[0], 0)
+        self._ready(self.embed)
+        emb = self.units[self.embed].views(self.opt.master[self.embed])
+        emb = emb["embed" if "embed" in emb else "lm_head"]                     # (V, d) fp32 master, host
+        cuda = self.dev.type == "cuda"
+        with self.h2d():                                # only (B, T, d) rows cross PCIe, not the table
+            x = [emb[t].to(self.dtype).pin_memory().to(self.dev, non_blocking=True) if cuda
+                 else emb[t].to(self.dtype) for t in tok_mb]                  # M x (B/M, T, d)
+            ev = self.h2d.record()
+        self.comp.wait(ev)
+        for x_j in x:
+            self.comp.keep(x_j)
+        ckpt = []
+        for i, u in enumerate(self.layers):
+            s = self.resident[u]
+            self.comp.wait(self.slot_loaded[s])
+            w = self.units[u].views(self.wslot[s])      # views into weight slot s, compute dtype
+            if keep:                                    # boundary checkpoint: the input of layer i
+                ckpt.append(([self._offload(x_j) for x_j in x], self.d2h.record()) if offload else (x, None))
+            x = [model.block(cfg, x_j, w, rope) for x_j in x]                 # (B/M, T, d) each
+            self.slot_free[s] = self.comp.record()
+            self._prefetch(self.layers[i + 1] if i + 1 < L else self.head, s)
+        return x, ckpt
+
+    def _head(self, x, targets, n_tok, backward):
+        """Final norm + LM head + loss per micro-batch and token chunk. With backward, each chunk's
+        gradient is taken at once (no (B, T, V) logits ever exist), the head's weight gradient goes to
+        the host, and dy (M x (B/M, T, d)) is returned for the last layer. Returns (dy, loss event)."""
+        cfg, M = self.cfg, self.M
+        s = self.resident[self.head]
+        self._prefetch(self.layers[-1], s)              # resident already: the last layer stays in its slot
+        self.comp.wait(self.slot_loaded[s])
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.dev)
+        w = self.units[self.head].views(self.wslot[s])
+        if backward:
+            g, gs = self._grad_slot(self.head, 0)
+            w = {k: v.detach().requires_grad_() for k, v in w.items()}
+        dy = []
+        for j, x_j in enumerate(x):
+            tgt = targets.chunk(M)[j].reshape(-1).to(self.dev, non_blocking=True)
+            xf = x_j.reshape(-1, cfg.d_model)                                   # (B/M*T, d)
+            dx = torch.empty_like(xf) if backward else None
+            for c in range(0, xf.shape[0], self.chunk):
+                xc = xf[c:c + self.chunk].detach().requires_grad_(backward)     # (chunk, d)
+                with torch.set_grad_enabled(backward):
+                    lc = model.head_loss(cfg, xc, w, tgt[c:c + self.chunk]) / n_tok
+                if backward:
+                    dx[c:c + self.chunk], *gw = torch.autograd.grad(lc, [xc, *w.values()])
+                    for acc, gi in zip(g.values(), gw):
+                        acc.add_(gi)
+                loss_sum += lc.detach()
+            dy.append(dx.view_as(x_j) if backward else None)
+        self.loss_host.copy_(loss_sum, non_blocking=True)
+        loss_ready = self.comp.record()
+        if backward:
+            self._drain(self.head, gs, s)
+        else:
+            self.slot_free[s] = self.comp.record()
+        return dy, loss_ready
+
+    def _backward(self, dy, ckpt, rope, offload):
+        """Layers L-1..0: recompute from the boundary checkpoint with grad, autograd.grad w.r.t. (input,
+        weights), fp32 accumulation over micro-batches, then the gradient drains to the host. dy is
+        updated in place to the gradient w.r.t. the input of layer 0."""
+        L = len(self.layers)
+        reloaded = self._reload(*ckpt[L - 1]) if offload else ckpt[L - 1]
+        for i in reversed(range(L)):
+            u = self.layers[i]
+            s = self.resident[u]
+            if i > 0:
+                self._prefetch(self.layers[i - 1], s)
+            xs, ev = reloaded
+            if i > 0:                                   # next layer's inputs come back while this one computes
+                reloaded = self._reload(*ckpt[i - 1]) if offload else ckpt[i - 1]
+            self.comp.wait(self.slot_loaded[s])
+            self.comp.wait(ev)
+            g, gs = self._grad_slot(u, L - i)           # fp32 views of a grad slot
+            w = {k: v.detach().requires_grad_() for k, v in self.units[u].views(self.wslot[s]).items()}
+            for j in range(self.M):
+                xin = xs[j].detach().requires_grad_()                          # (B/M, T, d) boundary ckpt
+                with torch.enable_grad():
+                    y = model.block(self.cfg, xin, w, rope)
+                    dy[j], *gw = torch.autograd.grad(y, [xin, *w.values()], dy[j])
+                for acc, gi in zip(g.values(), gw):
+                    acc.add_(gi)                                               # fp32 accumulation
+            ckpt[i] = xs = None
+            self._drain(u, gs, s)
 
     # ------------------------------------------------------------------ gradient plumbing
     def _grad_slot(self, u, k):
@@ -320,7 +361,7 @@ class Trainer:
         """Worker: wait for unit u's gradient on the host, then update it now (no clipping) or
         return its squared norm for the global clip (the update follows in step())."""
         wait_event(done)
-        if self.grad_clip:
+        if self.deferred:
             return self.opt.grad_sq(u)
         self.opt.step(u, lr)
 

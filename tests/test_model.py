@@ -1,0 +1,134 @@
+"""model.py against plain PyTorch: the flat layout, attention against an explicit softmax oracle,
+the chunked loss against one big cross-entropy, init and config checks.
+(The Hugging Face oracle for the whole model lives in tests/test_hf.py.)"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model
+from conftest import SPECIAL
+
+
+def test_preset_param_counts_match_layouts_and_init():
+    for name in ("toy",):
+        cfg = model.PRESETS[name]
+        w = model.init_weights(cfg, seed=0)
+        assert sum(t.numel() for t in w.values()) == model.n_params(cfg)
+    w = model.init_weights(SPECIAL, seed=0)
+    assert "lm_head.weight" not in w  # tied: one entry, no duplicate
+    assert sum(t.numel() for t in w.values()) == model.n_params(SPECIAL)
+
+
+def test_layout_is_contiguous_matrices_first_and_views_share_storage():
+    for cfg in (model.PRESETS["toy"], SPECIAL):
+        for lay in model.units(cfg):
+            off = 0
+            for short, key, shape, o in lay.entries:
+                assert o == off
+                off += math.prod(shape)
+            assert off == lay.numel
+            dims = [len(s) for _, _, s, _ in lay.entries]
+            assert dims == sorted(dims, reverse=True)
+            assert lay.n_decay == sum(math.prod(s) for _, _, s, _ in lay.entries if len(s) >= 2)
+            flat = torch.arange(lay.numel, dtype=torch.float32)
+            for v in lay.views(flat).values():
+                assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def test_init_is_seeded_and_scaled():
+    cfg = model.PRESETS["toy"]
+    a, b, c = model.init_weights(cfg, 0), model.init_weights(cfg, 0), model.init_weights(cfg, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a[model.EMBED], c[model.EMBED])
+    assert torch.all(a["model.layers.0.input_layernorm.weight"] == 1)
+    o = a["model.layers.0.self_attn.o_proj.weight"].std().item()
+    q = a["model.layers.0.self_attn.q_proj.weight"].std().item()
+    assert abs(o / q - 1 / math.sqrt(2 * cfg.n_layer)) < 0.05
+
+
+def naive_block(cfg, x, w, T):
+    """The same layer written the long way: repeat_kv, explicit masked softmax, no SDPA."""
+    B, _, d = x.shape
+    nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+
+    def norm(t, g):
+        return g * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    h = norm(x, w["input_layernorm.weight"])
+    q = h @ w["self_attn.q_proj.weight"].T + w.get("self_attn.q_proj.bias", 0)
+    k = h @ w["self_attn.k_proj.weight"].T + w.get("self_attn.k_proj.bias", 0)
+    v = h @ w["self_attn.v_proj.weight"].T + w.get("self_attn.v_proj.bias", 0)
+    q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+    if cfg.qk_norm:
+        q, k = norm(q, w["self_attn.q_norm.weight"]), norm(k, w["self_attn.k_norm.weight"])
+    pos = torch.arange(T, dtype=torch.float64)[:, None]
+    inv = cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = pos * inv                                              # (T, hd/2)
+    cos, sin = ang.cos().float(), ang.sin().float()
+
+    def rot(t):  # rotate pairs (i, i + hd/2)
+        a, b = t[..., :hd // 2], t[..., hd // 2:]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return torch.cat([a * c - b * s, a * s + b * c], -1)
+
+    q, k = rot(q), rot(k)
+    rep = nh // nkv
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    att = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+    y = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, nh * hd)
+    x = x + y @ w["self_attn.o_proj.weight"].T
+    h = norm(x, w["post_attention_layernorm.weight"])
+    return x + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+
+
+@pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "gqa-bias-qknorm-tied"])
+def test_block_matches_naive_attention(cfg, gen):
+    w = model.init_weights(cfg, 0)
+    lw = model.layer_weights(w, 0, cfg)
+    for k in lw:  # make biases and norm gains non-trivial so they are really tested
+        if lw[k].dim() == 1:
+            lw[k] = lw[k] + 0.1 * torch.randn(lw[k].shape, generator=gen)
+    T = 16
+    x = torch.randn(2, T, cfg.d_model, generator=gen)
+    ours = model.block(cfg, x, lw, model.rope_cache(cfg, T))
+    ref = naive_block(cfg, x, lw, T)
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    print(f"block vs naive: max rel diff {err:.2e}")
+    assert err < 1e-5
+
+
+def test_chunked_loss_equals_one_big_cross_entropy(gen):
+    cfg = SPECIAL
+    w = {k: v.requires_grad_() for k, v in model.init_weights(cfg, 0).items()}
+    tok = torch.randint(0, cfg.vocab_size, (3, 20), generator=gen)
+    tgt = torch.randint(0, cfg.vocab_size, (3, 20), generator=gen)
+    tgt[:, :5] = model.IGNORE
+    big = F.cross_entropy(model.forward(cfg, w, tok).flatten(0, 1), tgt.flatten(), ignore_index=model.IGNORE)
+    g_big = torch.autograd.grad(big, list(w.values()))
+    small = model.loss(cfg, w, tok, tgt, chunk_tokens=7)  # 60 tokens in chunks of 7: a ragged last chunk
+    g_small = torch.autograd.grad(small, list(w.values()))
+    assert abs(big.item() - small.item()) / big.item() < 1e-6
+    for a, b in zip(g_big, g_small):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_forward_is_causal(gen):
+    cfg = model.PRESETS["toy"]
+    w = model.init_weights(cfg, 0)
+    tok = torch.randint(0, 256, (1, 12), generator=gen)
+    a = model.forward(cfg, w, tok)
+    tok2 = tok.clone()
+    tok2[0, 8:] = (tok2[0, 8:] + 1) % 256
+    b = model.forward(cfg, w, tok2)
+    assert torch.equal(a[0, :8], b[0, :8]) and not torch.allclose(a[0, 8:], b[0, 8:])
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(n_head=5), "does not divide d_model"),
+                                    (dict(n_head=4, n_kv_head=3), "not a multiple of n_kv_head"),
+                                    (dict(n_layer=0), "n_layer must be positive")])
+def test_config_check_messages(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        model.GPTConfig(**kw).check()

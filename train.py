@@ -1,0 +1,185 @@
+"""train.py -- the script: flags -> config -> plan check -> data -> weights -> engine -> loop -> checkpoints -> sample.
+
+What it is
+    The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset on
+    the shipped Shakespeare bytes on whatever device there is, in a few minutes on a 2-core laptop, and
+    prints a sample. The same script plans and trains 7B-120B presets on one GPU with enough host RAM.
+What it is not
+    No distributed training, no config files: a preset from model.PRESETS plus flags.
+Try it
+    python train.py                                  # toy, CPU or GPU
+    python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
+    python train.py --config 70b --plan              # memory and speed plan, nothing allocated
+Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per step).
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import model
+from optim import lr_at
+
+
+def fail(msg):
+    """Bad input: one line on stderr, exit code 2, nothing half-written."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- flags
+p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host memory.",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+p.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
+p.add_argument("--steps", type=int, default=600, help="total optimizer steps (a resumed run continues to this)")
+p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
+p.add_argument("--micro-batches", type=int, default=1, help="split each step into this many micro-batches")
+p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (<= the preset's max_seq_len)")
+p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to lr/10)")
+p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
+p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay on tensors with >= 2 dims")
+p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip (0 = off)")
+p.add_argument("--seed", type=int, default=0, help="seed for init and batches")
+p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
+p.add_argument("--data", default=None, help="a .txt (bytes), a .npy token array, or an SFT .jsonl (default: data/tinyshakespeare.txt)")
+p.add_argument("--out", default="out", help="output directory for metrics, config and checkpoints")
+p.add_argument("--engine", default="stream", choices=["stream", "reference"], help="layer streaming, or plain PyTorch")
+p.add_argument("--eval-every", type=int, default=100, help="evaluate val loss every N steps (and at the end)")
+p.add_argument("--eval-batches", type=int, default=8, help="val batches per evaluation")
+p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"], help="boundary checkpoints in host memory")
+p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
+for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
+    p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end (0 = none)")
+args = p.parse_args()
+
+# ----------------------------------------------------------------------------- config
+if args.config not in model.PRESETS:
+    fail(f"unknown preset --config {args.config!r}; choose one of: {', '.join(model.PRESETS)}")
+overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(args, f)}
+if "n_head" in overrides and "n_kv_head" not in overrides and model.PRESETS[args.config].n_kv_head == model.PRESETS[args.config].n_head:
+    overrides["n_kv_head"] = overrides["n_head"]          # a multi-head preset stays multi-head
+cfg = dataclasses.replace(model.PRESETS[args.config], head_dim=0, **overrides) if overrides else \
+    dataclasses.replace(model.PRESETS[args.config])
+try:
+    cfg.check()
+except ValueError as e:
+    fail(str(e))
+device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+if device.type == "cuda" and not torch.cuda.is_available():
+    fail("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype] or \
+    (torch.bfloat16 if device.type == "cuda" else torch.float32)
+why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else "default on CPU: bf16 matmuls are slow there")
+for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
+                ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)):
+    if v <= 0:
+        fail(f"{flag} must be positive, got {v}")
+if args.seq_len > cfg.max_seq_len:
+    fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len {cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less")
+if args.batch_size % args.micro_batches:
+    fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
+tokens_per_step = args.batch_size * args.seq_len
+n_params = model.n_params(cfg)
+host_b = 16 + (2 if (args.mode == "fast" and dtype == torch.bfloat16) else 0)  # master+m+v+grad (+ bf16 shadow)
+print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}")
+print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}) | engine {args.engine} | "
+      f"{tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
+print(f"memory: host store ~{n_params * host_b / 1e9:.2f} GB ({host_b} B/param: fp32 master, m, v, grad"
+      f"{' + bf16 shadow' if host_b == 18 else ''})")
+
+# ----------------------------------------------------------------------------- data
+from megatrain_min import data  # noqa: E402
+
+try:
+    tokens = data.load_tokens(args.data or data.DEFAULT_DATA)
+    if int(tokens.max()) >= cfg.vocab_size:
+        raise ValueError(f"data has token id {int(tokens.max())} >= vocab_size {cfg.vocab_size} of preset {args.config}")
+    train_tok, val_tok = data.split(tokens)
+    train_batches = data.Batches(train_tok, args.batch_size, args.seq_len, seed=args.seed)
+    val_batches = data.Batches(val_tok, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")
+except ValueError as e:
+    fail(str(e))
+print(f"data {args.data or data.DEFAULT_DATA}: {len(train_tok):,} train / {len(val_tok):,} val tokens")
+
+# ----------------------------------------------------------------------------- weights and engine
+from stream import Trainer  # noqa: E402
+from megatrain_min.reference import ReferenceTrainer  # noqa: E402
+
+weights = model.init_weights(cfg, seed=args.seed)
+hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
+if args.engine == "stream":
+    offload = {"auto": None, "on": True, "off": False}[args.offload_checkpoints]
+    trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
+                      skip_nonfinite=True, **hyper)
+else:
+    trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
+del weights  # the engine holds its own copy (the host store)
+
+
+def evaluate():
+    """Mean val loss over --eval-batches fixed batches (the same ones at every evaluation)."""
+    state = val_batches.state_dict()
+    losses = []
+    for _ in range(args.eval_batches):
+        x, y = val_batches.next()
+        if args.engine == "stream":
+            losses.append(trainer.evaluate(x, y))
+        else:
+            with torch.no_grad():
+                losses.append(model.loss(cfg, trainer.params, x.to(device), y.to(device)).item())
+    val_batches.load_state_dict(state)
+    return sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------- the loop
+out = Path(args.out)
+out.mkdir(parents=True, exist_ok=True)
+(out / "config.json").write_text(json.dumps({"args": vars(args), "model": cfg.to_dict(), "params": n_params,
+                                             "device": str(device), "dtype": str(dtype)}, indent=2) + "\n")
+metrics = open(out / "metrics.jsonl", "w")
+t_start = time.time()
+val_loss = None
+bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, disable=None)
+for step in bar:
+    lr = lr_at(step, args.lr, args.steps, warmup=args.warmup)
+    trainer.set_lr(lr)
+    x, y = train_batches.next()
+    t0 = time.time()
+    loss = trainer.step(x, y)
+    dt = time.time() - t0
+    rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+    if getattr(trainer, "skipped", False):
+        rec["skipped"] = True
+        tqdm.write(f"step {step + 1}: non-finite loss or gradient (loss {loss}), step skipped, weights untouched")
+    if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        val_loss = rec["val_loss"] = evaluate()
+        tqdm.write(f"step {step + 1}: train loss {loss:.4f}  val loss {val_loss:.4f}")
+    metrics.write(json.dumps(rec) + "\n")
+    metrics.flush()
+    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+bar.close()
+metrics.close()
+elapsed = time.time() - t_start
+print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f} (nats/token)")
+
+# ----------------------------------------------------------------------------- sample
+final = trainer.weights()
+if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
+    ctx = torch.tensor([list(b"\n")], dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for _ in range(args.sample_tokens):
+            logits = model.forward(cfg, final, ctx[:, -cfg.max_seq_len:])[0, -1]
+            nxt = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=gen)
+            ctx = torch.cat([ctx, nxt[None]], dim=1)
+    print("-" * 40 + " sample (temperature 0.8)\n" + data.decode(ctx[0, 1:].tolist()) + "\n" + "-" * 40)
