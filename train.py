@@ -39,7 +39,7 @@ def fail(msg):
 p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host memory.",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 p.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
-p.add_argument("--steps", type=int, default=600, help="total optimizer steps (a resumed run continues to this)")
+p.add_argument("--steps", type=int, default=400, help="total optimizer steps (a resumed run continues to this)")
 p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
 p.add_argument("--micro-batches", type=int, default=1, help="split each step into this many micro-batches")
 p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (<= the preset's max_seq_len)")
