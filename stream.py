@@ -93,6 +93,10 @@ class Trainer:
         shadow: 12 B/param + gradients on the host); sync: synchronise after every operation (debug);
         skip_nonfinite: a step whose loss or gradient norm is not finite updates nothing (this needs every
         gradient before any update, as clipping does, so the updates no longer overlap the backward)."""
+        if mode not in ("fast", "lean"):
+            raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
+        if dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"compute dtype must be torch.bfloat16 or torch.float32, got {dtype} (fp16 would need loss scaling)")
         self.cfg = cfg.check()
         self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.dev.type == "cuda"
@@ -114,8 +118,6 @@ class Trainer:
         shadow = self.dtype if (mode == "fast" and self.dtype != torch.float32) else None
         self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], lr=lr, betas=betas, eps=eps,
                              weight_decay=weight_decay, pin=cuda, shadow_dtype=shadow)
-        if mode not in ("fast", "lean"):
-            raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
                 view.copy_(weights[key])
