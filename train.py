@@ -59,6 +59,7 @@ p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "
 p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
 for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
     p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+p.add_argument("--profile", action="store_true", help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
 p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end (0 = none)")
 args = p.parse_args()
 
@@ -150,6 +151,12 @@ metrics = open(out / "metrics.jsonl", "w")
 t_start = time.time()
 val_loss = None
 bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, disable=None)
+prof = None
+if args.profile:  # skip step 1 (allocations, warm-up), record the next three
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(wait=1, warmup=0, active=3, repeat=1),
+                                  on_trace_ready=lambda p_: p_.export_chrome_trace(str(out / "trace.json")))
+    prof.start()
 for step in bar:
     lr = lr_at(step, args.lr, args.steps, warmup=args.warmup)
     trainer.set_lr(lr)
@@ -167,7 +174,12 @@ for step in bar:
     metrics.write(json.dumps(rec) + "\n")
     metrics.flush()
     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+    if prof is not None:
+        prof.step()
 bar.close()
+if prof is not None:
+    prof.stop()
+    print(f"profile: {out / 'trace.json'} (open in https://ui.perfetto.dev)")
 metrics.close()
 elapsed = time.time() - t_start
 print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f} (nats/token)")
