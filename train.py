@@ -59,6 +59,10 @@ p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "
 p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
 for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
     p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0 = only at the end)")
+p.add_argument("--keep", type=int, default=2, help="keep the last K checkpoints")
+p.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the latest checkpoint in --out (or the given one)")
+p.add_argument("--max-skips", type=int, default=10, help="stop after this many consecutive non-finite steps")
 p.add_argument("--profile", action="store_true", help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
 p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end (0 = none)")
 args = p.parse_args()
@@ -99,7 +103,7 @@ print(f"memory: host store ~{n_params * host_b / 1e9:.2f} GB ({host_b} B/param: 
       f"{' + bf16 shadow' if host_b == 18 else ''})")
 
 # ----------------------------------------------------------------------------- data
-from megatrain_min import data  # noqa: E402
+from megatrain_min import checkpoint, data  # noqa: E402
 
 try:
     tokens = data.load_tokens(args.data or data.DEFAULT_DATA)
@@ -142,15 +146,64 @@ def evaluate():
     return sum(losses) / len(losses)
 
 
-# ----------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------- resume
 out = Path(args.out)
+start_step, val_loss, n_skips = 0, None, 0
+SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data")
+if args.resume:
+    if args.engine != "stream":
+        fail("--resume needs --engine stream (the reference engine keeps no host store to checkpoint)")
+    path = checkpoint.latest(out) if args.resume == "latest" else Path(args.resume)
+    if path is None:
+        fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
+    try:
+        ck = checkpoint.load(trainer, path)
+    except checkpoint.CheckpointError as e:
+        fail(str(e))
+    changed = [k for k in SAME_RUN if ck["args"].get(k) != vars(args)[k]]
+    if changed:
+        fail(f"--resume: {path.name} was made with other settings ({', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)}); "
+             f"pass the same flags to continue bit-exactly")
+    start_step, val_loss, n_skips = ck["step"], ck["val_loss"], ck["skips"]
+    train_batches.load_state_dict(ck["data"])
+    checkpoint.set_rng_state(ck["rng"])
+    print(f"resumed from {path} at step {start_step}")
+    if start_step >= args.steps:
+        fail(f"--resume: {path.name} is at step {start_step}, already >= --steps {args.steps}; raise --steps to train on")
+
+# ----------------------------------------------------------------------------- the loop
 out.mkdir(parents=True, exist_ok=True)
 (out / "config.json").write_text(json.dumps({"args": vars(args), "model": cfg.to_dict(), "params": n_params,
                                              "device": str(device), "dtype": str(dtype)}, indent=2) + "\n")
-metrics = open(out / "metrics.jsonl", "w")
+old = (out / "metrics.jsonl").read_text().splitlines() if args.resume and (out / "metrics.jsonl").exists() else []
+metrics = open(out / "metrics.jsonl", "w")  # on resume: keep the records up to the checkpoint, drop the rest
+metrics.writelines(line + "\n" for line in old if json.loads(line)["step"] <= start_step)
+
+stop = []  # SIGTERM / first Ctrl-C: finish the step, save, exit cleanly (a second Ctrl-C interrupts at once)
+
+
+def request_stop(signum, frame):
+    if stop and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    stop.append(signum)
+    tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of this step, then exiting")
+
+
+signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
+
+
+def save(step_done):
+    if args.engine != "stream":
+        return None
+    return checkpoint.save(trainer, out, step_done, {"data": train_batches.state_dict(), "rng": checkpoint.rng_state(),
+                                                      "args": vars(args), "skips": n_skips, "val_loss": val_loss},
+                           keep=args.keep)
+
+
 t_start = time.time()
-val_loss = None
-bar = tqdm(range(args.steps), desc="train", dynamic_ncols=True, disable=None)
+bar = tqdm(range(start_step, args.steps), desc="train", dynamic_ncols=True, disable=None,
+           initial=start_step, total=args.steps)
 prof = None
 if args.profile:  # skip step 1 (allocations, warm-up), record the next three
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -165,7 +218,8 @@ for step in bar:
     loss = trainer.step(x, y)
     dt = time.time() - t0
     rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt}
-    if getattr(trainer, "skipped", False):
+    n_skips = n_skips + 1 if getattr(trainer, "skipped", False) else 0
+    if n_skips:
         rec["skipped"] = True
         tqdm.write(f"step {step + 1}: non-finite loss or gradient (loss {loss}), step skipped, weights untouched")
     if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -176,13 +230,24 @@ for step in bar:
     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
     if prof is not None:
         prof.step()
+    if n_skips >= args.max_skips:
+        kept = checkpoint.latest(out)
+        print(f"error: {n_skips} consecutive steps had a non-finite loss or gradient; stopping. "
+              f"Last good checkpoint: {kept or 'none'}. Try a lower --lr or --grad-clip 1.0.", file=sys.stderr)
+        sys.exit(3)
+    if stop or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
+        path = save(step + 1)
+        if stop:
+            print(f"stopped at step {step + 1}; checkpoint {path}; continue with --resume")
+            sys.exit(0)
 bar.close()
 if prof is not None:
     prof.stop()
     print(f"profile: {out / 'trace.json'} (open in https://ui.perfetto.dev)")
 metrics.close()
 elapsed = time.time() - t_start
-print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f} (nats/token)")
+print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f} (nats/token), "
+      f"checkpoint {checkpoint.latest(out) if args.engine == 'stream' else 'none (reference engine)'}")
 
 # ----------------------------------------------------------------------------- sample
 final = trainer.weights()

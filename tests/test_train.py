@@ -74,3 +74,70 @@ def test_stream_and_reference_engines_print_the_same_losses(tmp_path):
         assert cfg["model"]["vocab_size"] == 256
     for a, b in zip(losses["stream"], losses["reference"]):
         assert abs(a - b) / b <= 1e-5, losses
+
+
+def metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    """20 steps straight equal 10 steps, stop, resume, 10 more: every logged loss and the final weights."""
+    common = ["--steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-every", "10", "--eval-batches", "1",
+              "--sample-tokens", "0", "--micro-batches", "2"]
+    assert run(*common, "--out", str(tmp_path / "a")).returncode == 0
+    assert run(*common, "--save-every", "10", "--keep", "5", "--out", str(tmp_path / "b")).returncode == 0
+    import shutil
+    shutil.rmtree(tmp_path / "b" / "ckpt-00000020")
+    r = run(*common, "--save-every", "10", "--keep", "5", "--out", str(tmp_path / "b"), "--resume")
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [(x["step"], x["loss"], x.get("val_loss")) for x in a] == [(x["step"], x["loss"], x.get("val_loss")) for x in b]
+    for f in ("layer.0.bin", "head.bin", "embed.bin"):
+        assert (tmp_path / "a" / "ckpt-00000020" / f).read_bytes() == (tmp_path / "b" / "ckpt-00000020" / f).read_bytes()
+
+
+def test_sigterm_saves_at_step_boundary_and_resume_continues(tmp_path):
+    import signal
+    import time
+    args = [sys.executable, str(ROOT / "train.py"), "--steps", "100000", "--batch-size", "4", "--seq-len", "32",
+            "--eval-every", "100000", "--sample-tokens", "0", "--out", str(tmp_path / "o")]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "o" / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped at step" in out
+    steps = [m["step"] for m in metrics(tmp_path / "o")]
+    ck = sorted((tmp_path / "o").glob("ckpt-*"))
+    assert ck and ck[-1].name == f"ckpt-{steps[-1]:08d}"
+    r = run("--steps", str(steps[-1] + 2), "--batch-size", "4", "--seq-len", "32", "--eval-every", "100000",
+            "--sample-tokens", "0", "--out", str(tmp_path / "o"), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert [m["step"] for m in metrics(tmp_path / "o")][-3:] == [steps[-1], steps[-1] + 1, steps[-1] + 2]
+
+
+def test_resume_refuses_bad_checkpoint_and_other_settings(tmp_path):
+    common = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--eval-batches", "1",
+              "--sample-tokens", "0", "--out", str(tmp_path / "o")]
+    assert run(*common).returncode == 0
+    r = run(*common[:1], "8", *common[2:], "--lr", "1e-4", "--resume")
+    assert r.returncode == 2 and "--lr" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    f = tmp_path / "o" / "ckpt-00000004" / "layer.1.bin"
+    raw = bytearray(f.read_bytes())
+    raw[1000] ^= 0x10
+    f.write_bytes(bytes(raw))
+    r = run(*common[:1], "8", *common[2:], "--resume")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    r = run(*common[:1], "8", *common[2:], "--resume", str(tmp_path / "nowhere"))
+    assert r.returncode == 2, r.stderr
+
+
+def test_consecutive_nonfinite_steps_stop_training(tmp_path):
+    r = run("--steps", "30", "--lr", "1e6", "--grad-clip", "0", "--max-skips", "3", "--batch-size", "4", "--seq-len", "32",
+            "--eval-every", "1000", "--sample-tokens", "0", "--out", str(tmp_path / "o"))
+    assert r.returncode == 3 and "consecutive steps had a non-finite" in r.stderr, r.stderr
+    recs = metrics(tmp_path / "o")
+    assert [m.get("skipped", False) for m in recs][-3:] == [True] * 3

@@ -1,0 +1,246 @@
+"""megatrain_min.checkpoint: save/load is bit-exact, a resumed run equals a straight one, a bad checkpoint is
+refused before anything changes, and a save killed with SIGKILL leaves the previous checkpoint whole.
+Reference for "resumed": the same Trainer run straight through, compared bit for bit (CPU, fp32)."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import model
+from conftest import ROOT, random_batch
+from megatrain_min import checkpoint, data
+from megatrain_min.checkpoint import CheckpointError
+from optim import lr_at
+from stream import Trainer
+
+CFG = model.PRESETS["toy"]
+HP = dict(lr=1e-2, weight_decay=0.1, grad_clip=1.0, micro_batches=2, skip_nonfinite=True)  # as train.py runs it
+
+
+def state(t):
+    """Everything a checkpoint holds, copied: master, m, v per unit, and the Adam step counts."""
+    t.weights()  # waits for pending updates
+    return [[x.clone() for x in getattr(t.opt, s)] for s in ("master", "m", "v")] + [[float(s) for s in t.opt.steps]]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) if torch.is_tensor(x) else x == y for la, lb in zip(a, b) for x, y in zip(la, lb))
+
+
+def trained(steps=3, seed=0, cfg=CFG):
+    t = Trainer(cfg, model.init_weights(cfg, seed), device="cpu", **HP)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        t.step(*random_batch(cfg, 4, 16, gen))
+    return t
+
+
+def test_round_trip_is_bit_exact_and_refreshes_the_shadow(tmp_path):
+    a = trained(3)
+    path = checkpoint.save(a, tmp_path, 3, {"note": "hi"})   # updates still pending: save must wait for them
+    assert path == tmp_path / "ckpt-00000003" and checkpoint.latest(tmp_path) == path
+    b = trained(1, seed=1)
+    meta = checkpoint.load(b, path)
+    assert meta == {"note": "hi", "step": 3}
+    assert same(state(a), state(b)) and [float(s) for s in b.opt.steps] == [3.0] * len(b.units)
+    # a bf16 run resumes from an fp32 one: the compute-dtype shadow is rebuilt from the loaded master
+    c = Trainer(CFG, model.init_weights(CFG, 2), device="cpu", dtype=torch.bfloat16)
+    checkpoint.load(c, path)
+    assert all(torch.equal(c.opt.shadow[u], a.opt.master[u].to(torch.bfloat16)) for u in range(len(c.units)))
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_resume_equals_straight_run(tmp_path):
+    """20 steps straight == 10 steps, save, a fresh Trainer (other init, other sampler seed), load, 10 more:
+    the losses, master weights, m, v and step counts identical bit for bit."""
+    tokens, _ = data.split(data.load_tokens(data.DEFAULT_DATA))
+
+    def run(t, batches, start, stop):
+        losses = []
+        for step in range(start, stop):
+            t.set_lr(lr_at(step, HP["lr"], 20, warmup=3))
+            losses.append(t.step(*batches.next()))
+        return losses
+
+    straight = Trainer(CFG, model.init_weights(CFG, 0), device="cpu", **HP)
+    want = run(straight, data.Batches(tokens, 4, 32, seed=0), 0, 20)
+
+    first = Trainer(CFG, model.init_weights(CFG, 0), device="cpu", **HP)
+    batches = data.Batches(tokens, 4, 32, seed=0)
+    got = run(first, batches, 0, 10)
+    checkpoint.save(first, tmp_path, 10, {"data": batches.state_dict(), "rng": checkpoint.rng_state()})
+    del first, batches
+
+    resumed = Trainer(CFG, model.init_weights(CFG, 1), device="cpu", **HP)
+    batches = data.Batches(tokens, 4, 32, seed=99)
+    meta = checkpoint.load(resumed, checkpoint.latest(tmp_path))
+    batches.load_state_dict(meta["data"])
+    checkpoint.set_rng_state(meta["rng"])
+    got += run(resumed, batches, meta["step"], 20)
+    assert got == want
+    assert same(state(resumed), state(straight))
+
+
+def test_save_and_load_wait_for_updates_in_flight(tmp_path):
+    """An optimizer update still running on the worker thread lands before save reads or load writes."""
+    def slow(t, fn):
+        time.sleep(0.2)
+        fn(t.opt.master[1])
+
+    a = trained(1)
+    a.pending[1] = a.worker.submit(slow, a, lambda x: x.add_(1.0))
+    path = checkpoint.save(a, tmp_path, 1)      # must contain the +1
+    b = trained(1, seed=1)
+    b.pending[1] = b.worker.submit(slow, b, lambda x: x.fill_(123.0))
+    checkpoint.load(b, path)                    # must overwrite the 123s, not be overwritten by them
+    assert same(state(b), state(a))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_equals_straight_run_on_gpu_bf16(tmp_path):
+    """On a GPU in bf16 (streams, pinned store, bf16 shadow): 6 steps straight == 3 + save/load + 3, bit for bit
+    (the engine is deterministic: tests/test_gpu.py holds async == synchronised bit for bit)."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [random_batch(CFG, 8, 64, gen) for _ in range(6)]
+    make = lambda seed: Trainer(CFG, model.init_weights(CFG, seed), device="cuda", dtype=torch.bfloat16, **HP)  # noqa: E731
+    straight = make(0)
+    want = [straight.step(*b) for b in batches]
+    first = make(0)
+    got = [first.step(*b) for b in batches[:3]]
+    path = checkpoint.save(first, tmp_path, 3)
+    resumed = make(1)
+    checkpoint.load(resumed, path)
+    got += [resumed.step(*b) for b in batches[3:]]
+    assert got == want
+    assert same(state(resumed), state(straight))
+
+
+def test_rng_state_round_trip():
+    st = json.loads(json.dumps(checkpoint.rng_state()))
+    want = (random.random(), np.random.rand(), torch.rand(3))
+    checkpoint.set_rng_state(st)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert want[:2] == got[:2] and torch.equal(want[2], got[2])
+
+
+def _truncate(p):
+    f = p / "layer.1.bin"
+    os.truncate(f, f.stat().st_size - 4)
+
+
+def _flip(p, name="layer.2.bin"):
+    f = p / name
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    f.write_bytes(b)
+
+
+def _edit_meta(p, **kv):
+    doc = json.loads((p / "meta.json").read_text())
+    doc.update(kv)
+    (p / "meta.json").write_text(json.dumps(doc))
+
+
+BAD = {  # name: (how to spoil a checkpoint of CFG, words the one-line error must contain)
+    "truncated": (_truncate, "truncated"),
+    "flipped-byte": (_flip, "CRC-32"),
+    "flipped-meta": (lambda p: _flip(p, "meta.json"), "meta.json"),
+    "other-format-version": (lambda p: _edit_meta(p, version=2), "format version 2"),
+    "missing-file": (lambda p: os.remove(p / "head.bin"), "missing"),
+    "not-a-checkpoint": (lambda p: os.remove(p / "meta.json"), "not a checkpoint"),
+    "other-config": (None, "n_head=2 in the checkpoint, 4 in this run"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_checkpoint_is_refused_and_trainer_untouched(tmp_path, kind):
+    spoil, words = BAD[kind]
+    if spoil is None:   # same sizes, another model: only the config tells them apart
+        other = model.GPTConfig(**{**CFG.to_dict(), "n_head": 2, "n_kv_head": 2, "head_dim": 0})
+        path = checkpoint.save(trained(1, cfg=other), tmp_path, 1)
+    else:
+        path = checkpoint.save(trained(2), tmp_path, 2)
+        spoil(path)
+    t = trained(1, seed=5)
+    before = state(t)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(t, path)
+    print(e.value)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert same(state(t), before)
+
+
+def test_one_pass_load_checks_crcs_on_the_way(tmp_path):
+    """verify_first=False reads each byte once: same result, and damage is still refused (the trainer may
+    then be partial, which is why it is not the default)."""
+    a = trained(2)
+    path = checkpoint.save(a, tmp_path, 2)
+    b = trained(1, seed=1)
+    assert checkpoint.load(b, path, verify_first=False)["step"] == 2
+    assert same(state(a), state(b))
+    _flip(path)
+    with pytest.raises(CheckpointError, match="layer.2.bin fails its CRC-32 check; the trainer is now partial"):
+        checkpoint.load(b, path, verify_first=False)
+
+
+def test_keep_last_k(tmp_path):
+    t = trained(1)
+    (tmp_path / ".tmp-ckpt-00000009-123").mkdir()          # debris of an earlier crash
+    for step in range(1, 6):
+        checkpoint.save(t, tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000004", "ckpt-00000005"]
+    assert [s for s, _ in checkpoint.checkpoints(tmp_path)] == [4, 5]
+    checkpoint.save(t, tmp_path, 5, keep=2)                 # the same step again replaces it
+    assert checkpoint.load(t, checkpoint.latest(tmp_path))["step"] == 5
+    assert checkpoint.latest(tmp_path / "nothing-here") is None
+
+
+# the child: a ~6.6M-param model (79 MB per checkpoint) whose whole state is set to k before save k
+CHILD = """
+import sys; sys.path.insert(0, {root!r})
+import model
+from stream import Trainer
+from megatrain_min import checkpoint
+cfg = model.GPTConfig(n_layer=8, d_model=256, d_ff=704)
+t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu")
+for k in range(1, 10_000):
+    for u in range(len(t.units)):
+        for s in (t.opt.master, t.opt.m, t.opt.v, t.opt.steps):
+            s[u].fill_(k)
+    checkpoint.save(t, sys.argv[1], k, {{"k": k}}, keep=2)
+    print("saved", k, flush=True)
+"""
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_whole(tmp_path):
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(ROOT)), str(out)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        while child.stdout.readline().split() != ["saved", "2"]:  # two whole checkpoints, then:
+            assert child.poll() is None, "the child died"
+        deadline = time.time() + 30
+        while not any(out.glob(".tmp-ckpt-*/*.bin")):          # save 3 is writing its files: kill it now
+            assert time.time() < deadline
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGKILL
+    assert list(out.glob(".tmp-ckpt-*")), "the kill should have landed in the middle of a save"
+    path = checkpoint.latest(out)
+    cfg = model.GPTConfig(n_layer=8, d_model=256, d_ff=704)
+    t = Trainer(cfg, model.init_weights(cfg, 1), device="cpu")
+    k = checkpoint.load(t, path)["k"]
+    assert path.name == f"ckpt-{k:08d}" and k >= 2
+    assert all(bool((x == k).all()) for s in ("master", "m", "v") for x in getattr(t.opt, s))
+    assert [float(s) for s in t.opt.steps] == [k] * len(t.units)
+    checkpoint.save(t, out, k + 1, keep=2)                      # the next save clears the debris
+    assert not list(out.glob(".tmp-*"))
