@@ -28,10 +28,12 @@ import torch
 
 class HostAdamW:
     def __init__(self, sizes, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 pin=False, shadow_dtype=None):
+                 pin=False, shadow_dtype=None, grad_store=True):
         """sizes: [(numel, n_decay)] per unit -- the first n_decay elements are decayed.
         shadow_dtype: keep a copy of the master in this dtype (the one the GPU computes in), refreshed
-        after every step; None when the engine streams the fp32 master itself."""
+        after every step; None when the engine streams the fp32 master itself.
+        grad_store: keep an fp32 gradient buffer per unit (4 B/param). Without it grad[u] is None until
+        the engine points it at a staging slab for the duration of one unit's update."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = list(sizes), lr, betas, eps, weight_decay
 
         def buf(n, dtype=torch.float32):  # zeros: a fresh pinned page must not leak old data into m/v
@@ -40,13 +42,9 @@ class HostAdamW:
         self.master = [buf(n) for n, _ in self.sizes]   # fp32 master weights
         self.m = [buf(n) for n, _ in self.sizes]        # fp32 Adam first moment
         self.v = [buf(n) for n, _ in self.sizes]        # fp32 Adam second moment
-        self.grad = [buf(n) for n, _ in self.sizes]     # fp32 gradient, written by the engine's D2H copy
+        self.grad = [buf(n) if grad_store else None for n, _ in self.sizes]  # fp32, written by the engine's D2H
         self.shadow = [buf(n, shadow_dtype) for n, _ in self.sizes] if shadow_dtype else None
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.sizes]  # per unit, as torch keeps it
-
-    def nbytes(self):
-        per = 16 + (self.shadow[0].element_size() if self.shadow else 0)
-        return per * sum(n for n, _ in self.sizes)
 
     def refresh_shadow(self, u):
         if self.shadow is not None:

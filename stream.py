@@ -37,6 +37,7 @@ Try it
 """
 import contextlib
 import math
+import queue
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -117,7 +118,13 @@ class Trainer:
         self.embed = self.head if cfg.tie_embeddings else 0  # the unit whose first V*d elements are the embedding
         shadow = self.dtype if (mode == "fast" and self.dtype != torch.float32) else None
         self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], lr=lr, betas=betas, eps=eps,
-                             weight_decay=weight_decay, pin=cuda, shadow_dtype=shadow)
+                             weight_decay=weight_decay, pin=cuda, shadow_dtype=shadow, grad_store=self.deferred)
+        # Without deferral a unit's gradient lives on the host only until its update: a few staging slabs
+        # suffice (3: one may be held by the tied head until the embedding scatter, two rotate).
+        self.slabs = queue.Queue()
+        if not self.deferred:
+            for _ in range(3):
+                self.slabs.put(torch.zeros(max(lay.numel for lay in self.units), pin_memory=cuda))
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
                 view.copy_(weights[key])
@@ -208,6 +215,7 @@ class Trainer:
             # embedding gradient: dy of layer 0 goes to the host, the worker scatters it into the rows used
             dy_host = [self._offload(d) for d in dy]
             dy_ready = self.d2h.record()
+        self._host_grad(self.embed)                   # the tied head already holds one
         self._submit(self.embed, self._scatter_embedding, tok_mb, dy_host, dy_ready, self.lr)
 
         # updates: each unit as its gradient lands, or all of them once the global norm is known
@@ -349,12 +357,26 @@ class Trainer:
         """Compute is done with unit u: free its weight slot, D2H its gradient, hand it to the worker."""
         self.slot_free[s] = ev = self.comp.record()
         n = self.units[u].numel
+        self._host_grad(u)
         with self.d2h():
             self.d2h.wait(ev)
             self.opt.grad[u].copy_(self.gslot[gs][:n], non_blocking=True)
             self.gslot_free[gs] = done = self.d2h.record()
         if u != self.embed:  # the embedding's unit is handed over after its scatter (_scatter_embedding)
             self._submit(u, self._grad_landed, u, done, self.lr)
+
+    def _host_grad(self, u):
+        """Point opt.grad[u] at a free staging slab (waiting for the worker to release one), unless the
+        store keeps a gradient per unit. The worker gives the slab back after the update (_release)."""
+        if self.deferred or (self.opt.grad[u] is not None):
+            return
+        slab = self.slabs.get()
+        self.opt.grad[u] = slab[:self.units[u].numel]
+
+    def _release(self, u):
+        if not self.deferred:
+            self.slabs.put(self.opt.grad[u]._base if self.opt.grad[u]._base is not None else self.opt.grad[u])
+            self.opt.grad[u] = None
 
     def _submit(self, u, fn, *args):
         self.pending[u] = self.worker.submit(fn, *args)
@@ -366,6 +388,7 @@ class Trainer:
         if self.deferred:
             return self.opt.grad_sq(u)
         self.opt.step(u, lr)
+        self._release(u)
 
     def _scatter_embedding(self, tok_mb, dy_host, dy_ready, lr):
         """Worker: add dy of layer 0 into the embedding rows that were used (index_add on the host)."""

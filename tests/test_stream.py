@@ -134,3 +134,17 @@ def test_weights_cross_once_per_visit_whatever_the_micro_batches(M, monkeypatch)
     L = cfg.n_layer
     assert len(loads) == 2 * L
     assert loads == [f"layer.{i}" for i in range(L)] + ["head"] + [f"layer.{i}" for i in reversed(range(L - 1))]
+
+
+def test_gradient_store_only_when_updates_wait_for_the_global_norm(gen):
+    """No clipping, no guard: gradients pass through 3 pinned staging slabs (no 4 B/param store);
+    clipping or skip_nonfinite: an fp32 gradient per unit, since every gradient precedes any update."""
+    cfg = SPECIAL  # tied: the head holds a slab until the embedding scatter
+    w0 = model.init_weights(cfg, 0)
+    t = Trainer(cfg, w0, device="cpu", micro_batches=2, **HP)
+    for _ in range(3):
+        t.step(*random_batch(cfg, 4, 16, gen))
+    t.weights()
+    assert all(g is None for g in t.opt.grad) and t.slabs.qsize() == 3
+    clipped = Trainer(cfg, w0, device="cpu", grad_clip=1.0, **HP)
+    assert all(g is not None and g.numel() == lay.numel for g, lay in zip(clipped.opt.grad, clipped.units))
