@@ -46,6 +46,11 @@ class HostAdamW:
         self.shadow = [buf(n, shadow_dtype) for n, _ in self.sizes] if shadow_dtype else None
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.sizes]  # per unit, as torch keeps it
 
+    def nbytes(self):
+        """Host bytes the store holds: master, m, v, the per-unit gradients if kept, the shadow."""
+        held = self.master + self.m + self.v + [g for g in self.grad if g is not None] + (self.shadow or [])
+        return sum(t.numel() * t.element_size() for t in held)
+
     def refresh_shadow(self, u):
         if self.shadow is not None:
             self.shadow[u].copy_(self.master[u])

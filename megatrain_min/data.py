@@ -5,12 +5,18 @@ What it is
     shipped corpus (data/tinyshakespeare.txt, public domain), pre-tokenized .npy arrays (uint16,
     uint32 or int64, memory-mapped so a corpus larger than RAM works), a train/val split, and a seeded
     random batch sampler whose position can be saved and restored.
+    The SFT section at the end: a model directory's tokenizer.json (HFTokenizer), chat or
+    prompt/completion .jsonl files with the loss on the answers only, and a padded batch sampler.
 What it is not
-    No BPE here (fine-tuning uses the model directory's tokenizer.json, see hf.py), no shuffling epochs,
-    no multi-process loading: a batch is B random windows of T+1 tokens, which costs microseconds.
+    No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
+    package), no multi-process loading: a pretraining batch is B random windows of T+1 tokens, which
+    costs microseconds.
 Try it
     python -m megatrain_min.data      # prints corpus size and one decoded batch
+    python -m pytest tests/test_data_sft.py
 """
+import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +82,192 @@ class Batches:
 
     def load_state_dict(self, state):
         self.rng.bit_generator.state = state
+
+
+# ============================================================================= SFT: supervised fine-tuning data
+# A line of the .jsonl file is one example, in either of two shapes:
+#   {"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}   a conversation
+#   {"prompt": "...", "completion": "..."}                                             a raw pair
+# Loss only on what the model should learn to write: every assistant turn of a conversation (multi-turn
+# conversations supervise all of them), or the completion; the targets of everything else are IGNORE.
+#
+# Chat template (fixed, Zephyr-style): [bos] then per message "<|{role}|>\n" + content + <eos>; the
+# assistant's content and its <eos> are supervised, so the model learns to answer and to stop. A fixed
+# template keeps the loss mask exact without jinja2 (a model's chat_template is a jinja program, and few
+# templates mark which characters are the assistant's): each piece is tokenized on its own and the ids
+# concatenated, so no token straddles a mask boundary. To train on a model's native chat format,
+# render the conversation yourself into {"prompt", "completion"} lines: those are used verbatim,
+# [bos] + prompt + completion + <eos>, with the loss on completion + <eos>.
+#
+# Padding, not packing: each row of a batch is one example, cut to seq_len tokens and padded after
+# its end (pad tokens have IGNORE targets, and causal attention keeps them from touching the tokens
+# before them). Packing several examples into a row would need a block-diagonal attention mask and
+# restarted positions, which model.block does not have; without them packed examples would attend
+# to each other. The price is the compute spent on padding: pick --seq-len near the long examples.
+# Fixed (B, seq_len) batches keep one shape for the engine and the memory plan.
+IGNORE = -100   # = model.IGNORE (data.py imports nothing of the model)
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+class HFTokenizer:
+    """A model directory's tokenizer.json through the `tokenizers` package (no transformers at run time).
+
+    eos_id: the eos token named by tokenizer_config.json or special_tokens_map.json, else config.json's or
+    generation_config.json's eos_token_id, else None. bos_id: the bos token named by those tokenizer files
+    (and not switched off by add_bos_token: false), else None -- Qwen has none, Llama and Mistral do.
+    """
+
+    def __init__(self, model_dir):
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"{d}: no tokenizer.json (a model directory's fast tokenizer is needed to tokenize text)")
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self.vocab_size = self.tok.get_vocab_size()
+        files = [_read_json(d / "tokenizer_config.json"), _read_json(d / "special_tokens_map.json")]
+        self.eos_id = self._named(files, "eos_token")
+        if self.eos_id is None:
+            for conf in (_read_json(d / "generation_config.json"), _read_json(d / "config.json")):
+                ids = conf.get("eos_token_id")
+                ids = ids[0] if isinstance(ids, list) and ids else ids
+                if isinstance(ids, int):
+                    self.eos_id = ids
+                    break
+        self.bos_id = self._named(files, "bos_token") if files[0].get("add_bos_token", True) else None
+
+    def _named(self, files, field):
+        for conf in files:
+            tok = conf.get(field)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
+                return self.tok.token_to_id(tok)
+        return None
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class ByteTokenizer:
+    """encode/decode above with HFTokenizer's surface. No eos or bos: a turn ends with a newline instead."""
+    vocab_size, eos_id, bos_id = 256, None, None
+
+    def encode(self, text):
+        return encode(text).tolist()
+
+    def decode(self, ids):
+        return decode(ids)
+
+
+def _pieces(obj, tok):
+    """[(token ids, supervised)] of one example through the chat template; ValueError says what is wrong."""
+    end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")
+    out = [([tok.bos_id], False)] if tok.bos_id is not None else []
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f'messages[{i}] must be an object with string "role" and "content"')
+            ours = m["role"] == "assistant"
+            out += [(tok.encode(f"<|{m['role']}|>\n"), False), (tok.encode(m["content"]), ours), (end, ours)]
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError("no assistant message: nothing to learn from this conversation")
+    elif "prompt" in obj or "completion" in obj:
+        if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str)):
+            raise ValueError('"prompt" and "completion" must both be strings')
+        out += [(tok.encode(obj["prompt"]), False), (tok.encode(obj["completion"]), True), (end, True)]
+    else:
+        raise ValueError(f'expected "messages" or "prompt"/"completion", got keys {sorted(obj)[:5]}')
+    return out
+
+
+def load_sft_jsonl(path, tokenizer, seq_len):
+    """[(x, y)] per example: int32 arrays of equal length <= seq_len, y[i] = the token after x[i] where that
+    token is supervised, IGNORE elsewhere. Longer examples are cut to seq_len (a warning counts them);
+    an example with no supervised target left is dropped. ValueError names the line of a malformed one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"SFT data file {path} does not exist")
+    examples, cut, dropped = [], 0, 0
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                pieces = _pieces(json.loads(line), tokenizer)
+            except ValueError as e:   # json.JSONDecodeError is a ValueError too
+                raise ValueError(f"{path}:{n}: {e}") from None
+            ids = np.array([t for p, _ in pieces for t in p], dtype=np.int32)
+            sup = np.array([s for p, s in pieces for _ in p], dtype=bool)
+            x, y = ids[:-1][:seq_len], np.where(sup[1:], ids[1:], IGNORE)[:seq_len].astype(np.int32)
+            cut += len(ids) - 1 > seq_len
+            if (y == IGNORE).all():
+                dropped += 1
+                continue
+            examples.append((x, y))
+    if not examples:
+        raise ValueError(f"{path}: no example with a supervised token within seq_len={seq_len}")
+    if cut:
+        warnings.warn(f"{path}: {cut} of {len(examples) + dropped} examples longer than seq_len={seq_len} were cut, "
+                      f"{dropped} of them dropped (no answer token left)")
+    return examples
+
+
+def split_examples(examples, val_fraction=0.1):
+    """(train, val): the last val_fraction of the examples (at least one when there are two or more)."""
+    n_val = max(int(len(examples) * val_fraction), 1 if len(examples) > 1 else 0)
+    return examples[:len(examples) - n_val], examples[len(examples) - n_val:]
+
+
+class SFTBatches:
+    """(B, seq_len) int64 (tokens, targets) of whole examples, padded; like Batches: next(), state_dict().
+
+    Epochs: every example once per epoch, in a seeded random order. The state is the epoch's generator
+    state (the order is redrawn from it) and the position in the epoch: plain JSON for checkpoint.py.
+    """
+
+    def __init__(self, examples, batch_size, seq_len, seed=0, name="train", pad_id=0):
+        if not examples:
+            raise ValueError(f"{name} split has no SFT examples; add lines to the .jsonl file")
+        self.examples, self.B, self.T, self.pad = examples, batch_size, seq_len, pad_id
+        self.rng = np.random.default_rng(seed)
+        self._new_epoch()
+
+    def _new_epoch(self):
+        self.epoch_state = self.rng.bit_generator.state
+        self.order, self.pos = self.rng.permutation(len(self.examples)), 0
+
+    def next(self):
+        x = torch.full((self.B, self.T), self.pad, dtype=torch.int64)
+        y = torch.full((self.B, self.T), IGNORE, dtype=torch.int64)
+        for b in range(self.B):
+            if self.pos == len(self.order):
+                self._new_epoch()
+            ex, ey = self.examples[self.order[self.pos]]
+            self.pos += 1
+            n = min(len(ex), self.T)
+            x[b, :n], y[b, :n] = torch.from_numpy(ex[:n]), torch.from_numpy(ey[:n])
+        return x, y
+
+    def state_dict(self):
+        return {"epoch_rng": self.epoch_state, "pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["epoch_rng"]
+        self._new_epoch()
+        self.pos = state["pos"]
 
 
 if __name__ == "__main__":
