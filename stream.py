@@ -92,8 +92,9 @@ class Trainer:
         pinned host memory (None = only when they would not fit on the GPU); mode: "fast" streams a
         compute-dtype shadow of the master, "lean" streams the fp32 master and casts on the GPU (no
         shadow: 12 B/param + gradients on the host); sync: synchronise after every operation (debug);
-        skip_nonfinite: a step whose loss or gradient norm is not finite updates nothing (this needs every
-        gradient before any update, as clipping does, so the updates no longer overlap the backward)."""
+        skip_nonfinite: a step with a non-finite loss updates nothing (checked after the head, before any
+        gradient leaves the GPU: one host sync per step); with clipping the global gradient norm is
+        checked too (it is known before any update)."""
         if mode not in ("fast", "lean"):
             raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
         if dtype not in (None, torch.float32, torch.bfloat16):
@@ -103,7 +104,7 @@ class Trainer:
         cuda = self.dev.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         self.M, self.grad_clip, self.lr = micro_batches, grad_clip, lr
-        self.deferred = bool(grad_clip) or skip_nonfinite   # update only once every gradient is on the host
+        self.deferred = bool(grad_clip)               # update only once every gradient is on the host
         self.skip_nonfinite, self.skipped, self.grad_norm = skip_nonfinite, False, None
         self.chunk = chunk_tokens or max(64, (1 << 26) // cfg.vocab_size)  # <= 256 MB of fp32 logits per chunk
         self.offload = offload_checkpoints
@@ -208,9 +209,13 @@ class Trainer:
         """tokens, targets: (B, T) int64 CPU tensors, targets == -100 ignored. Returns the step's mean
         loss (before the update). Updates may still be running on the worker when this returns."""
         tok_mb, n_tok, rope, offload = self._prepare(tokens, targets)
+        self.skipped = False
         with self.comp():
             x, ckpt = self._forward(tok_mb, rope, offload, keep=True)
             dy, loss_ready = self._head(x, targets, n_tok, backward=True)
+            if dy is None:                              # non-finite loss: nothing was updated or drained
+                self.skipped = True
+                return self.loss_host.item()
             self._backward(dy, ckpt, rope, offload)
             # embedding gradient: dy of layer 0 goes to the host, the worker scatters it into the rows used
             dy_host = [self._offload(d) for d in dy]
@@ -221,14 +226,14 @@ class Trainer:
         # updates: each unit as its gradient lands, or all of them once the global norm is known
         wait_event(loss_ready)
         loss = self.loss_host.item()
-        self.skipped = False
         if self.deferred:
             self.grad_norm = sum(self.pending.pop(u).result() for u in range(len(self.units))) ** 0.5
             if self.skip_nonfinite and not math.isfinite(self.grad_norm + loss):
                 self.skipped = True                                   # weights, m, v and step counts untouched
                 return loss
             coef = clip_coef(self.grad_norm, self.grad_clip)
-            for u in range(len(self.units)):                          # forward order
+            order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]  # as the forward needs them
+            for u in order:
                 self.pending[u] = self.worker.submit(self.opt.step, u, self.lr, coef)
         return loss
 
@@ -311,6 +316,11 @@ class Trainer:
             dy.append(dx.view_as(x_j) if backward else None)
         self.loss_host.copy_(loss_sum, non_blocking=True)
         loss_ready = self.comp.record()
+        if backward and self.skip_nonfinite and not self.deferred:
+            wait_event(loss_ready)                      # the guard's price: the host waits for the head
+            if not math.isfinite(self.loss_host.item()):
+                backward = False                        # drop the gradients: no D2H, no update
+                dy = None
         if backward:
             self._drain(self.head, gs, s)
         else:

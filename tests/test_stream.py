@@ -75,10 +75,11 @@ def test_evaluate_equals_reference_loss(gen):
     assert all(torch.equal(v, w0[k]) for k, v in t.weights().items())  # evaluation changes nothing
 
 
-def test_nonfinite_step_is_skipped_and_weights_untouched(gen):
+@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["loss-check", "norm-check"])
+def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     cfg = model.PRESETS["toy"]
     w0 = model.init_weights(cfg, 0)
-    t = Trainer(cfg, w0, device="cpu", skip_nonfinite=True, **HP)
+    t = Trainer(cfg, w0, device="cpu", skip_nonfinite=True, grad_clip=clip, **HP)
     tok, tgt = random_batch(cfg, 2, 16, gen)
     t.step(tok, tgt)
     before = t.weights()
@@ -137,11 +138,11 @@ def test_weights_cross_once_per_visit_whatever_the_micro_batches(M, monkeypatch)
 
 
 def test_gradient_store_only_when_updates_wait_for_the_global_norm(gen):
-    """No clipping, no guard: gradients pass through 3 pinned staging slabs (no 4 B/param store);
-    clipping or skip_nonfinite: an fp32 gradient per unit, since every gradient precedes any update."""
+    """No clipping: gradients pass through 3 pinned staging slabs (no 4 B/param store), also with the
+    non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
     cfg = SPECIAL  # tied: the head holds a slab until the embedding scatter
     w0 = model.init_weights(cfg, 0)
-    t = Trainer(cfg, w0, device="cpu", micro_batches=2, **HP)
+    t = Trainer(cfg, w0, device="cpu", micro_batches=2, skip_nonfinite=True, **HP)
     for _ in range(3):
         t.step(*random_batch(cfg, 4, 16, gen))
     t.weights()
