@@ -16,7 +16,7 @@ Reference
     torch.optim.AdamW(fused=True) with two parameter groups (decay on tensors with >= 2 dims).
     tests/test_optim.py checks equality over 10 steps; bench/adamw_cpu.py compares speed.
 
-Framework internal: torch._fused_adamw_ is the private kernel behind AdamW(fused=True). It updates
+Framework internals: torch._fused_adamw_ is the private kernel behind AdamW(fused=True). It updates
 params, m and v in place and reads (does not increment) the step tensor; torch.optim increments it
 first, and so do we. Its grad_scale argument divides the gradient inside the kernel: we pass
 1/clip_coef there, which applies clipping without an extra pass over the gradients.
@@ -36,6 +36,8 @@ class HostAdamW:
         the engine points it at a staging slab for the duration of one unit's update."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = list(sizes), lr, betas, eps, weight_decay
 
+        if pin:
+            pin_exact_sizes()
         def buf(n, dtype=torch.float32):  # zeros: a fresh pinned page must not leak old data into m/v
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
@@ -74,6 +76,14 @@ class HostAdamW:
         """Squared L2 norm of unit u's gradient (fp32); the global norm is sqrt of the sum over units."""
         g = self.grad[u]
         return float(torch.dot(g, g))
+
+
+def pin_exact_sizes(threshold_mb=64):
+    """Framework internal: torch's pinned-memory allocator rounds every allocation up to a power of two
+    (ATen/core/CachingHostAllocator.h), so a 5 GB unit would pin 8 GB and a 120B store would not fit in
+    1.5 TB. Rounding only allocations below threshold_mb keeps the store at its real size.
+    tests/test_optim.py pins that torch still accepts this setting."""
+    torch._C._accelerator_setAllocatorSettings(f"pinned_max_round_threshold_mb:{threshold_mb}")
 
 
 def clip_coef(total_norm, max_norm):

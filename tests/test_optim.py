@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from optim import HostAdamW, clip_coef, lr_at
+from optim import HostAdamW, clip_coef, lr_at, pin_exact_sizes
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
@@ -59,3 +59,9 @@ def test_lr_schedule_and_clip_coef():
     assert lr_at(55, 1.0, 100, warmup=10) == pytest.approx(0.55)
     assert clip_coef(10.0, 1.0) == pytest.approx(1 / (10 + 1e-6)) and clip_coef(0.5, 1.0) == 1.0
     assert clip_coef(10.0, 0.0) == 1.0
+
+
+def test_pinned_allocator_setting_is_accepted():
+    """optim.pin_exact_sizes leans on a private torch setter; make a torch upgrade that drops it loud."""
+    pin_exact_sizes()
+    assert "pinned_max_round_threshold_mb:64" in torch._C._accelerator_getAllocatorSettings()
