@@ -16,6 +16,7 @@ Try it
     python -m pytest tests/test_model.py
 """
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, asdict
 
 import torch
@@ -301,6 +302,32 @@ def init_weights(cfg, seed=0):
     for u in units(cfg):
         weights.update(init_unit(cfg, u, gen))
     return weights
+
+
+class LazyInit(Mapping):
+    """init_weights(cfg, seed) without the dict: a unit's tensors are made when one of its keys is first
+    read, in init_weights' RNG order, and only that unit is held. stream.Trainer reads the keys unit by
+    unit, so a model is initialised straight into the host store (no second fp32 copy of a 70B model)."""
+
+    def __init__(self, cfg, seed=0):
+        self.cfg, self.seed, self.layouts = cfg.check(), seed, units(cfg)
+        self.unit_of = {key: u for u, lay in enumerate(self.layouts) for key in lay.keys()}
+        self.u, self.cur, self.gen = len(self.layouts), {}, None
+
+    def __getitem__(self, key):
+        u = self.unit_of[key]
+        if u < self.u:  # going back: restart the generator (a sequential reader never does)
+            self.u, self.gen = -1, torch.Generator().manual_seed(self.seed)
+        while self.u < u:  # the units in between are generated (and dropped) to keep the RNG order
+            self.u += 1
+            self.cur = init_unit(self.cfg, self.layouts[self.u], self.gen)
+        return self.cur[key]
+
+    def __iter__(self):
+        return iter(self.unit_of)
+
+    def __len__(self):
+        return len(self.unit_of)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,11 @@ p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "
 p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
 for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
     p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+p.add_argument("--plan", action="store_true", help="print the memory and throughput plan for --hardware and exit (nothing allocated)")
+p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
+p.add_argument("--hardware", default="local", help="plan for: local (this machine), h100, h200, gh200, a100, rtx4090")
+p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB for the plan (default: the hardware's)")
+p.add_argument("--host-bw", type=float, default=None, help="host DRAM bandwidth in GB/s for the plan")
 p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0 = only at the end)")
 p.add_argument("--keep", type=int, default=2, help="keep the last K checkpoints")
 p.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the latest checkpoint in --out (or the given one)")
@@ -95,12 +100,41 @@ if args.batch_size % args.micro_batches:
     fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
 tokens_per_step = args.batch_size * args.seq_len
 n_params = model.n_params(cfg)
-host_b = 16 + (2 if (args.mode == "fast" and dtype == torch.bfloat16) else 0)  # master+m+v+grad (+ bf16 shadow)
+
+# ----------------------------------------------------------------------------- plan: will it fit, how fast
+from megatrain_min import plan as planner  # noqa: E402
+
+offload = {"auto": None, "on": True, "off": False}[args.offload_checkpoints]
+
+
+def make_plan(hardware):
+    try:
+        return planner.plan(cfg, hardware, batch_size=args.batch_size, seq_len=args.seq_len,
+                            micro_batches=args.micro_batches, mode=args.mode,
+                            dtype=args.dtype or ("bf16" if hardware != "local" or device.type == "cuda" else "fp32"),
+                            grad_clip=args.grad_clip > 0, offload_checkpoints=offload,
+                            host_mem_gb=args.host_mem, host_bw_gbs=args.host_bw, name=args.config)
+    except ValueError as e:  # an unknown --hardware, say
+        fail(str(e))
+
+
+if args.plan or args.json:
+    pl = make_plan(args.hardware)
+    print(planner.plan_json(pl) if args.json else planner.format_plan(pl))
+    sys.exit(0)
+pl = make_plan("local")
+if args.engine == "stream":  # refuse before anything is allocated
+    try:
+        planner.check(pl)
+    except ValueError as e:
+        fail(str(e))
+    offload = pl["offload_checkpoints"]
 print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}")
 print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}) | engine {args.engine} | "
       f"{tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
-print(f"memory: host store ~{n_params * host_b / 1e9:.2f} GB ({host_b} B/param: fp32 master, m, v, grad"
-      f"{' + bf16 shadow' if host_b == 18 else ''})")
+print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:.1f} B/param in the store), "
+      f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}; "
+      f"predicted {pl['tokens_per_s']:,.0f} tokens/s, bound by {pl['bottleneck']} (--plan for the breakdown)")
 
 # ----------------------------------------------------------------------------- data
 from megatrain_min import checkpoint, data  # noqa: E402
@@ -120,10 +154,9 @@ print(f"data {args.data or data.DEFAULT_DATA}: {len(train_tok):,} train / {len(v
 from stream import Trainer  # noqa: E402
 from megatrain_min.reference import ReferenceTrainer  # noqa: E402
 
-weights = model.init_weights(cfg, seed=args.seed)
+weights = model.LazyInit(cfg, seed=args.seed)  # made unit by unit as the engine copies it in
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 if args.engine == "stream":
-    offload = {"auto": None, "on": True, "off": False}[args.offload_checkpoints]
     trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
                       skip_nonfinite=True, **hyper)
 else:

@@ -132,3 +132,13 @@ def test_forward_is_causal(gen):
 def test_config_check_messages(kw, msg):
     with pytest.raises(ValueError, match=msg):
         model.GPTConfig(**kw).check()
+
+
+def test_lazy_init_equals_init_weights_in_any_order():
+    cfg = SPECIAL
+    w = model.init_weights(cfg, seed=3)
+    lazy = model.LazyInit(cfg, seed=3)
+    assert set(lazy) == set(w)
+    keys = list(w)
+    for k in keys + keys[::-1]:  # sequential, then backwards (regenerates)
+        assert torch.equal(lazy[k], w[k]), k

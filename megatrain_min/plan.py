@@ -1,0 +1,459 @@
+"""plan.py -- will it fit, and how fast will it go? The memory and throughput plan of one training run.
+
+What it is
+    plan(cfg, hardware, ...) works from the config's arithmetic alone (model.units() sizes every unit
+    without allocating it), so `--config 120b --plan` answers in milliseconds. It returns host memory by
+    component (fp32 master, m, v, bf16 shadow, fp32 gradient store or staging slabs, offloaded
+    checkpoints, runtime), GPU memory by component (weight and grad slots, lean staging, checkpoints, one
+    layer's recompute activations for one micro-batch, weight-grad outputs, the loss chunk), the time of
+    each layer visit (H2D, compute, D2H, CPU AdamW), and stream.py's schedule replayed layer by layer on
+    four lanes for three steps: step time, tokens/s, model TFLOP/s, the busiest lane (the bottleneck) and
+    the tokens per step that hide the transfers (DESIGN.md §4: T >= F_eff * bytes_per_param / (2 * BW)).
+    check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits.
+What it is not
+    Not a profiler: bandwidths and the achievable fraction of peak are the assumptions stated in HARDWARE
+    until bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
+    loader, back-pressure of the grad staging slabs, the transient extra fp32 copy init_weights makes.
+Reference
+    DESIGN.md §3-4; stream.py and optim.py for what is allocated where; MegaTrain (arXiv 2604.05091:
+    120B on one H200 with 1.5 TB of host memory).
+Try it
+    python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0
+    python -m megatrain_min.plan --config 70b --hardware all       # one verdict line per profile
+    python -m pytest tests/test_plan.py
+"""
+import argparse
+import json
+import os
+
+import torch
+
+import model
+
+GB = 1e9  # decimal: "1536 GB" is 1.536e12 bytes (slightly conservative against GiB-sized DIMMs)
+
+# Peaks: dense (no sparsity) TFLOP/s from NVIDIA's datasheets. frac: the share of peak a whole layer
+# reaches (matmuls + attention + norms) -- an assumption until bench/ measures it. h2d/d2h: what
+# cudaMemcpyAsync from pinned memory on a copy engine measures, not the link's spec. host_mem: a typical
+# host for one such GPU; host_bw: the DRAM bandwidth a multi-threaded fused CPU AdamW sees.
+HARDWARE = {
+    # H100 SXM5: 80 GB HBM3 3.35 TB/s, 989 bf16 / 67 fp32 TFLOP/s. PCIe Gen5 x16 (64 GB/s spec) ~55 each way.
+    # Host: 2-socket Xeon, 16 x DDR5-4800 (614 GB/s spec), ~200 for AdamW over NUMA-unaware pinned pages.
+    "h100": dict(gpu="NVIDIA H100 80GB", gpu_mem_gb=80, bf16_tflops=989, fp32_tflops=67, frac=0.6,
+                 hbm_gbs=3350, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1024, host_bw_gbs=200),
+    # H200 SXM: 141 GB HBM3e 4.8 TB/s, same compute as H100, PCIe Gen5. Host as MegaTrain's: 1.5 TB.
+    "h200": dict(gpu="NVIDIA H200 141GB", gpu_mem_gb=141, bf16_tflops=989, fp32_tflops=67, frac=0.6,
+                 hbm_gbs=4800, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1536, host_bw_gbs=200),
+    # GH200: 96 GB HBM3 4 TB/s, H100 compute; NVLink-C2C 900 GB/s spec, ~340 H2D / ~295 D2H measured.
+    # Host: Grace's 480 GB LPDDR5X (512 GB/s spec, ~400 achievable).
+    "gh200": dict(gpu="NVIDIA GH200 96GB", gpu_mem_gb=96, bf16_tflops=989, fp32_tflops=67, frac=0.6,
+                  hbm_gbs=4000, h2d_gbs=340, d2h_gbs=295, host_mem_gb=480, host_bw_gbs=400),
+    # A100 SXM4 80 GB: 2.0 TB/s, 312 bf16 / 19.5 fp32 TFLOP/s. PCIe Gen4 x16 (32 GB/s spec) ~25.
+    # Host: 2-socket EPYC, 16 x DDR4-3200 (410 GB/s spec).
+    "a100": dict(gpu="NVIDIA A100 80GB", gpu_mem_gb=80, bf16_tflops=312, fp32_tflops=19.5, frac=0.6,
+                 hbm_gbs=2039, h2d_gbs=25, d2h_gbs=25, host_mem_gb=512, host_bw_gbs=150),
+    # RTX 4090: 24 GB GDDR6X 1.0 TB/s, 165 bf16 (fp32 accumulate) / 82.6 fp32 TFLOP/s, PCIe Gen4 ~25.
+    # Host: a desktop, 2 channels of DDR5 (~90 GB/s spec).
+    "rtx4090": dict(gpu="NVIDIA GeForce RTX 4090", gpu_mem_gb=24, bf16_tflops=165, fp32_tflops=82.6,
+                    frac=0.6, hbm_gbs=1008, h2d_gbs=25, d2h_gbs=25, host_mem_gb=128, host_bw_gbs=60),
+}
+HOST_USABLE = 0.97         # the share of host RAM a run may plan for; the rest is the OS's
+RUNTIME = 4 * 10**9        # host RSS of Python + torch + the CUDA libraries (1 GB without CUDA)
+CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-allocator slack
+
+
+class PlanError(ValueError):
+    """A run that does not fit, in one line: what, how much, what this machine has, what to try."""
+
+
+def host_available_bytes():
+    """Host RAM a run can have now: MemAvailable (or all of it without /proc), capped by a cgroup limit."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        avail = info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a container's limit (cgroup v2) is invisible in /proc/meminfo
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            avail = min(avail, int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def local_hardware():
+    """This machine, detected now. A GPU: its free memory, speeds from the matching profile (unknown
+    GPUs get modest guesses). No GPU: the CPU computes and copies are memcpys; GPU memory 0."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        key = next((k for k in ("gh200", "h200", "h100", "a100", "rtx4090")   # gh200 before h200
+                    if k.removeprefix("rtx") in name.lower()), None)
+        hw = dict(HARDWARE[key]) if key else dict(bf16_tflops=100, fp32_tflops=20, frac=0.5, hbm_gbs=1000,
+                                                  h2d_gbs=25, d2h_gbs=25, host_bw_gbs=50)
+        hw.update(gpu=name, gpu_mem_gb=torch.cuda.mem_get_info(0)[0] / GB)
+    else:  # ~0.1 TFLOP/s per core in fp32 (AVX2/AVX-512 FMA), bf16 matmuls much slower on most CPUs
+        cores, bw = os.cpu_count() or 1, 20
+        hw = dict(gpu="cpu", gpu_mem_gb=0, bf16_tflops=0.02 * cores, fp32_tflops=0.1 * cores, frac=0.5,
+                  hbm_gbs=bw, h2d_gbs=bw / 2, d2h_gbs=bw / 2, host_bw_gbs=bw)
+    return dict(hw, name="local", host_mem_gb=host_available_bytes() / GB)
+
+
+def resolve_hardware(hardware, host_mem_gb=None, host_bw_gbs=None):
+    if isinstance(hardware, dict):
+        hw = dict(hardware)
+    elif hardware == "local":
+        hw = local_hardware()
+    elif hardware in HARDWARE:
+        hw = dict(HARDWARE[hardware], name=hardware)
+    else:
+        raise PlanError(f"unknown --hardware {hardware!r}; choose one of: local, {', '.join(HARDWARE)}")
+    for k, v in (("host_mem_gb", host_mem_gb), ("host_bw_gbs", host_bw_gbs)):
+        if v is not None:
+            if v <= 0:
+                raise PlanError(f"{k} must be positive, got {v}")
+            hw[k] = v
+    return hw
+
+
+def flops_per_token(cfg):
+    """Model FLOPs per trained token: 6 x the parameters that multiply (every matrix except the embedding
+    table, which is a gather). No attention scores, no recompute: those are not useful work."""
+    return 6 * sum(u.n_decay for u in model.units(cfg) if u.name != "embed")
+
+
+def layer_activation_bytes(cfg, n_tok, cb):
+    """GPU bytes of one layer's backward for n_tok tokens (one micro-batch): what autograd saves when
+    model.block is recomputed with grad, plus the backward's largest transients. An estimate from the
+    ops (flash/efficient SDPA: no T x T scores); the layer input itself is the checkpoint, counted apart."""
+    d, ff = cfg.d_model, cfg.d_ff
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    norms = 4 * cb * d + 4 * d * (2 if cb == 2 else 1)  # 2 rms_norms: normalised x, scaled output, fp32 x
+    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head  # rotated q, k; v; SDPA out + its copy for o_proj; lse
+    if cfg.qk_norm:
+        attn += (cb + 4) * (q + kv)
+    mlp = 4 * cb * ff                            # gate (silu's input), silu(gate), up, their product
+    transient = 2 * cb * ff + 8 * d              # two (n, ff) grads alive at once, fp32 norm grads
+    return n_tok * (norms + attn + mlp + transient)
+
+
+def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
+         grad_clip=False, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
+         name=None):
+    """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
+
+    hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
+    dtype: "bf16" or "fp32" (None: bf16 on a GPU, fp32 on the CPU, as train.py). grad_clip: True when
+    the update waits for the global gradient norm (clipping, or Trainer(skip_nonfinite=True)) -- the
+    host then keeps every fp32 gradient; otherwise each unit is updated as its gradient lands and
+    staging slabs suffice. offload_checkpoints None: offload only when they would not fit on the GPU
+    (the engine should then be given p["offload_checkpoints"]). pinned_pow2: model torch's pinned allocator,
+    which rounds every pinned buffer up to a power of two unless PYTORCH_ALLOC_CONF sets
+    pinned_max_round_threshold_mb (up to +40% on the 120b store).
+    """
+    hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs)
+    cuda = hw["gpu_mem_gb"] > 0
+    dtype = dtype or ("bf16" if cuda else "fp32")
+    seq_len = seq_len or cfg.max_seq_len
+    if mode not in ("fast", "lean") or dtype not in ("bf16", "fp32"):
+        raise PlanError(f"mode must be fast or lean and dtype bf16 or fp32, got {mode!r} and {dtype!r}")
+    if min(batch_size, seq_len, micro_batches) <= 0 or batch_size % micro_batches:
+        raise PlanError(f"batch size {batch_size} must be a positive multiple of micro-batches {micro_batches}")
+    name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
+    units = model.units(cfg)
+    layers, head = [u for u in units if u.name.startswith("layer.")], units[-1]
+    lay, L, N, tied = layers[0], len(layers), sum(u.numel for u in units), cfg.tie_embeddings
+    cb = 2 if dtype == "bf16" else 4                   # bytes of the compute dtype
+    shadow = mode == "fast" and dtype == "bf16"        # fast streams a bf16 shadow; lean the fp32 master
+    sb = 2 if shadow else 4                            # bytes per parameter that cross H2D
+    n_slot = max(u.numel for u in layers + [head])     # a weight/grad slot holds the largest streamed unit
+    tokens = batch_size * seq_len
+    act = tokens * cfg.d_model * cb                    # one (B, T, d) activation, all micro-batches
+
+    # ---- GPU (stream.Trainer.__init__ and the step's working set): independent of depth
+    gpu = {f"weight slots: 2 x {count(n_slot)} {dtype}": 2 * n_slot * cb,
+           "fp32 grad slots: 2": 2 * n_slot * 4}
+    if mode == "lean" and dtype == "bf16":
+        gpu["lean staging: fp32 unit, cast on GPU"] = n_slot * 4
+    gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
+    gpu["residual stream x and its grad dy"] = 2 * act
+    gpu[f"recompute activations: 1 layer, {tokens // micro_batches:,} tok"] = \
+        layer_activation_bytes(cfg, tokens // micro_batches, cb)
+    gpu[f"weight grads from autograd ({dtype}, one unit)"] = n_slot * cb
+    chunk = min(max(64, (1 << 26) // cfg.vocab_size), tokens // micro_batches)  # stream.Trainer.chunk
+    gpu[f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits"] = \
+        chunk * cfg.vocab_size * (12 + (2 * cb if cb == 2 else 0))  # logits, fp32 copy, log-softmax, grads
+    # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there;
+    # else they go to pinned host memory and only the current layer's and the next reload are on the GPU.
+    # (DESIGN §3: the planner decides -- pass p["offload_checkpoints"] to stream.Trainer.)
+    offload = offload_checkpoints if offload_checkpoints is not None else \
+        cuda and sum(gpu.values()) + L * act > hw["gpu_mem_gb"] * GB
+    gpu["checkpoints: 2 layers (offloaded)" if offload else f"checkpoints: {L} layers"] = \
+        2 * act if offload else L * act
+    gpu_bytes = sum(gpu.values())
+
+    # ---- host (optim.HostAdamW + stream.py's pinned staging)
+    pin = (lambda b: 1 << (int(b) - 1).bit_length()) if (pinned_pow2 and cuda) else (lambda b: b)
+    per_unit = lambda bytes_per_param: sum(pin(u.numel * bytes_per_param) for u in units)  # noqa: E731
+    host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
+    if shadow:
+        host["bf16 shadow (streamed)"] = per_unit(2)
+    if grad_clip:
+        host["fp32 grad store (global norm first)"] = per_unit(4)
+    store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
+    if not grad_clip:  # D2H lands in a slab, the worker updates from it; tied: the head's waits for the scatter
+        host[f"fp32 grad staging: {2 + tied} slabs"] = (2 + tied) * pin(max(u.numel for u in units) * 4)
+    if offload:
+        host[f"offloaded checkpoints: {L} layers"] = L * micro_batches * pin(act // micro_batches)
+    host["staging: embedding rows, dy"] = 2 * micro_batches * pin(act // micro_batches)
+    host["runtime: Python, torch" + (", CUDA" if cuda else "")] = RUNTIME if cuda else 10**9
+    if not cuda:
+        host["device buffers (below)"] = gpu_bytes
+    host_bytes = sum(host.values())
+    host_limit = hw["host_mem_gb"] * GB * HOST_USABLE
+    fits_host, fits_gpu = host_bytes <= host_limit, (not cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
+
+    # ---- throughput: seconds per visit, then the schedule
+    F = hw[f"{dtype}_tflops"] * 1e12 * hw["frac"]     # achievable FLOP/s
+    h2d, d2h, hbw = hw["h2d_gbs"] * GB, hw["d2h_gbs"] * GB, hw["host_bw_gbs"] * GB
+    cast = 6 / (hw["hbm_gbs"] * GB) if not shadow and dtype == "bf16" else 0  # lean: read fp32, write bf16
+    adam_b = 28 + (6 if shadow else 0)  # read p, g, m, v; write p, m, v; fast: read p again, write the shadow
+    attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
+    rate = dict(load=sb / h2d + cast, grad=4 / d2h, adam=adam_b / hbw, norm=4 / hbw)  # seconds per parameter
+    numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
+    t = dict(fwd=tokens * (2 * lay.n_decay + attn) / F,
+             bwd=3 * tokens * (2 * lay.n_decay + attn) / F,  # recompute (1x forward) + backward (2x)
+             head=6 * tokens * head.n_decay / F,             # forward + backward, the head is not recomputed
+             rows=act / h2d, dy=act / d2h, scatter=tokens * cfg.d_model * 8 / hbw,
+             ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()})
+    step_time, busy, critical = simulate(L, t, numel, rate, deferred=grad_clip, tied=tied, offload=offload,
+                                         overlap=cuda)
+    peak = hw[f"{dtype}_tflops"]
+    model_tflops = flops_per_token(cfg) * tokens / step_time / 1e12
+    mins = {"h2d": F * (sb / h2d + cast) / 2,          # a layer's forward (2NT FLOPs) outlasts its copy (N sb B)
+            "d2h": F * 4 / (6 * d2h),                  # its recompute + backward (6NT) outlasts the fp32 grad
+            "cpu_adam": F * (adam_b + 4 * grad_clip) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
+    p = dict(config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype, batch_size=batch_size,
+             seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens, grad_clip=bool(grad_clip),
+             offload_checkpoints=bool(offload), offload_asked=offload_checkpoints, pinned_pow2=pinned_pow2, params=N,
+             host=host, host_bytes=host_bytes, host_limit_bytes=host_limit, host_bytes_per_param=store / N,
+             fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes, gpu_limit_bytes=hw["gpu_mem_gb"] * GB,
+             fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t, step_time_s=step_time,
+             tokens_per_s=tokens / step_time, model_tflops=model_tflops, mfu=model_tflops / peak,
+             utilization={k: v / step_time for k, v in busy.items()},
+             critical_path={k: v / step_time for k, v in critical.items()}, bottleneck=max(critical, key=critical.get),
+             min_tokens=mins, min_tokens_per_step=max(mins.values()))
+    return p
+
+
+def simulate(L, t, numel, rate, deferred, tied, offload, overlap=True, steps=3):
+    """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams)
+    and cpu_adam (the optimizer thread) -- each task starting when its lane is free and its inputs are
+    ready. Units: "embed", 0 .. L-1, "head". t: seconds of the per-step tasks; numel[kind] * rate[what]:
+    seconds to load, drain ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane, all in
+    program order. Returns the steady-state step time (between the starts of the last two steps' first
+    layer), the busy seconds per step of each lane, and each lane's seconds on the critical path of the
+    last step (walked back from its end through the task each task waited for): the bottleneck."""
+    free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam"), 0.0)
+    busy, critical, ends = dict.fromkeys(free, 0.0), dict.fromkeys(free, 0.0), {}
+
+    def run(lane, after, dur):
+        key = lane if overlap else "compute"
+        start = max(free[key], after)
+        free[key] = start + dur
+        busy[lane] += dur / steps
+        if dur > 0:
+            ends[free[key]] = (lane, start)    # whoever starts at this instant waited for this task
+        return free[key]
+
+    def cost(what, u):
+        return numel["layer" if isinstance(u, int) else u] * rate[what]
+
+    emb, first = ("head" if tied else "embed"), "norm" if deferred else "adam"  # the worker's job per landing
+    upd, starts = {}, []                         # unit -> when its latest update finished
+    for _ in range(steps):
+        slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
+        # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
+        loaded[0] = run("h2d", upd.get(0, 0.0), cost("load", 0))
+        x = run("h2d", upd.get(emb, 0.0), t["rows"])   # embedding rows, gathered from the updated master
+        for i in range(L):
+            if offload:
+                sent[i] = run("d2h", x, t["ckpt_d2h"])
+            x = run("compute", max(loaded[i], x), t["fwd"])
+            if i == 0:
+                starts.append(x - t["fwd"])
+            slot_free[i % 2] = x
+            nxt = i + 1 if i + 1 < L else "head"
+            loaded[nxt] = run("h2d", max(upd.get(nxt, 0.0), slot_free[1 - i % 2]), cost("load", nxt))
+        # head: loss forward and backward per chunk, its gradient goes down first (grad slot 0)
+        x = slot_free[L % 2] = run("compute", max(loaded["head"], x), t["head"])
+        gslot_free[0] = run("d2h", x, cost("grad", "head"))
+        if not tied:
+            upd["head"] = run("cpu_adam", gslot_free[0], cost(first, "head"))
+        # backward: layer L-1 is still resident; recompute from the checkpoint, grads drain as they finish
+        ready = run("h2d", sent[L - 1], t["ckpt_h2d"]) if offload else 0.0
+        for i in reversed(range(L)):
+            if i > 0:
+                loaded[i - 1] = run("h2d", slot_free[(i - 1) % 2], cost("load", i - 1))
+            nxt_ready = run("h2d", sent[i - 1], t["ckpt_h2d"]) if offload and i > 0 else 0.0
+            k = (L - i) % 2                      # grad slot of this visit
+            x = slot_free[i % 2] = run("compute", max(loaded[i], ready, gslot_free[k], x), t["bwd"])
+            gslot_free[k] = run("d2h", x, cost("grad", i))
+            upd[i] = run("cpu_adam", gslot_free[k], cost(first, i))
+            ready = nxt_ready
+        # embedding: dy of layer 0 goes down, the worker scatters it into the rows used
+        upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", x, t["dy"]), t["scatter"]), cost(first, emb))
+        if deferred:  # every norm known: updates in forward order, the next forward waits per unit
+            after = max(upd.values())
+            for u in ([] if tied else ["embed"]) + list(range(L)) + ["head"]:
+                upd[u] = run("cpu_adam", after, cost("adam", u))
+    now = starts[-1]
+    while now > starts[-2] and now in ends:
+        lane, start = ends[now]
+        critical[lane] += now - max(start, starts[-2])
+        now = start
+    return starts[-1] - starts[-2], busy, critical
+
+
+def plan_json(p):
+    """One JSON object: params, host_bytes, gpu_bytes, fits, step_time_s, tokens_per_s, model_tflops,
+    bottleneck, mode -- and every other field of the plan (components in bytes, times in seconds)."""
+    return json.dumps(p)
+
+
+def count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def size(b):
+    return f"{b / 1e12:.2f} TB" if b >= 1e12 else f"{b / GB:.{0 if b >= 10 * GB else 1}f} GB" if b >= GB \
+        else f"{b / 1e6:.0f} MB"
+
+
+def format_plan(p):
+    """The plan as a table a person reads: memory by component, per-visit times, prediction, verdicts."""
+    hw, N, m, t, cuda = p["hardware"], p["params"], p["model"], p["visit_s"], p["hardware"]["gpu_mem_gb"] > 0
+    verdict = lambda ok: "fits" if ok else "DOES NOT FIT"  # noqa: E731
+    pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items())  # noqa: E731
+    rows = [f"{p['config']}: {count(N)} params (L={m['n_layer']} d={m['d_model']} heads={m['n_head']}/{m['n_kv_head']}"
+            f" ff={m['d_ff']} V={m['vocab_size']}) on {hw['name']} ({hw['gpu']})",
+            f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = {p['tokens_per_step']:,}"
+            f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {'on' if p['grad_clip'] else 'off'},"
+            f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'}", "",
+            f"{'host memory' + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
+    rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
+    rows += [f"  {'total':<48}{p['host_bytes'] / GB:10.2f}{p['host_bytes'] / N:10.2f}   {verdict(p['fits_host'])}"
+             f" in {size(p['host_limit_bytes'])} ({HOST_USABLE:.0%} of {size(hw['host_mem_gb'] * GB)})", "",
+             f"{'GPU memory' if cuda else 'device buffers (CPU run: in host memory)':<50}{'GB':>10}"]
+    rows += [f"  {k:<48}{v / GB:10.2f}" for k, v in p["gpu"].items() if v]
+    rows += [f"  {'total':<48}{p['gpu_bytes'] / GB:10.2f}" +
+             (f"   {verdict(p['fits_gpu'])} in {size(hw['gpu_mem_gb'] * GB)}" if cuda else ""), "",
+             f"{'time per layer visit':<50}{'ms':>10}"]
+    rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
+        ("H2D weights", t["load"]), ("forward: 2NT + attention", t["fwd"]),
+        ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
+        ("CPU AdamW" + (" + grad-norm pass" if p["grad_clip"] else ""), t["adam"] + t["norm"] * p["grad_clip"]),
+        ("head: loss forward + backward, 6 V d T", t["head"]))]
+    rows += ["", f"predicted: {p['step_time_s']:.3g} s/step, {p['tokens_per_s']:,.0f} tokens/s, "
+                 f"{p['model_tflops']:.3g} model TFLOP/s = {p['mfu']:.0%} of the {hw[p['dtype'] + '_tflops']:g} peak "
+                 f"(6 N T per step: no recompute, no attention)",
+             f"bottleneck: {p['bottleneck']} (share of the critical path: " + pct(p["critical_path"]) +
+             "; busy: " + pct(p["utilization"]) + ")",
+             f"transfers and AdamW hide behind compute from ~{p['min_tokens_per_step']:,.0f} tokens/step (" +
+             ", ".join(f"{k} {v:,.0f}" for k, v in p["min_tokens"].items()) + ")",
+             f"verdict on {hw['name']}: host RAM {verdict(p['fits_host'])}, GPU memory " +
+             (verdict(p["fits_gpu"]) if cuda else "n/a (CPU)") + f" -> {'FITS' if p['fits'] else 'does not fit'}"]
+    return "\n".join(rows)
+
+
+def _replan(p, **change):
+    kw = dict(hardware=p["hardware"], batch_size=p["batch_size"], seq_len=p["seq_len"],
+              micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
+              offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"])
+    cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
+    kw.update(change)
+    kw["seq_len"] = min(kw["seq_len"], cfg.max_seq_len)
+    return plan(cfg, **kw)
+
+
+def suggest(p):
+    """The nearest setting that fits, as train.py flags, or None. Tried in order: the memory modes, checkpoint
+    offload, more micro-batches (smaller recompute activations), a smaller batch, then smaller presets.
+    (Fewer micro-batches never helps: the slots and checkpoints do not depend on them.)"""
+    tries = []
+    if p["dtype"] == "bf16":  # lean saves 2 B/param of host RAM, fast saves the GPU's fp32 staging buffer
+        tries.append(("--mode lean", dict(mode="lean")) if p["mode"] == "fast" else ("--mode fast", dict(mode="fast")))
+    if p["grad_clip"]:
+        tries += [("--grad-clip 0", dict(grad_clip=False)),
+                  ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=False))]
+    tries.append(("--offload-checkpoints off" if p["offload_checkpoints"] else "--offload-checkpoints on",
+                  dict(offload_checkpoints=not p["offload_checkpoints"])))
+    B, M = p["batch_size"], p["micro_batches"]
+    tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in range(M + 1, B + 1) if B % m == 0][:4]
+    tries += [(f"--batch-size {b} --micro-batches {min(M, b)}", dict(batch_size=b, micro_batches=min(M, b)))
+              for b in (B // 2, B // 4, B // 8, 1) if 0 < b < B and b % min(M, b) == 0]
+    for flags, change in tries:
+        if _replan(p, **change)["fits"]:
+            return flags
+    smaller = sorted((c for c in model.PRESETS.items() if model.n_params(c[1]) < p["params"]),
+                     key=lambda c: -model.n_params(c[1]))
+    for name, c in smaller:
+        if _replan(p, cfg=c, name=name)["fits"]:
+            return f"--config {name}"
+    return None
+
+
+def check(p):
+    """None when the plan fits; else raise PlanError with one line: what is short, by how much, what to try."""
+    if p["fits"]:
+        return
+    hw, cfg = p["hardware"], f"--config {p['config']}" if p["config"] in model.PRESETS else "this config"
+    where = "this machine has" if hw["name"] == "local" else f"--hardware {hw['name']} has"
+    if not p["fits_host"]:
+        what = " + ".join(["fp32 master + Adam m, v"] + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
+                          + ["fp32 grads"] * p["grad_clip"] + ["checkpoints"] * p["offload_checkpoints"])
+        mode = f" in --mode {p['mode']}" if p["dtype"] == "bf16" else ""
+        msg = (f"{cfg} needs ~{size(p['host_bytes'])} of host RAM ({p['host_bytes'] / p['params']:.1f} B/param: "
+               f"{what}){mode}; {where} {size(hw['host_mem_gb'] * GB)}")
+    else:
+        msg = (f"{cfg} needs ~{size(p['gpu_bytes'])} of GPU memory at {p['batch_size']} x {p['seq_len']} "
+               f"tokens in {p['micro_batches']} micro-batch(es); {where} {size(hw['gpu_mem_gb'] * GB)}")
+    fix = suggest(p)
+    raise PlanError(msg + (f". Try {fix}, or --plan for the breakdown." if fix else
+                           ". Nothing smaller fits either; see --plan for the breakdown."))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Memory and throughput plan; nothing is allocated.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
+    ap.add_argument("--hardware", default="local", help=f"local, all, or one of: {', '.join(HARDWARE)}")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's max)")
+    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per layer visit")
+    ap.add_argument("--mode", default="fast", choices=["fast", "lean"], help="host memory mode (DESIGN.md §3)")
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype")
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip (0 = off: no fp32 grad store)")
+    ap.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the profile's)")
+    ap.add_argument("--host-bw", type=float, default=None, help="host DRAM GB/s seen by AdamW")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a = ap.parse_args()
+    kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches, mode=a.mode,
+              dtype=a.dtype, grad_clip=a.grad_clip > 0, host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw,
+              offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints])
+    for hw_name in (list(HARDWARE) if a.hardware == "all" else [a.hardware]):
+        p = plan(model.PRESETS[a.config], hw_name, **kw)
+        if a.json:
+            print(plan_json(p))
+        elif a.hardware == "all":
+            print(f"{hw_name:>8}: {'fits' if p['fits'] else 'no  '}  host {size(p['host_bytes'])} of "
+                  f"{size(p['host_limit_bytes'])}, GPU {size(p['gpu_bytes'])} of {size(p['gpu_limit_bytes'])},"
+                  f" {p['tokens_per_s']:,.0f} tokens/s, {p['model_tflops']:.0f} TFLOP/s, {p['bottleneck']}-bound")
+        else:
+            print(format_plan(p))
+            try:
+                check(p)
+            except PlanError as e:
+                print(f"error: {e}")

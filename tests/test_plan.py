@@ -1,0 +1,208 @@
+"""megatrain_min.plan against hand arithmetic: parameter counts from formulas written here (and the
+published counts of the models the presets copy), host bytes per parameter for every mode, the activation
+estimate against what autograd really saves, the acceptance cases (120b lean on an H200 with 1.5 TB fits;
+70b in 23 GB refuses in one line), and the throughput model's invariants. CPU only, no model allocated
+except the toy-sized ones."""
+import json
+import time
+
+import pytest
+import torch
+
+import model
+from conftest import SPECIAL
+from megatrain_min import plan as P
+
+
+def hand_params(c):
+    """Llama-style count: per layer q, k, v, o (GQA: k and v have n_kv_head heads) + gate, up, down + 2 norms
+    (+ Qwen2's q/k/v biases, Qwen3's per-head q/k norms); embedding; untied head; final norm."""
+    q, kv = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+    layer = c.d_model * q + 2 * c.d_model * kv + q * c.d_model + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    layer += (q + 2 * kv) * c.qkv_bias + 2 * c.head_dim * c.qk_norm
+    return c.n_layer * layer + c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.d_model
+
+
+PUBLISHED = {"1b": 1_235_814_400, "7b": 6_738_415_616, "14b": 14_770_033_664,  # Llama-3.2-1B, Llama-2-7B,
+             "32b": 32_763_876_352, "70b": 70_553_706_496}                        # Qwen2.5-14B/32B, Llama-3-70B
+
+
+@pytest.mark.parametrize("name", list(model.PRESETS))
+def test_param_counts_match_hand_formula(name):
+    cfg = model.PRESETS[name]
+    p = P.plan(cfg, "h200")
+    assert p["params"] == model.n_params(cfg) == hand_params(cfg)
+    if name in PUBLISHED:
+        assert p["params"] == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "gqa-bias-qknorm-tied"])
+def test_param_count_equals_init_weights(cfg):
+    w = model.init_weights(cfg, seed=0)
+    n = sum(t.numel() for t in w.values())
+    print(f"init_weights: {n:,} elements, plan: {P.plan(cfg, 'h100')['params']:,}")
+    assert n == P.plan(cfg, "h100")["params"] == hand_params(cfg)
+
+
+@pytest.mark.parametrize("mode,dtype,clip,per_param", [
+    ("fast", "bf16", True, 18), ("fast", "bf16", False, 14), ("lean", "bf16", True, 16),
+    ("lean", "bf16", False, 12), ("fast", "fp32", True, 16), ("lean", "fp32", False, 12)])
+def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
+    cfg = model.PRESETS["7b"]
+    N = model.n_params(cfg)
+    p = P.plan(cfg, "h100", mode=mode, dtype=dtype, grad_clip=clip)
+    assert p["host_bytes_per_param"] == per_param               # the store: exact, whole bytes
+    assert p["host"]["fp32 master"] == p["host"]["Adam m (fp32)"] == p["host"]["Adam v (fp32)"] == 4 * N
+    assert p["host"].get("bf16 shadow (streamed)", 0) == (2 * N if mode == "fast" and dtype == "bf16" else 0)
+    assert p["host"].get("fp32 grad store (global norm first)", 0) == (4 * N if clip else 0)
+    assert p["host_bytes"] > per_param * N                      # + staging, runtime: never less
+    rounded = P.plan(cfg, "h100", mode=mode, dtype=dtype, grad_clip=clip, pinned_pow2=True)
+    assert rounded["host_bytes_per_param"] > per_param          # torch's power-of-two pinned blocks
+
+
+def test_120b_lean_fits_h200_with_1536_gb_and_fast():
+    t0 = time.perf_counter()
+    p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536)
+    dt = time.perf_counter() - t0
+    print(P.format_plan(p), f"\nplanned in {dt * 1e3:.1f} ms")
+    assert p["fits"] and p["fits_host"] and p["fits_gpu"]
+    assert p["host_bytes_per_param"] == 12 and p["host_bytes"] / p["params"] >= 12
+    assert p["host_bytes"] <= 1536e9 and p["mode"] == "lean"
+    table = P.format_plan(p)
+    assert "fp32 master" in table and "Adam m" in table and "FITS" in table
+    P.check(p)                                                   # fits: no error
+    assert dt < 1.0
+    # with global-norm clipping every fp32 gradient is kept too: 16 B/param, no longer 1.5 TB
+    clipped = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, grad_clip=True)
+    assert not clipped["fits"] and clipped["host_bytes_per_param"] == 16
+    with pytest.raises(P.PlanError, match="--grad-clip 0"):
+        P.check(clipped)
+
+
+def test_70b_in_23_gb_refuses_in_one_line():
+    p = P.plan(model.PRESETS["70b"], "local", host_mem_gb=23)
+    assert not p["fits_host"] and not p["fits"]
+    with pytest.raises(P.PlanError) as e:
+        P.check(p)
+    msg = str(e.value)
+    print(msg)
+    assert isinstance(e.value, ValueError) and "\n" not in msg
+    assert "--config 70b" in msg and "TB of host RAM" in msg and "23 GB" in msg and "Try --config" in msg
+
+
+def test_plan_and_check_are_fast():
+    t0 = time.perf_counter()
+    for name in ("100b", "120b"):
+        for hw in ("h200", "gh200"):
+            for mode in ("fast", "lean"):
+                p = P.plan(model.PRESETS[name], hw, mode=mode, host_mem_gb=1536, grad_clip=True)
+                try:
+                    P.check(p)                                   # may re-plan a dozen times for a suggestion
+                except P.PlanError:
+                    pass
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_gpu_too_small_suggests_a_setting_that_fits():
+    p = P.plan(model.PRESETS["70b"], "rtx4090", host_mem_gb=1536)
+    assert p["fits_host"] and not p["fits_gpu"]
+    with pytest.raises(P.PlanError, match=r"GPU memory.*Try --(micro-batches|batch-size|offload)") as e:
+        P.check(p)
+    print(e.value)
+
+
+def test_gpu_memory_does_not_grow_with_depth():
+    # 70b and 100b share the layer; with checkpoints offloaded the GPU holds the same buffers
+    a, b = (P.plan(model.PRESETS[n], "h200", offload_checkpoints=True) for n in ("70b", "100b"))
+    assert a["gpu_bytes"] == b["gpu_bytes"]
+    assert b["host_bytes"] > a["host_bytes"]
+
+
+def test_checkpoints_offloaded_only_when_they_do_not_fit():
+    assert not P.plan(model.PRESETS["120b"], "h200", mode="lean")["offload_checkpoints"]
+    p = P.plan(model.PRESETS["120b"], "h100", mode="lean")
+    assert p["offload_checkpoints"] and p["fits_gpu"]
+
+
+def test_activation_estimate_matches_what_autograd_saves():
+    """layer_activation_bytes (minus its backward transients) against the bytes of the tensors autograd
+    saves when model.block runs with grad on the CPU, for fp32 and bf16."""
+    for cfg in (model.PRESETS["toy"], SPECIAL):
+        lay = next(u for u in model.units(cfg) if u.name == "layer.0")
+        for dtype, cb in ((torch.float32, 4), (torch.bfloat16, 2)):
+            B, T = 2, 32
+            flat = torch.randn(lay.numel, dtype=dtype) * 0.02
+            w = {k: v.detach().requires_grad_() for k, v in lay.views(flat).items()}
+            x = torch.randn(B, T, cfg.d_model, dtype=dtype, requires_grad=True)
+            rope = model.rope_cache(cfg, T, dtype=dtype)
+            skip = {t.untyped_storage().data_ptr() for t in (x, flat, *rope)}  # input and weights: not activations
+            saved = {}
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t,
+                    lambda t: t):
+                model.block(cfg, x, w, rope)
+            got = sum(v for k, v in saved.items() if k not in skip)
+            est = P.layer_activation_bytes(cfg, B * T, cb) - B * T * (2 * cb * cfg.d_ff + 8 * cfg.d_model)
+            print(f"{dtype}: autograd saves {got:,} B, plan estimates {est:,} B ({est / got - 1:+.1%})")
+            assert 0.9 * got <= est <= 1.2 * got
+
+
+def test_bottleneck_follows_tokens_per_step():
+    cfg = model.PRESETS["7b"]
+    tiny = dict(batch_size=1, seq_len=128)
+    # lean: 8 B/param cross H2D per step (forward + backward) vs 4 B/param of fp32 grads down
+    assert P.plan(cfg, "h100", mode="lean", host_bw_gbs=1000, **tiny)["bottleneck"] == "h2d"
+    assert P.plan(cfg, "h100", **tiny)["bottleneck"] != "compute"   # PCIe or the CPU AdamW, never the GPU
+    # fast: the forward waits on H2D (2 B/param), the backward on D2H (4 B/param of fp32 grads)
+    fast = P.plan(cfg, "h100", host_bw_gbs=1000, **tiny)
+    assert fast["bottleneck"] == "d2h" and fast["critical_path"]["h2d"] > 0.25
+    assert P.plan(cfg, "h100", host_bw_gbs=5, **tiny)["bottleneck"] == "cpu_adam"
+    big = P.plan(cfg, "h100", batch_size=64, seq_len=4096, micro_batches=8)
+    assert big["bottleneck"] == "compute" and big["utilization"]["compute"] > 0.95
+    assert big["tokens_per_step"] > big["min_tokens_per_step"] > 1024
+    # with clipping every update waits for the global norm and the next forward for each update
+    clipped = P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4, grad_clip=True)
+    assert clipped["critical_path"]["cpu_adam"] > 0.3 and clipped["step_time_s"] > \
+        P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4)["step_time_s"]
+
+
+def test_min_tokens_is_design_formula():
+    # DESIGN §4: 500 TFLOP/s achieved, bf16 weights, 55 GB/s -> about 9k tokens per step
+    hw = dict(P.HARDWARE["h100"], name="x", bf16_tflops=500, frac=1.0)
+    p = P.plan(model.PRESETS["7b"], hw)
+    assert p["min_tokens"]["h2d"] == pytest.approx(500e12 * 2 / (2 * 55e9))
+
+
+@pytest.mark.parametrize("hw", list(P.HARDWARE))
+def test_prediction_within_physical_limits(hw):
+    for name in ("1b", "70b", "120b"):
+        for mode in ("fast", "lean"):
+            p = P.plan(model.PRESETS[name], hw, mode=mode, micro_batches=4, grad_clip=True)
+            assert 0 < p["model_tflops"] <= P.HARDWARE[hw]["bf16_tflops"] * P.HARDWARE[hw]["frac"]
+            assert max(p["utilization"].values()) <= 1 + 1e-9
+            # the bottleneck is the lane with the most time on the critical path, which spans the whole step
+            assert sum(p["critical_path"].values()) == pytest.approx(1.0)
+            assert p["critical_path"][p["bottleneck"]] == max(p["critical_path"].values())
+            t = p["visit_s"]    # the step can never beat the compute it has to do
+            assert p["step_time_s"] >= model.PRESETS[name].n_layer * (t["fwd"] + t["bwd"]) + t["head"]
+
+
+def test_with_free_transfers_the_step_is_its_compute():
+    hw = dict(P.HARDWARE["h100"], name="x", h2d_gbs=1e9, d2h_gbs=1e9, host_bw_gbs=1e9, hbm_gbs=1e9)
+    for clip in (False, True):
+        p = P.plan(model.PRESETS["7b"], hw, grad_clip=clip)
+        t = p["visit_s"]
+        assert p["step_time_s"] == pytest.approx(32 * (t["fwd"] + t["bwd"]) + t["head"], rel=1e-4)
+
+
+def test_cpu_run_and_json():
+    p = P.plan(model.PRESETS["toy"], "local", batch_size=32, seq_len=128, host_mem_gb=23)
+    if p["hardware"]["gpu"] == "cpu":
+        assert p["dtype"] == "fp32" and p["fits_gpu"] and p["host"]["device buffers (below)"] == p["gpu_bytes"]
+    obj = json.loads(P.plan_json(p))
+    for k in ("params", "host_bytes", "gpu_bytes", "fits", "step_time_s", "tokens_per_s", "model_tflops",
+              "bottleneck", "mode"):
+        assert k in obj
+    assert obj["fits"] is True and obj["params"] == 869_504
+    with pytest.raises(P.PlanError, match="unknown --hardware"):
+        P.plan(model.PRESETS["toy"], "tpu")
