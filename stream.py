@@ -126,9 +126,10 @@ class Trainer:
         if not self.deferred:
             for _ in range(3):
                 self.slabs.put(torch.zeros(max(lay.numel for lay in self.units), pin_memory=cuda))
+        read_into = getattr(weights, "read_into", None)  # hf.load_hf's lazy weights fill a view in place
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
-                view.copy_(weights[key])
+                read_into(key, view) if read_into else view.copy_(weights[key])
             self.opt.refresh_shadow(u)
 
         # ---- GPU: two weight slots (ping-pong), two fp32 grad slots, streams. Independent of depth.
@@ -174,11 +175,13 @@ class Trainer:
             self._load(u, 1 - busy_slot)
         return self.resident[u]
 
-    def weights(self):
-        """{key: fp32 CPU tensor}: copies of the master weights, after all pending updates."""
+    def weights(self, copy=True):
+        """{key: fp32 CPU tensor} of the master weights, after all pending updates: copies, or with
+        copy=False views into the host store itself (no second copy of the model; valid until the next step)."""
         for u in list(self.pending):
             self._ready(u)
-        return {k: v.clone() for u, lay in enumerate(self.units) for k, v in lay.key_views(self.opt.master[u]).items()}
+        return {k: v.clone() if copy else v
+                for u, lay in enumerate(self.units) for k, v in lay.key_views(self.opt.master[u]).items()}
 
     def set_lr(self, lr):
         self.lr = lr

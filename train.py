@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -59,6 +60,9 @@ p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "
 p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
 for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
     p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+p.add_argument("--init-from", default=None, help="start from a Hugging Face model directory or one of our checkpoints (weights only)")
+p.add_argument("--save-hf", default=None, help="at the end, write the weights as a Hugging Face checkpoint to this directory")
+p.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype of --save-hf")
 p.add_argument("--plan", action="store_true", help="print the memory and throughput plan for --hardware and exit (nothing allocated)")
 p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
 p.add_argument("--hardware", default="local", help="plan for: local (this machine), h100, h200, gh200, a100, rtx4090")
@@ -73,13 +77,30 @@ p.add_argument("--sample-tokens", type=int, default=300, help="length of the sam
 args = p.parse_args()
 
 # ----------------------------------------------------------------------------- config
-if args.config not in model.PRESETS:
+if args.config not in model.PRESETS and not args.init_from:
     fail(f"unknown preset --config {args.config!r}; choose one of: {', '.join(model.PRESETS)}")
 overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(args, f)}
+from megatrain_min import checkpoint, data, hf  # noqa: E402
+
+init_dir, init_weights, tokenizer = Path(args.init_from) if args.init_from else None, None, None
+if init_dir is not None:  # the model comes from the directory: --config and shape flags do not apply
+    if overrides:
+        fail(f"--init-from takes the model shape from {init_dir}; drop --{next(iter(overrides)).replace('_', '-')}")
+    try:
+        if (init_dir / "meta.json").is_file():                                  # one of our checkpoints
+            init_cfg = model.GPTConfig(**checkpoint.read_meta(init_dir)["config"])
+        else:                                                                   # a transformers directory
+            init_cfg, init_weights = hf.load_hf(init_dir)
+            tokenizer = data.HFTokenizer(init_dir) if (init_dir / "tokenizer.json").is_file() else None
+    except ValueError as e:  # HFError, CheckpointError: one line
+        fail(str(e))
 if "n_head" in overrides and "n_kv_head" not in overrides and model.PRESETS[args.config].n_kv_head == model.PRESETS[args.config].n_head:
     overrides["n_kv_head"] = overrides["n_head"]          # a multi-head preset stays multi-head
 cfg = dataclasses.replace(model.PRESETS[args.config], head_dim=0, **overrides) if overrides else \
     dataclasses.replace(model.PRESETS[args.config])
+if init_dir is not None:
+    cfg = init_cfg
+    args.config = init_dir.name
 try:
     cfg.check()
 except ValueError as e:
@@ -137,24 +158,38 @@ print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:
       f"predicted {pl['tokens_per_s']:,.0f} tokens/s, bound by {pl['bottleneck']} (--plan for the breakdown)")
 
 # ----------------------------------------------------------------------------- data
-from megatrain_min import checkpoint, data  # noqa: E402
-
+data_path = Path(args.data or data.DEFAULT_DATA)
 try:
-    tokens = data.load_tokens(args.data or data.DEFAULT_DATA)
-    if int(tokens.max()) >= cfg.vocab_size:
-        raise ValueError(f"data has token id {int(tokens.max())} >= vocab_size {cfg.vocab_size} of preset {args.config}")
-    train_tok, val_tok = data.split(tokens)
-    train_batches = data.Batches(train_tok, args.batch_size, args.seq_len, seed=args.seed)
-    val_batches = data.Batches(val_tok, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")
+    if data_path.suffix == ".jsonl":  # SFT: loss only on assistant / completion tokens, one example per row
+        tok = tokenizer or data.ByteTokenizer()
+        train_ex, val_ex = data.split_examples(data.load_sft_jsonl(data_path, tok, args.seq_len))
+        top = max(int(x.max()) for x, _ in train_ex + val_ex)
+        train_batches = data.SFTBatches(train_ex, args.batch_size, args.seq_len, seed=args.seed)
+        val_batches = data.SFTBatches(val_ex, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")
+        sizes = f"{len(train_ex):,} train / {len(val_ex):,} val examples"
+    else:
+        if tokenizer is not None and data_path.suffix != ".npy":  # text through the model's own tokenizer
+            if not data_path.is_file():
+                raise ValueError(f"data file {data_path} does not exist; pass --data with a .txt, .npy or .jsonl file")
+            tokens = np.array(tokenizer.encode(data_path.read_text(encoding="utf-8", errors="replace")), dtype=np.int64)
+        else:
+            tokens = data.load_tokens(data_path)
+        top = int(tokens.max()) if len(tokens) else 0
+        train_tok, val_tok = data.split(tokens)
+        train_batches = data.Batches(train_tok, args.batch_size, args.seq_len, seed=args.seed)
+        val_batches = data.Batches(val_tok, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")
+        sizes = f"{len(train_tok):,} train / {len(val_tok):,} val tokens"
+    if top >= cfg.vocab_size:
+        raise ValueError(f"data has token id {top} >= vocab_size {cfg.vocab_size} of {args.config}")
 except ValueError as e:
     fail(str(e))
-print(f"data {args.data or data.DEFAULT_DATA}: {len(train_tok):,} train / {len(val_tok):,} val tokens")
+print(f"data {data_path}: {sizes}")
 
 # ----------------------------------------------------------------------------- weights and engine
 from stream import Trainer  # noqa: E402
 from megatrain_min.reference import ReferenceTrainer  # noqa: E402
 
-weights = model.LazyInit(cfg, seed=args.seed)  # made unit by unit as the engine copies it in
+weights = init_weights if init_weights is not None else model.LazyInit(cfg, seed=args.seed)  # read unit by unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 if args.engine == "stream":
     trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
@@ -162,6 +197,17 @@ if args.engine == "stream":
 else:
     trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
 del weights  # the engine holds its own copy (the host store)
+if init_dir is not None and init_weights is None:  # our checkpoint: its weights, a fresh optimizer
+    if args.engine != "stream":
+        fail("--init-from a checkpoint needs --engine stream")
+    try:
+        checkpoint.load(trainer, init_dir)
+    except checkpoint.CheckpointError as e:
+        fail(str(e))
+    for u in range(len(trainer.units)):  # weights only: Adam starts fresh (--resume continues a run)
+        trainer.opt.m[u].zero_(), trainer.opt.v[u].zero_(), trainer.opt.steps[u].zero_()
+if init_dir is not None:
+    print(f"initialised from {init_dir}")
 
 
 def evaluate():
@@ -282,9 +328,13 @@ elapsed = time.time() - t_start
 print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f} (nats/token), "
       f"checkpoint {checkpoint.latest(out) if args.engine == 'stream' else 'none (reference engine)'}")
 
-# ----------------------------------------------------------------------------- sample
-final = trainer.weights()
+# ----------------------------------------------------------------------------- export and sample
+if args.save_hf:
+    hf.save_hf(cfg, trainer.weights(copy=False) if args.engine == "stream" else trainer.weights(), args.save_hf,
+               dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.save_hf_dtype], tokenizer_from=init_dir)
+    print(f"saved a Hugging Face checkpoint to {args.save_hf} ({args.save_hf_dtype})")
 if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
+    final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():

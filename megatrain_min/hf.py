@@ -1,0 +1,383 @@
+"""hf.py -- Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3.
+
+What it is
+    load_hf(dir) reads config.json and model.safetensors (or the shards named by
+    model.safetensors.index.json) and returns (GPTConfig, weights). `weights` is a lazy Mapping: a
+    tensor is read from disk and converted to fp32 only when it is accessed, and nothing is cached, so
+    stream.Trainer(cfg, weights) fills its host store one tensor at a time: the extra host memory is one
+    fp32 tensor, the largest, plus a 64 MiB slice. Measured (python -m megatrain_min.hf --measure) on a
+    Llama-3.2-1B-shaped bf16 checkpoint, 2-core dev machine: peak RSS 0.93-1.05 GiB above the store
+    over runs (the 128256 x 2048 embedding in fp32 is 0.98 GiB), both for a 0.99B-param CPU Trainer
+    (14.0 GiB store) and for the fp32 masters of the full 1.24B model (4.6 GiB).
+    HFWeights.read_into(key, view) fills a store view directly: 0.03 GiB above the store.
+    Every file header, key, shape and dtype is checked against config.json before a byte of data is
+    read: a bad checkpoint fails before the store is allocated.
+    save_hf(cfg, weights, dir) writes bf16 or fp32 safetensors shards (one tensor in memory at a time),
+    the index, config.json and the tokenizer files, into a temporary directory renamed into place.
+What it is not
+    Not a general converter. Anything model.py does not compute fails with HFError naming it, never a
+    silently different model: other architectures, mixture-of-experts, quantized weights, RoPE scaling
+    (llama3, yarn, linear, ...), o_proj/MLP biases, activations other than SiLU.
+    Sliding-window attention (Mistral's sliding_window, Qwen's use_sliding_window) is accepted by
+    clamping cfg.max_seq_len to the window: a causal window of W tokens equals full causal attention
+    for sequences of <= W tokens, and train.py refuses --seq-len above max_seq_len. So a Mistral-7B-v0.1
+    (window 4096) fine-tunes exactly at up to 4096 tokens, and save_hf writes it as a plain Llama with
+    max_position_embeddings = 4096.
+    Tokenizers live in data.py (HFTokenizer); save_hf only copies their files.
+Reference
+    transformers' modeling_llama / mistral / qwen2 / qwen3 (model.py names its weights like them, so
+    this is a rename-free copy); the safetensors format: 8-byte little-endian header length, a JSON
+    header {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes.
+Try it
+    python -m pytest tests/test_hf.py           # logits vs transformers, round trips, training, errors
+    python -m megatrain_min.hf --measure        # peak extra RSS while loading a ~1B bf16 checkpoint
+"""
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model import HEAD, NORM, GPTConfig, units
+
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+ST_NAME = {v: k for k, v in DTYPES.items()}
+CHUNK = 64 << 20   # bytes of fp32 per converted slice: bounds what a read makes beside its destination
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+class HFError(ValueError):
+    """A checkpoint or config that this file cannot load or write. The message is one line, for a human."""
+
+
+# ----------------------------------------------------------------------------- config.json -> GPTConfig
+def config_from_hf(c, where="config.json"):
+    """Translate a transformers config dict into a GPTConfig, or raise HFError naming what is unsupported."""
+    arch = (c.get("architectures") or [None])[0] or c.get("model_type", "?")
+    family = ARCHS.get(arch) or (arch if arch in ARCHS.values() else None)   # an architecture or a model_type
+    if family is None:
+        moe = "Moe" in arch or "Mixtral" in arch or c.get("num_experts") or c.get("num_local_experts")
+        raise HFError(f"{where}: {'mixture-of-experts ' if moe else ''}architecture {arch} is not supported; "
+                      f"supported: {', '.join(ARCHS)}")
+
+    def unsupported(feature):
+        raise HFError(f"{where}: {arch} with {feature} is not supported (model.py does not compute it)")
+
+    if c.get("quantization_config"):
+        unsupported(f"quantization ({c['quantization_config'].get('quant_method', '?')})")
+    if c.get("hidden_act", "silu") != "silu":
+        unsupported(f"hidden_act={c['hidden_act']}")
+    if family != "qwen2" and c.get("attention_bias"):
+        unsupported("attention_bias=true (a bias on o_proj too)")
+    if c.get("mlp_bias"):
+        unsupported("mlp_bias=true")
+    # RoPE: transformers reads rope_scaling (legacy) before rope_parameters (v5); theta may sit at top level
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        unsupported(f"rope scaling type {rope_type!r}")
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        unsupported("partial_rotary_factor")
+    # sliding window: exact as long as no sequence is longer than the window (see the module docstring)
+    max_len = c.get("max_position_embeddings", 4096)
+    layer_types = c.get("layer_types") or []
+    if set(layer_types) - {"full_attention", "sliding_attention"}:
+        unsupported(f"layer_types {sorted(set(layer_types))}")
+    sliding = (c.get("sliding_window") is not None if family == "mistral"
+               else c.get("use_sliding_window") or "sliding_attention" in layer_types)
+    if sliding and c.get("sliding_window"):
+        max_len = min(max_len, int(c["sliding_window"]))
+    n_head = c["num_attention_heads"]
+    try:
+        return GPTConfig(
+            vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"], n_head=n_head,
+            n_kv_head=c.get("num_key_value_heads") or n_head, d_model=c["hidden_size"],
+            d_ff=c["intermediate_size"], head_dim=c.get("head_dim") or c["hidden_size"] // n_head,
+            max_seq_len=max_len, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            norm_eps=c.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+            tie_embeddings=bool(c.get("tie_word_embeddings", False))).check()
+    except KeyError as e:
+        raise HFError(f"{where}: missing field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise HFError(f"{where}: {e}") from None
+
+
+def config_to_hf(cfg, dtype=torch.bfloat16):
+    """The config.json of a GPTConfig: Llama, Qwen2 when it has a qkv bias, Qwen3 when it has q/k norm."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise HFError("no transformers family has a qkv bias AND q/k norm (Qwen3's attention_bias biases o_proj too)")
+    arch = "Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+    c = {"architectures": [arch], "model_type": ARCHS[arch], "vocab_size": cfg.vocab_size,
+         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
+         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+         "rope_theta": cfg.rope_theta,                                            # transformers v4 reads this
+         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # ... and v5 this
+         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+         "torch_dtype": str(dtype)[6:], "initializer_range": 0.02}
+    if arch != "LlamaForCausalLM":
+        c.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+    return c
+
+
+# ----------------------------------------------------------------------------- load
+def _first_line(e):
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _headers(d):
+    """{key: (file, shape, dtype name)} from the safetensors headers in directory d (no data is read)."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise HFError(f"{index}: not a safetensors index ({_first_line(e)})") from None
+        files = sorted(set(weight_map.values()))
+    elif (d / "model.safetensors").is_file():
+        weight_map, files = None, ["model.safetensors"]
+    else:
+        raise HFError(f"{d}: no model.safetensors or model.safetensors.index.json "
+                      f"(pytorch_model.bin is not read: pickle runs code; re-save with safe_serialization=True)")
+    found = {}
+    for name in files:
+        path = d / name
+        if not path.is_file():
+            raise HFError(f"{d}: shard {name} named in model.safetensors.index.json is missing")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for k in f.keys():
+                    sl = f.get_slice(k)
+                    found[k] = (path, tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises its own error type for a corrupt header
+            raise HFError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
+    for k, name in (weight_map or {}).items():
+        if found.get(k, (None,))[0] != d / name:
+            raise HFError(f"{d / name}: has no tensor {k} although model.safetensors.index.json says so")
+    return found
+
+
+class HFWeights(Mapping):
+    """{key: fp32 CPU tensor}, read from the safetensors files on every access (nothing is cached).
+
+    Iterates in forward order (units(cfg)), the order in which Trainer copies weights into its store.
+    """
+
+    def __init__(self, where):
+        self.where = where   # {key: (file, shape)}, already checked against the config
+
+    def __getitem__(self, key):
+        return self.read_into(key, torch.empty(self.where[key][1], dtype=torch.float32))  # the one temporary
+
+    def read_into(self, key, out):
+        """Copy tensor `key` into `out` (e.g. a view of a host store: then no full-size temporary at all),
+        converting bf16/fp16 rows to out's dtype one CHUNK of the file at a time. Returns out."""
+        path, shape = self.where[key]
+        rows = max(1, CHUNK // max(1, math.prod(shape[1:]) * 4))
+        for a in range(0, shape[0], rows):
+            with safe_open(path, framework="pt") as f:   # reopened per slice: the file is mmapped, and its
+                out[a:a + rows] = f.get_slice(key)[a:a + rows]  # pages would count as ours until closed
+        return out
+
+    def __contains__(self, key):  # Mapping's default would read the tensor
+        return key in self.where
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self):
+        return len(self.where)
+
+
+def load_hf(model_dir):
+    """(GPTConfig, HFWeights) of a transformers checkpoint directory; HFError for anything unsupported."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise HFError(f"{d}: no config.json (expected a Hugging Face model directory)")
+    try:
+        c = json.loads((d / "config.json").read_text())
+    except ValueError as e:
+        raise HFError(f"{d / 'config.json'}: not valid JSON ({_first_line(e)})") from None
+    found = _headers(d)
+    if c.get("tie_word_embeddings") is None:   # some configs leave it out: the files then tell
+        c["tie_word_embeddings"] = HEAD not in found
+    cfg = config_from_hf(c, d / "config.json")
+    expected = {key: shape for u in units(cfg) for _, key, shape, _ in u.entries}
+    for key, shape in expected.items():
+        if key not in found:
+            raise HFError(f"{d}: tensor {key} is missing from the checkpoint")
+        _, got, dt = found[key]
+        if got != shape:
+            raise HFError(f"{d}: {key} has shape {list(got)}, config.json implies {list(shape)}")
+        if dt not in DTYPES:
+            raise HFError(f"{d}: {key} is stored as {dt}; only F32, BF16 and F16 are read")
+    extra = [k for k in found if k not in expected and not k.endswith("rotary_emb.inv_freq")
+             and not (k == HEAD and cfg.tie_embeddings)]   # a tied lm_head copy is ignored, as transformers does
+    if extra:
+        raise HFError(f"{d}: unexpected tensor {extra[0]} ({len(extra)} in all): a feature model.py does not have")
+    return cfg, HFWeights({key: (found[key][0], shape) for key, shape in expected.items()})
+
+
+# ----------------------------------------------------------------------------- save
+def _parse_size(size):
+    """5_000_000_000, "5GB" or "500MB" (decimal, as transformers' max_shard_size) -> bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]?B)?", str(size).strip().upper())
+    if not m:
+        raise HFError(f"shard_size {size!r}: expected bytes or a size like '5GB'")
+    return int(float(m[1]) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[m[2] or "B"])
+
+
+def _write_safetensors(path, entries, weights, dtype):
+    """One safetensors file, written tensor by tensor: entries [(key, shape)] in file order."""
+    esize = torch.finfo(dtype).bits // 8
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape in entries:
+        n = math.prod(shape) * esize
+        header[key] = {"dtype": ST_NAME[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                                   # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for key, shape in entries:
+            t = weights[key]
+            if tuple(t.shape) != tuple(shape):
+                raise HFError(f"{key} has shape {list(t.shape)}, the config implies {list(shape)}")
+            t = t.detach().to("cpu", dtype).contiguous()              # one tensor in the target dtype
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tokenizer_from=None):
+    """Write a transformers-loadable checkpoint of weights (any Mapping {key: tensor}) to model_dir.
+
+    dtype: torch.bfloat16 or torch.float32 (an fp32 round trip is exact). Shards hold at most
+    shard_size bytes (one tensor may exceed it). tokenizer_from: a directory whose tokenizer files
+    (and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
+    An existing model_dir is replaced only when it holds a config.json (a previous export).
+    """
+    if dtype not in ST_NAME:
+        raise HFError(f"save dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+    out, limit, esize = Path(model_dir), _parse_size(shard_size), torch.finfo(dtype).bits // 8
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise HFError(f"{out} exists and is not a model directory; pick a new --save-hf path")
+    config = config_to_hf(cfg, dtype)
+    entries = [(key, shape) for u in units(cfg) for _, key, shape, _ in u.entries]  # forward order
+    shards, size = [[]], 0
+    for key, shape in entries:                                 # greedy: start a new shard when full
+        n = math.prod(shape) * esize
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, shape))
+        size += n
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name, shard in zip(names, shards):
+            _write_safetensors(tmp / name, shard, weights, dtype)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(math.prod(s) * esize for _, s in entries)},
+                     "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        src = Path(tokenizer_from) if tokenizer_from else None
+        if src is not None:
+            for f in TOKENIZER_FILES:
+                if (src / f).is_file():
+                    shutil.copyfile(src / f, tmp / f)
+            if (src / "config.json").is_file():
+                old = json.loads((src / "config.json").read_text())
+                config.update({k: old[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in old})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        old_dir = out.parent / f".old-{out.name}-{os.getpid()}"
+        if out.exists():
+            out.rename(old_dir)
+        tmp.rename(out)
+        shutil.rmtree(old_dir, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ----------------------------------------------------------------------------- python -m megatrain_min.hf --measure
+def _rss():
+    """(resident, peak resident since the last reset) bytes of this process (Linux: VmRSS, VmHWM)."""
+    s = Path("/proc/self/status").read_text()
+    return [int(re.search(rf"{k}:\s+(\d+) kB", s)[1]) << 10 for k in ("VmRSS", "VmHWM")]
+
+
+class _Watch:
+    """weights[key] passed through. The RSS at the first access is the store (allocated and zeroed before
+    the copy loop); the peak RSS is noted at every access, so the loop's peaks are all seen (its last key is
+    a tiny norm) and what Trainer allocates after the loop (its CPU-side compute slots) is not."""
+
+    def __init__(self, weights):
+        self.w, self.base, self.peak = weights, None, 0
+
+    def __getitem__(self, key):
+        rss, peak = _rss()
+        self.base, self.peak = self.base or rss, max(self.peak, peak)
+        return self.w[key]
+
+
+def _measure(n_layer, store, tmp):
+    """Write a freshly initialised Llama-3.2-1B-shaped bf16 checkpoint with save_hf, load it into a host store, print the
+    peak RSS above the store. store: "trainer" (a CPU stream.Trainer), "master" (fp32 master buffers alone,
+    filled by Trainer.__init__'s `view.copy_(weights[key])` loop), "direct" (the same buffers filled by
+    HFWeights.read_into, no temporary). RSS also counts the safetensors pages mapped while a tensor is
+    read: clean page cache (the kernel can drop it), not allocated memory."""
+    import dataclasses
+    import time
+    from model import PRESETS, LazyInit
+    cfg = dataclasses.replace(PRESETS["1b"], n_layer=n_layer or PRESETS["1b"].n_layer)
+    d, gb, t0 = Path(tmp) / "ckpt", 2 ** 30, time.time()
+    save_hf(cfg, LazyInit(cfg), d, dtype=torch.bfloat16)           # init_weights, one unit at a time
+    print(f"wrote {sum(u.numel for u in units(cfg)) / 1e9:.2f}B params to {d}: "
+          f"{sum(f.stat().st_size for f in d.glob('*.safetensors')) / gb:.2f} GiB bf16 in {time.time() - t0:.0f}s")
+    Path("/proc/self/clear_refs").write_text("5")                   # reset VmHWM to the current RSS
+    rss0, t0 = _rss()[0], time.time()
+    cfg, weights = load_hf(d)
+    watch = _Watch(weights)
+    if store == "trainer":
+        from stream import Trainer
+        Trainer(cfg, watch, device="cpu")
+    else:
+        bufs = [torch.zeros(u.numel) for u in units(cfg)]
+        watch.base = _rss()[0]
+        for u, lay in enumerate(units(cfg)):
+            for key, view in lay.key_views(bufs[u]).items():
+                weights.read_into(key, view) if store == "direct" else view.copy_(watch[key])
+        watch[NORM]                                                 # one more look at the peak
+    largest = 4 * max(math.prod(shape) for _, shape in weights.where.values())
+    print(f"{store}: store {(watch.base - rss0) / gb:.2f} GiB filled in {time.time() - t0:.0f}s, peak RSS above "
+          f"it {(watch.peak - watch.base) / gb:.2f} GiB; largest tensor in fp32 {largest / gb:.2f} GiB")
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+    p = argparse.ArgumentParser(description="Measure the host memory that load_hf needs beyond the store.")
+    p.add_argument("--measure", action="store_true", help="run it (writes a ~2.3 GiB checkpoint to --tmp)")
+    p.add_argument("--store", default="master", choices=["master", "direct", "trainer"], help="see _measure")
+    p.add_argument("--n-layer", type=int, default=0, help="layers of the 1b shape (default 16: 1.24B params)")
+    p.add_argument("--tmp", default=None, help="directory for the checkpoint (default: the system temp dir)")
+    a = p.parse_args()
+    if not a.measure:
+        p.exit(p.format_help())
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+        _measure(a.n_layer, a.store, tmp)

@@ -1,0 +1,267 @@
+"""megatrain_min/hf.py against Hugging Face transformers (the oracle), on tiny random models made here.
+
+Tolerances: our logits vs transformers' on the same weights <= 1e-4 relative (fp32, CPU; the two
+compute attention differently); save_hf output loaded by transformers vs our logits <= 1e-5; fp32
+round trip exact; 3 steps of stream.Trainer vs transformers + torch.optim.AdamW: per-step loss
+<= 1e-4 relative, weight updates <= 1e-2 relative by the norm of their difference. Every relative
+difference is max|a - b| / max|b| and is printed (pytest -s).
+"""
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+import model  # noqa: E402
+from conftest import random_batch, update_rel  # noqa: E402
+from megatrain_min import hf  # noqa: E402
+from megatrain_min.hf import HFError, load_hf, save_hf  # noqa: E402
+from stream import Trainer  # noqa: E402
+
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, rms_norm_eps=1e-5)
+FAMILIES = {  # each family with the feature it brings
+    "llama-gqa": lambda: LlamaConfig(**BASE, num_key_value_heads=2, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "mistral": lambda: MistralConfig(**BASE, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
+    "qwen2-bias-tied": lambda: Qwen2Config(**BASE, num_key_value_heads=4, tie_word_embeddings=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3-qknorm-headdim": lambda: Qwen3Config(**BASE, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+}
+
+
+def make_hf(path, hf_cfg, dtype=torch.float32, seed=0, **save_kw):
+    """A random transformers model (norms and biases random too, so every tensor matters), saved to path."""
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    m.to(dtype).save_pretrained(path, **save_kw)
+    return path
+
+
+def hf_model(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def tokens(cfg, T=16, seed=0):
+    return torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- the model maths
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tmp_path, family):
+    d = make_hf(tmp_path / "hf", FAMILIES[family]())
+    cfg, w = load_hf(d)
+    x = tokens(cfg)
+    with torch.no_grad():
+        ours, theirs = model.forward(cfg, w, x), hf_model(d)(x).logits
+    r = rel(ours, theirs)
+    print(f"{family}: logits max rel diff {r:.1e}")
+    assert r <= 1e-4
+
+
+def test_config_translation(tmp_path):
+    cfg, w = load_hf(make_hf(tmp_path / "q3", FAMILIES["qwen3-qknorm-headdim"]()))
+    assert list(w) == [key for u in model.units(cfg) for _, key, _, _ in u.entries]   # forward order
+    assert (cfg.head_dim, cfg.n_kv_head, cfg.qk_norm, cfg.qkv_bias, cfg.tie_embeddings) == (24, 2, True, False, False)
+    cfg, _ = load_hf(make_hf(tmp_path / "q2", FAMILIES["qwen2-bias-tied"]()))
+    assert (cfg.qkv_bias, cfg.tie_embeddings, cfg.rope_theta) == (True, True, 1e6)
+
+
+def test_rope_theta_top_level(tmp_path):
+    """Older configs keep rope_theta at the top level (and rope_scaling: null) instead of rope_parameters."""
+    d = make_hf(tmp_path / "hf", FAMILIES["llama-gqa"]())
+    c = json.loads((d / "config.json").read_text())
+    c.pop("rope_parameters")
+    c.update(rope_theta=500000.0, rope_scaling=None)
+    (d / "config.json").write_text(json.dumps(c))
+    cfg, w = load_hf(d)
+    assert cfg.rope_theta == 500000.0
+    x = tokens(cfg)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_clamps_max_seq_len(tmp_path, kind):
+    """A window of W tokens is full causal attention for T <= W: max_seq_len becomes W and logits match."""
+    hf_cfg = (MistralConfig(**BASE, num_key_value_heads=2, sliding_window=8) if kind == "mistral" else
+              Qwen2Config(**BASE, num_key_value_heads=4, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    d = make_hf(tmp_path / "hf", hf_cfg)
+    cfg, w = load_hf(d)
+    assert cfg.max_seq_len == 8
+    x = tokens(cfg, T=8)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_source(tmp_path, dtype, monkeypatch):
+    """bf16/fp16 tensors on disk come out as fp32 holding exactly the stored values (read in slices)."""
+    monkeypatch.setattr(hf, "CHUNK", 1000)         # several slices per tensor, as for a real model
+    d = make_hf(tmp_path / "hf", FAMILIES["qwen2-bias-tied"](), dtype=dtype)
+    cfg, w = load_hf(d)
+    ref = hf_model(d)                              # transformers upcasts the same stored values
+    sd = ref.state_dict()
+    for k in w:
+        assert w[k].dtype == torch.float32 and torch.equal(w[k], sd[k])
+        assert torch.equal(w.read_into(k, torch.zeros(w[k].shape)), sd[k])   # straight into a store view
+    x = tokens(cfg)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), ref(x).logits) <= 1e-4
+
+
+def test_sharded_transformers_checkpoint(tmp_path):
+    d = make_hf(tmp_path / "hf", FAMILIES["llama-gqa"](), max_shard_size="40KB")
+    assert (d / "model.safetensors.index.json").is_file()
+    cfg, w = load_hf(d)
+    x = tokens(cfg)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- save_hf
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_hf_loads_in_transformers(tmp_path, family):
+    cfg, w = load_hf(make_hf(tmp_path / "src", FAMILIES[family]()))
+    out = save_hf(cfg, w, tmp_path / "out", dtype=torch.float32)
+    x = tokens(cfg)
+    with torch.no_grad():
+        r = rel(hf_model(out)(x).logits, model.forward(cfg, w, x))
+    print(f"{family}: save_hf -> transformers logits max rel diff {r:.1e}")
+    assert r <= 1e-5
+
+
+@pytest.mark.parametrize("shard_size", ["5GB", 30_000], ids=["one-file", "sharded"])
+def test_fp32_round_trip_is_exact(tmp_path, shard_size):
+    cfg = model.GPTConfig(vocab_size=50, n_layer=3, n_head=4, n_kv_head=2, d_model=32, d_ff=48, head_dim=16,
+                          qk_norm=True, tie_embeddings=True, rope_theta=12345.0, norm_eps=1e-6, max_seq_len=32)
+    w = model.init_weights(cfg, seed=1)
+    out = save_hf(cfg, w, tmp_path / "out", dtype=torch.float32, shard_size=shard_size)
+    assert (out / "model.safetensors.index.json").is_file() == (shard_size != "5GB")
+    assert (len(list(out.glob("*.safetensors"))) > 2) == (shard_size != "5GB")
+    cfg2, w2 = load_hf(out)
+    assert cfg2 == cfg
+    assert list(w2) == list(w) and all(torch.equal(w2[k], w[k]) for k in w)
+    save_hf(cfg, w2, out, dtype=torch.float32)     # an earlier export is replaced
+    assert not (out / "model.safetensors.index.json").is_file() and not list(tmp_path.glob(".*"))
+
+
+def test_bf16_save_and_tokenizer_files(tmp_path):
+    cfg, w = load_hf(make_hf(tmp_path / "src", FAMILIES["llama-gqa"]()))
+    (tmp_path / "src" / "tokenizer.json").write_text("{}")
+    out = save_hf(cfg, w, tmp_path / "out", tokenizer_from=tmp_path / "src")
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, w2 = load_hf(out)
+    assert all(torch.equal(w2[k], w[k].bfloat16().float()) for k in w)
+
+
+# ----------------------------------------------------------------------------- training from a checkpoint
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2-bias-tied", "qwen3-qknorm-headdim"])
+def test_trainer_matches_transformers_adamw(tmp_path, family):
+    """3 steps of stream.Trainer (2 micro-batches, clipping) from load_hf, then save_hf, versus transformers
+    + torch.optim.AdamW (decay on >= 2-D tensors) + clip_grad_norm_ on the same batches."""
+    d = make_hf(tmp_path / "src", FAMILIES[family]())
+    cfg, w = load_hf(d)
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    trainer = Trainer(cfg, w, device="cpu", weight_decay=0.1, grad_clip=1.0, micro_batches=2, **hp)
+    ref = hf_model(d).train()
+    params = list(ref.parameters())                 # tied embeddings appear once
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], **hp)
+    gen = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for step in range(3):
+        x, y = random_batch(cfg, 4, 16, gen)
+        ours = trainer.step(x, y)
+        loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=model.IGNORE)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        worst = max(worst, abs(ours - loss.item()) / loss.item())
+        assert abs(ours - loss.item()) / loss.item() <= 1e-4, f"step {step}: {ours} vs {loss.item()}"
+    out = save_hf(cfg, trainer.weights(), tmp_path / "out", dtype=torch.float32)
+    _, saved = load_hf(out)
+    theirs = ref.state_dict()
+    r = update_rel(w, dict(saved.items()), {k: theirs[k] for k in saved})
+    print(f"{family}: loss max rel diff {worst:.1e}, update rel diff {r:.1e}")
+    assert r <= 1e-2
+
+
+# ----------------------------------------------------------------------------- bad input: one line, named
+def _edit_config(d, **kv):
+    c = json.loads((d / "config.json").read_text())
+    c.update(kv)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+def _drop_tensor(d, key):
+    from safetensors.torch import load_file, save_file
+    sd = load_file(d / "model.safetensors")
+    sd.pop(key)
+    save_file(sd, d / "model.safetensors")
+
+
+def _corrupt_header(d):
+    p = d / "model.safetensors"
+    b = bytearray(p.read_bytes())
+    b[8:40] = b"#" * 32
+    p.write_bytes(bytes(b))
+
+
+def _missing_shard(d):
+    next(d.glob("model-00002-*.safetensors")).unlink()
+
+
+BAD = {  # name: (how to break a fresh tiny Llama checkpoint, words the message must contain)
+    "no-config": (lambda d: (d / "config.json").unlink(), "no config.json"),
+    "missing-shard": (_missing_shard, "shard model-00002"),
+    "shape": (lambda d: _edit_config(d, intermediate_size=100), "mlp.gate_proj.weight has shape"),
+    "corrupt-header": (_corrupt_header, "not a readable safetensors file"),
+    "architecture": (lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]), "architecture GPT2LMHeadModel"),
+    "moe": (lambda d: _edit_config(d, architectures=["MixtralForCausalLM"]), "mixture-of-experts architecture Mixtral"),
+    "rope-scaling": (lambda d: _edit_config(d, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8}),
+                     "rope scaling type 'llama3'"),
+    "o-proj-bias": (lambda d: _edit_config(d, attention_bias=True), "attention_bias"),
+    "missing-tensor": (lambda d: _drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight is missing"),
+    "no-weights": (lambda d: (d / "model.safetensors").unlink(), "no model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_bad_checkpoint_is_one_line_hferror(tmp_path, bad):
+    break_it, words = BAD[bad]
+    d = make_hf(tmp_path / "hf", FAMILIES["llama-gqa"](), **({"max_shard_size": "40KB"} if bad == "missing-shard" else {}))
+    break_it(d)
+    with pytest.raises(HFError) as e:
+        load_hf(d)
+    msg = str(e.value)
+    print(msg)
+    assert words in msg and "\n" not in msg
+
+
+def test_save_hf_refuses_and_leaves_nothing(tmp_path):
+    cfg = model.PRESETS["toy"]
+    w = model.init_weights(cfg)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(HFError, match="not a model directory"):
+        save_hf(cfg, w, tmp_path / "run")
+    w["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(HFError, match="model.norm.weight has shape"):
+        save_hf(cfg, w, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]   # no temp dir, no half-written out
