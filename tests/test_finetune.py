@@ -1,0 +1,82 @@
+"""The fine-tuning path end to end, as a user runs it: a (tiny, random) Hugging Face Llama directory with
+its tokenizer.json -> python train.py --init-from DIR --data chat.jsonl --save-hf OUT -> OUT loads in
+transformers and gives our logits; --init-from also takes one of our checkpoints."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model
+from conftest import ROOT
+from megatrain_min.hf import load_hf
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+EOS = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    d = tmp_path_factory.mktemp("llama")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["<|user|>\nWhat is two plus two?", "<|assistant|>\nFour. Yes."],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return d
+
+
+def test_init_from_hf_sft_and_export(llama_dir, tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "What is two plus two?"},
+                          {"role": "assistant", "content": "Four."}]},
+            {"prompt": "Yes or no?", "completion": " Yes."}] * 4
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "hf-out"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(llama_dir), "--data", str(chat),
+                        "--save-hf", str(out), "--save-hf-dtype", "fp32", "--steps", "3", "--batch-size", "2",
+                        "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--lr", "1e-3",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(l == l for l in losses)
+    cfg, w = load_hf(out)
+    w = {k: w[k] for k in w}
+    w0 = load_hf(llama_dir)[1]
+    assert any(not torch.equal(w[k], w0[k]) for k in w)               # it trained
+    assert (out / "tokenizer.json").is_file()                           # and kept the tokenizer
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = theirs(tok).logits
+    ours = model.forward(cfg, w, tok)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+    # --init-from one of our checkpoints: the same weights, a fresh optimizer
+    ck = sorted((tmp_path / "run").glob("ckpt-*"))[-1]
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(ck), "--data", str(chat),
+                        "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1",
+                        "--save-hf", str(tmp_path / "again"), "--save-hf-dtype", "fp32", "--lr", "0",
+                        "--weight-decay", "0", "--out", str(tmp_path / "run2")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    again = load_hf(tmp_path / "again")[1]
+    assert all(torch.equal(again[k], w[k]) for k in w)  # lr 0: the checkpoint's weights came through unchanged
+
+
+def test_init_from_bad_directory_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(tmp_path / "empty")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
