@@ -27,7 +27,11 @@ import torch
 from tqdm import tqdm
 
 import model
+from megatrain_min import checkpoint, data, hf
+from megatrain_min import plan as planner
+from megatrain_min.reference import ReferenceTrainer
 from optim import lr_at
+from stream import Trainer
 
 
 def fail(msg):
@@ -80,8 +84,6 @@ args = p.parse_args()
 if args.config not in model.PRESETS and not args.init_from:
     fail(f"unknown preset --config {args.config!r}; choose one of: {', '.join(model.PRESETS)}")
 overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(args, f)}
-from megatrain_min import checkpoint, data, hf  # noqa: E402
-
 init_dir, init_weights, tokenizer = Path(args.init_from) if args.init_from else None, None, None
 if init_dir is not None:  # the model comes from the directory: --config and shape flags do not apply
     if overrides:
@@ -94,13 +96,13 @@ if init_dir is not None:  # the model comes from the directory: --config and sha
             tokenizer = data.HFTokenizer(init_dir) if (init_dir / "tokenizer.json").is_file() else None
     except ValueError as e:  # HFError, CheckpointError: one line
         fail(str(e))
-if "n_head" in overrides and "n_kv_head" not in overrides and model.PRESETS[args.config].n_kv_head == model.PRESETS[args.config].n_head:
-    overrides["n_kv_head"] = overrides["n_head"]          # a multi-head preset stays multi-head
-cfg = dataclasses.replace(model.PRESETS[args.config], head_dim=0, **overrides) if overrides else \
-    dataclasses.replace(model.PRESETS[args.config])
 if init_dir is not None:
-    cfg = init_cfg
-    args.config = init_dir.name
+    cfg, args.config = init_cfg, init_dir.name
+else:
+    preset = model.PRESETS[args.config]
+    if "n_head" in overrides and "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
+        overrides["n_kv_head"] = overrides["n_head"]      # a multi-head preset stays multi-head
+    cfg = dataclasses.replace(preset, head_dim=0, **overrides) if overrides else dataclasses.replace(preset)
 try:
     cfg.check()
 except ValueError as e:
@@ -123,8 +125,6 @@ tokens_per_step = args.batch_size * args.seq_len
 n_params = model.n_params(cfg)
 
 # ----------------------------------------------------------------------------- plan: will it fit, how fast
-from megatrain_min import plan as planner  # noqa: E402
-
 offload = {"auto": None, "on": True, "off": False}[args.offload_checkpoints]
 
 
@@ -186,9 +186,6 @@ except ValueError as e:
 print(f"data {data_path}: {sizes}")
 
 # ----------------------------------------------------------------------------- weights and engine
-from stream import Trainer  # noqa: E402
-from megatrain_min.reference import ReferenceTrainer  # noqa: E402
-
 weights = init_weights if init_weights is not None else model.LazyInit(cfg, seed=args.seed)  # read unit by unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 if args.engine == "stream":
