@@ -58,7 +58,8 @@ class HostAdamW:
             self.shadow[u].copy_(self.master[u])
 
     def step(self, u, lr=None, clip_coef=1.0):
-        """AdamW on unit u with the gradient in self.grad[u] (multiplied by clip_coef)."""
+        """AdamW on unit u with the gradient in self.grad[u] multiplied by clip_coef. The kernel writes the
+        scaled gradient back: after a clipped step, grad[u] holds the clipped gradient."""
         lr = self.lr if lr is None else lr
         n, n_decay = self.sizes[u]
         p, g, m, v = self.master[u], self.grad[u], self.m[u], self.v[u]

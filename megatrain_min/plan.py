@@ -202,8 +202,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     if grad_clip:
         host["fp32 grad store (global norm first)"] = per_unit(4)
     store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
-    if not grad_clip:  # D2H lands in a slab, the worker updates from it; tied: the head's waits for the scatter
-        host[f"fp32 grad staging: {2 + tied} slabs"] = (2 + tied) * pin(max(u.numel for u in units) * 4)
+    if not grad_clip:  # D2H lands in a slab, the worker updates from it (stream.Trainer keeps 3: two rotate,
+        #                a tied head may hold the third until the embedding scatter)
+        host["fp32 grad staging: 3 slabs"] = 3 * pin(max(u.numel for u in units) * 4)
     if offload:
         host[f"offloaded checkpoints: {L} layers"] = L * micro_batches * pin(act // micro_batches)
     host["staging: embedding rows, dy"] = 2 * micro_batches * pin(act // micro_batches)

@@ -1,0 +1,188 @@
+# %% [markdown]
+# # Lesson 6 -- scaling the plan to 100B and 120B: fast versus lean
+#
+# **What you will learn**
+#
+# * how many bytes of host memory each parameter costs, component by component, and how big a model
+#   1.5 TB can hold in each memory mode;
+# * why the GPU side does not grow with depth, and the one term that does grow (boundary checkpoints);
+# * `fast` (stream a bf16 shadow: +2 B/param, half the PCIe bytes) versus `lean` (stream the fp32
+#   master and cast on the GPU: 12 B/param) -- and what each costs in time;
+# * what `megatrain_min.plan` says for the 100b and 120b presets on an H200 and a GH200 with 1.5 TB:
+#   the MegaTrain paper's setting (120B on one H200 with 1.5 TB of host memory).
+#
+# Lesson 3 built the host store, lesson 5 the time per step. Nothing here allocates a big model: the
+# planner works from `model.units(cfg)`, i.e. from shapes.
+#
+# Run it: `python tutorials/06_scaling_to_120b.py` (a few seconds on a CPU).
+
+# %%
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
+sys.path.insert(0, str(ROOT))
+import model  # noqa: E402
+from megatrain_min import plan as planner  # noqa: E402
+from stream import Trainer  # noqa: E402
+
+# %% [markdown]
+# ## 1. Bytes per parameter, from scratch
+#
+# | component | fast | lean | why |
+# |---|---|---|---|
+# | fp32 master | 4 | 4 | the weights (true full precision) |
+# | Adam m, v (fp32) | 8 | 8 | the optimizer |
+# | bf16 shadow | 2 | -- | fast streams it; lean streams the master (4 B over PCIe) and casts on the GPU |
+# | fp32 gradient store | 4 if clipping | 4 if clipping | global-norm clipping needs *every* gradient before *any* update (lesson 2's order) |
+#
+# Without clipping each unit is updated as soon as its gradient lands, so a couple of unit-sized
+# staging slabs suffice instead of a full gradient store.
+
+# %%
+def bytes_per_param(mode, clip):
+    return 4 + 8 + (2 if mode == "fast" else 0) + (4 if clip else 0)
+
+
+HOST = 1536e9 * planner.HOST_USABLE                 # 1.5 TB, minus what the OS keeps (the planner's share)
+N100, N120 = model.n_params(model.PRESETS["100b"]), model.n_params(model.PRESETS["120b"])
+print(f"100b = {N100 / 1e9:.1f}B params, 120b = {N120 / 1e9:.1f}B params; usable host RAM {HOST / 1e12:.2f} TB")
+print(f"{'mode':<6}{'clip':<6}{'B/param':>8}{'100b':>9}{'120b':>9}{'largest model in 1.5 TB':>26}")
+for mode in ("fast", "lean"):
+    for clip in (False, True):
+        b = bytes_per_param(mode, clip)
+        print(f"{mode:<6}{str(clip):<6}{b:>8}{N100 * b / 1e12:>8.2f}T{N120 * b / 1e12:>8.2f}T{HOST / b / 1e9:>24.0f}B")
+
+# %% [markdown]
+# Only one row holds 120B: **lean, without clipping** -- 12 B/param, 1.44 TB. (Skipping clipping at this
+# scale is a real trade-off; the planner will also show what clipping costs.) 100B fits fast without
+# clipping, and lean either way.
+#
+# ## 2. The GPU side
+#
+# The GPU holds two weight slots and two fp32 gradient slots sized for the largest streamed unit, one
+# layer's recompute activations and the loss chunk: nothing there depends on the number of layers. The
+# exception is the boundary checkpoints of lesson 2 -- L x (tokens, d) -- which the engine offloads to
+# pinned host memory when they would not fit (and then they cost host RAM instead).
+
+# %%
+C120 = model.PRESETS["120b"]
+biggest = max(u.numel for u in model.units(C120)[1:])          # a layer or the head
+tokens = 8 * 4096
+ckpt = C120.n_layer * tokens * C120.d_model * 2                  # bf16 (B, T, d) per layer
+print(f"120b: largest unit {biggest / 1e9:.2f}B params -> weight slots 2 x {biggest * 2 / 1e9:.1f} GB (bf16), "
+      f"grad slots 2 x {biggest * 4 / 1e9:.1f} GB (fp32)")
+print(f"      boundary checkpoints at {tokens:,} tokens: {C120.n_layer} x {tokens:,} x {C120.d_model} x 2 B "
+      f"= {ckpt / 1e9:.0f} GB (grows with depth and tokens)")
+
+# %% [markdown]
+# ## 3. The planner's verdict
+#
+# Now the planner, with the paper's host (1.5 TB) on both GPUs, 8 x 4096 tokens per step (lesson 5:
+# enough to hide PCIe on an H200), clipping off:
+
+# %%
+rows = {}
+print(f"{'model':<6}{'GPU':<7}{'mode':<6}{'host':>9}{'B/param':>9}{'GPU mem':>9}{'s/step':>8}{'tokens/s':>9}  "
+      f"{'bottleneck':<10} verdict")
+for name in ("100b", "120b"):
+    for hw in ("h200", "gh200"):
+        for mode in ("fast", "lean"):
+            p = planner.plan(model.PRESETS[name], hw, batch_size=8, seq_len=4096, mode=mode,
+                             grad_clip=False, host_mem_gb=1536)
+            rows[name, hw, mode] = p
+            why = "" if p["fits"] else " (host)" if not p["fits_host"] else " (GPU)"
+            print(f"{name:<6}{hw:<7}{mode:<6}{p['host_bytes'] / 1e12:>8.2f}T{p['host_bytes'] / p['params']:>9.1f}"
+                  f"{p['gpu_bytes'] / 1e9:>8.0f}G{p['step_time_s']:>8.1f}{p['tokens_per_s']:>9,.0f}  "
+                  f"{p['bottleneck']:<10} {'FITS' if p['fits'] else 'no' + why}"
+                  + ("  ckpts offloaded" if p["offload_checkpoints"] else ""))
+
+# %% [markdown]
+# Read the table:
+#
+# * **120b needs lean**: fast is 1.7 TB. Lean on the H200 fits at 1.46 TB with fp32 master weights and
+#   fp32 Adam states -- and runs as fast as fast would: at 32k tokens the 4-byte copies are still hidden
+#   (lesson 5's threshold doubles to ~22k tokens), the step is compute-bound.
+# * **GH200**: 96 GB of HBM cannot keep 120b's 61 GB of checkpoints next to its working set, so they are
+#   offloaded -- to the host, which then overflows. The planner's suggestion is one line away:
+
+# %%
+p_gh = rows["120b", "gh200", "lean"]
+try:
+    planner.check(p_gh)
+except planner.PlanError as e:
+    print("planner.check:", e)
+p_gh4 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=False, host_mem_gb=1536)
+print(f"120b lean on gh200 at 4 x 4096: {'FITS' if p_gh4['fits'] else 'no'}, host {p_gh4['host_bytes'] / 1e12:.2f} TB, "
+      f"{p_gh4['tokens_per_s']:,.0f} tokens/s ({p_gh4['bottleneck']}-bound: the C2C link needs only "
+      f"~{p_gh4['min_tokens']['h2d']:,.0f} tokens to hide)")
+p_480 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=False)
+print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB of LPDDR5X: "
+      f"{'FITS' if p_480['fits'] else 'does not fit'}")
+
+# %% [markdown]
+# ## 4. The whole breakdown
+#
+# ![120b host memory by component](figures/memory.png)
+#
+# `format_plan` prints what `python -m megatrain_min.plan --config 120b --hardware h200 --mode lean
+# --host-mem 1536 --grad-clip 0` (or `python train.py --config 120b --plan ...`) shows:
+
+# %%
+p120 = rows["120b", "h200", "lean"]
+print(planner.format_plan(p120))
+
+# %% [markdown]
+# And the price of clipping at this scale: +4 B/param of gradient store, and the updates wait for the
+# global norm, so they no longer overlap the backward:
+
+# %%
+clip = planner.plan(C120, "h200", batch_size=8, seq_len=4096, mode="lean", grad_clip=True, host_mem_gb=1536)
+print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB ({'FITS' if clip['fits'] else 'does not fit'} "
+      f"in 1.5 TB), {clip['step_time_s']:.1f} s/step vs {p120['step_time_s']:.1f} without")
+
+# %% [markdown]
+# ## 5. The plan matches the engine's real store
+#
+# A plan is only useful if it counts what the engine allocates. On a toy model, build the real
+# `stream.Trainer` for each mode, with and without clipping (bf16 compute on the CPU gives fast mode its
+# shadow), and ask its store what it holds (`HostAdamW.nbytes()`). Without clipping the engine keeps no
+# per-unit gradient; it allocates a few unit-sized staging slabs instead, which the plan lists apart.
+
+# %%
+toy = model.PRESETS["toy"]
+w0 = model.init_weights(toy, 0)
+N = model.n_params(toy)
+store = {}
+for mode in ("fast", "lean"):
+    for clip_on in (True, False):
+        t = Trainer(toy, w0, device="cpu", dtype=torch.bfloat16, mode=mode, grad_clip=1.0 if clip_on else 0.0)
+        p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=clip_on)
+        slabs_engine = t.slabs.qsize()
+        slabs_plan = sum(int(k.split(":")[1].split()[0]) for k in p["host"] if k.startswith("fp32 grad staging"))
+        store[mode, clip_on] = (t.opt.nbytes(), p["host_bytes_per_param"] * N)
+        print(f"toy {mode:<4} clip {str(clip_on):<5}: engine store {store[mode, clip_on][0] / N:.0f} B/param, "
+              f"plan {store[mode, clip_on][1] / N:.0f} B/param; "
+              f"staging slabs: engine {slabs_engine}, plan {slabs_plan}")
+
+# %% [markdown]
+# ## Check
+#
+# * the planner's bytes per parameter equal section 1's arithmetic for every mode;
+# * with the paper's 1.5 TB, 120b fits on an H200 in lean mode (>= 12 B/param: fp32 master + Adam) and
+#   not in fast mode; 100b fits in both;
+# * the plan's per-parameter store is exactly the bytes the engine's store allocates, in all four cases.
+
+# %%
+for (name, hw, mode), p in rows.items():
+    assert p["host_bytes_per_param"] == bytes_per_param(mode, False), (name, hw, mode)
+assert clip["host_bytes_per_param"] == bytes_per_param("lean", True)
+assert rows["120b", "h200", "lean"]["fits"] and not rows["120b", "h200", "fast"]["fits"]
+assert rows["120b", "h200", "lean"]["host_bytes"] >= 12 * N120
+assert rows["100b", "h200", "fast"]["fits"] and rows["100b", "h200", "lean"]["fits"]
+for (mode, clip_on), (engine, plan_bytes) in store.items():
+    assert engine == plan_bytes, (mode, clip_on, engine, plan_bytes)
+print(f"OK  bytes/param as derived; 120b lean on h200 + 1.5 TB fits ({p120['host_bytes'] / 1e12:.2f} TB, "
+      f"{p120['tokens_per_s']:,.0f} tokens/s predicted), fast does not; plan == engine store in all 4 modes")
