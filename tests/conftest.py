@@ -1,4 +1,5 @@
 """Make the repository root importable (model.py, stream.py, optim.py live there) and share helpers."""
+import json
 import sys
 from pathlib import Path
 
@@ -28,6 +29,20 @@ def update_rel(w0, wa, wb):
     num = sum(((wa[k] - wb[k]).double() ** 2).sum() for k in wb) ** 0.5
     den = sum(((wb[k] - w0[k]).double() ** 2).sum() for k in wb) ** 0.5
     return float(num / den)
+
+
+def make_bpe_tokenizer(directory, texts, vocab_size, special_tokens, tokenizer_config):
+    """A tiny byte-level BPE tokenizer trained here on `texts`, saved as directory/tokenizer.json with a
+    tokenizer_config.json (nothing is downloaded). Returns the tokenizers.Tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return tok
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import make_bpe_tokenizer
 from megatrain_min.data import (IGNORE, ByteTokenizer, HFTokenizer, SFTBatches, load_sft_jsonl, split_examples)
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -23,17 +24,9 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     d = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS, BOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["<|user|>\nHi there", "<|assistant|>\nHello! Blue. yes", "Name a colour. Be brief."],
-                            trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "bos_token": None}))
+    make_bpe_tokenizer(d, ["<|user|>\nHi there", "<|assistant|>\nHello! Blue. yes", "Name a colour. Be brief."],
+                       400, [EOS, BOS], {"eos_token": EOS, "bos_token": None})
     return d
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import model
-from conftest import ROOT
+from conftest import ROOT, make_bpe_tokenizer
 from megatrain_min.hf import load_hf
 
 transformers = pytest.importorskip("transformers")
@@ -19,16 +19,9 @@ EOS = "<|endoftext|>"
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     d = tmp_path_factory.mktemp("llama")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["<|user|>\nWhat is two plus two?", "<|assistant|>\nFour. Yes."],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS],
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    tok = make_bpe_tokenizer(d, ["<|user|>\nWhat is two plus two?", "<|assistant|>\nFour. Yes."], 300, [EOS],
+                             {"eos_token": EOS})
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=128, tie_word_embeddings=False)
