@@ -21,11 +21,18 @@ One step, layer-major (every micro-batch passes through a layer during ONE visit
             clipping, once the global norm is known, in forward order, so that the next step's
             forward of layer i waits only for layer i's update.
 
-The three streams for L=3 (H = head, 0/1/2 = layers, ' = backward; slot A/B in brackets):
+The three streams for L=3, one column per layer visit (0/1/2 = layers, H = head, ' = backward,
+(A)/(B) = weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the host):
 
-  H2D      |0[A]|1[B]|2[A]|H[B]|    |1[B]|0[A]|            ckpt reloads ride here too when offloaded
-  compute  |emb |  0  |  1  |  2  | H+H' | 2'  | 1'  | 0'  |     (2' reuses slot A: no second copy)
-  D2H                          (ckpt offloads) |gH |g2 |g1 |g0|   -> host grad -> AdamW on the worker
+  compute  |emb|  0 (A)   |  1 (B)   |  2 (A)   | H+H' (B) |  2' (A)  |  1' (B)  |  0' (A)  |
+  H2D      |0>A|1>B       |2>A       |H>B       |          |1>B       |0>A       |
+  D2H                                                      |gH        |g2        |g1        |g0, dy
+  CPU worker                                                 AdamW H    AdamW 2    AdamW 1    AdamW 0, embed
+
+The copy of the next unit runs under the compute of the current one; 2' needs no copy (slot A still
+holds layer 2). Boundary-checkpoint offloads and reloads, when on, ride the D2H and H2D lanes too.
+Without clipping a gradient lands in one of 3 pinned staging slabs and is updated at once (the CPU row);
+with clipping every unit keeps its gradient until the global norm is known (the updates follow the step).
 
 Each copy is one contiguous transfer of a unit's flat buffer. A slot is refilled only after the
 compute stream has finished with it (event slot_free), and the compute stream uses a slot only after
