@@ -1,0 +1,489 @@
+"""bench.py -- the GPU benchmark: streaming engine vs resident PyTorch vs FSDP2 CPU offload, one run.
+
+What it is
+    Cases (--only picks some): pinned (H2D/D2H copy peak: 1 GB pinned buffer, CUDA events, best of 5),
+    sweep (d 2048 stack at 4/8/16/32 layers, checkpoints offloaded: peak GPU memory vs depth),
+    peers (a 7B-wide layer x 8, same model, tokens and micro-batches: stream.Trainer vs "resident" = plain
+    PyTorch with every weight on the GPU, fp32 params, bf16 autocast, fused AdamW, per-layer checkpointing;
+    "resident_no_ckpt" = megatrain_min.reference (keeps every activation, so it skips the recompute);
+    "fsdp2_offload" = FSDP2 fully_shard + CPUOffloadPolicy, bf16 mixed precision, fused CPU AdamW (torch's default
+    AdamW if the fused kernel fails on its sharded parameters: results say which)),
+    wide (Llama-2-7B layers d 4096 / ff 11008 / 32 heads / V 32000 at the
+    deepest depth whose planned host store fits in 85% of MemAvailable; tokens per step = the planner's
+    min_tokens_per_step rounded up to whole sequences, and twice that).
+Definitions
+    DEFS below (copied into results.json): step time, N, model and hardware TFLOP/s, overlap, copy rates.
+What it is not
+    Not a profiler (use --profile: a Chrome trace of 3 steps of the wide case), not a test: it asserts
+    nothing. Weights are one initialised layer repeated (SameLayers): values do not change timings and
+    the RNG would cost minutes at 7B. No resident run of the deepest 7B-wide stack (16 B/param > GPU memory).
+Run
+    python -m megatrain_min.bench [--out DIR] [--only pinned,sweep,peers,wide] [--profile]   # one GPU, ~5 min
+    python -m megatrain_min.bench --smoke --out /tmp/b   # tiny shapes, any machine, < 1 min (tests/test_bench.py)
+"""
+import argparse, dataclasses, datetime, gc, gzip, json, math, os, re, socket, subprocess, sys, time  # noqa: E401
+from collections.abc import Mapping
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import model
+from megatrain_min import plan as planner
+from megatrain_min.reference import ReferenceTrainer
+from stream import Trainer
+
+CUDA = torch.cuda.is_available()
+GB = 1e9
+LLAMA7B_LAYER = dict(vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008, max_seq_len=4096)
+FULL = dict(wide=model.GPTConfig(n_layer=1, **LLAMA7B_LAYER), seq=4096, max_depth=64, peers_depth=8,
+            sweep=model.GPTConfig(vocab_size=32000, n_layer=1, n_head=16, n_kv_head=16, d_model=2048, d_ff=5632,
+                                  max_seq_len=4096), depths=(4, 8, 16, 32), sweep_batch=4, warmup=2, steps=4)
+SMOKE = dict(wide=model.GPTConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head=4, d_model=64, d_ff=176, max_seq_len=64),
+             seq=64, max_depth=3, peers_depth=2, sweep=model.GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_kv_head=2,
+             d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, tokens=256)
+DEFS = dict(
+    step_s="median of timed steps (torch.cuda.synchronize before and after each) after warm-up steps",
+    N="parameters that multiply: every matrix but the embedding gather (= plan.flops_per_token / 6)",
+    model_tflops="6 N tokens / step_s (no recompute, no attention scores: useful work only)",
+    hw_tflops="(8 N_layers + 6 N_head) tokens / step_s: the layers' recompute counted, attention scores not",
+    compute_only_s="L x (one layer's no-grad forward + recompute-with-grad + backward + fp32 grad accumulation, "
+                   "all micro-batches) + the chunked head forward+backward, weights already on the device: "
+                   "no copies, no optimizer, no engine",
+    overlap="compute_only_s / step_s (1.0 = copies, optimizer and engine overhead fully hidden)",
+    h2d_gbs="bytes the engine must move host->device per step / step_s: an average over the step, not the "
+            "rate during a copy (d2h_gbs likewise); *_link_share = that / the pinned-copy peak of this run",
+    pinned="peak copy rate: 1 GiB pinned bf16 buffer <-> GPU, timed with CUDA events, best of 5",
+    peak_gpu_gb="torch.cuda.max_memory_allocated over the timed steps",
+    rss_gb="VmRSS of this process after the timed steps (pinned pages included); rss_peak_gb: VmHWM, "
+           "the process's peak so far",
+    vs_resident="stream tokens/s / resident tokens/s (peers case); vs_resident_no_ckpt, vs_fsdp2_offload likewise",
+    gpu_mem_depth_spread="(max - min) / min of peak_gpu_gb across the depth sweep")
+
+
+class SameLayers(Mapping):
+    """A weights dict for cfg in which every layer holds layer 0's initial values (model.init_unit)."""
+
+    def __init__(self, cfg, seed=0):
+        us, gen = model.units(cfg), torch.Generator().manual_seed(seed)
+        self.keys_ = [k for u in us for k in u.keys()]
+        self.w = {k: v for u in (us[0], us[1], us[-1]) for k, v in model.init_unit(cfg, u, gen).items()}
+
+    def __getitem__(self, key):
+        return self.w[re.sub(r"^model\.layers\.\d+\.", "model.layers.0.", key)]
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self):
+        return len(self.keys_)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def free_memory():
+    """Give back GPU cache and torch's cached pinned host blocks (framework internal: the pinned caching
+    allocator keeps freed blocks; the private call's name changed across versions, hence getattr)."""
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache", None)
+        if empty_host:
+            empty_host()
+
+
+def rss():
+    st = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    return {k: int(st[v].split()[0]) * 1024 / GB for k, v in (("rss_gb", "VmRSS"), ("rss_peak_gb", "VmHWM"))}
+
+
+def batch(cfg, B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (B, T), generator=g), torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+
+
+def time_steps(step, b, warmup, steps, drain=lambda: None):
+    """{step_s (median), steps_s, loss, peak_gpu_gb, rss...}: warm-up, then `steps` synchronised steps."""
+    for _ in range(warmup):
+        step(*b)
+    drain(), sync()
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    times, loss = [], None
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step(*b)
+        sync()
+        times.append(time.perf_counter() - t0)
+    drain()
+    return dict(step_s=median(times), steps_s=times, loss=loss, **rss(),
+                peak_gpu_gb=torch.cuda.max_memory_allocated() / GB if CUDA else None)
+
+
+def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
+    """Add tokens/s, TFLOP/s, copy volumes and rates, overlap to a timing dict r (see the docstring)."""
+    us, tok, L = model.units(cfg), B * T, cfg.n_layer
+    cb = 2 if CUDA else 4                                   # bytes of the compute dtype (bf16 shadow / fp32)
+    lay, head, act = us[1], us[-1], B * T * cfg.d_model * cb
+    n_layers, n_head = L * lay.n_decay, head.n_decay
+    r.update(tokens=tok, tokens_per_s=tok / r["step_s"], N=n_layers + n_head,
+             model_tflops=6 * (n_layers + n_head) * tok / r["step_s"] / 1e12,
+             hw_tflops=(8 * n_layers + 6 * n_head) * tok / r["step_s"] / 1e12)
+    if r.get("engine") == "stream":  # L layers + head forward, L-1 layers again backward; fp32 grads back
+        h2d = ((2 * L - 1) * lay.numel + head.numel) * cb + act * (1 + L * offload)
+        d2h = (L * lay.numel + head.numel) * 4 + act * (1 + L * offload)
+        r.update(h2d_gb=h2d / GB, d2h_gb=d2h / GB, h2d_gbs=h2d / GB / r["step_s"], d2h_gbs=d2h / GB / r["step_s"])
+        if peak:
+            r.update(h2d_link_share=r["h2d_gbs"] / peak["h2d_gbs"], d2h_link_share=r["d2h_gbs"] / peak["d2h_gbs"])
+    if compute_s:
+        r.update(compute_only_s=compute_s, overlap=compute_s / r["step_s"])
+    return r
+
+
+def compute_only(cfg, B, T, M, reps=3):
+    """compute_only_s (docstring): one layer's and the head's GPU work for a step, weights resident."""
+    dev, dt = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    us, gen = model.units(cfg), torch.Generator().manual_seed(0)
+    flat = lambda u: torch.cat([t.flatten() for t in model.init_unit(cfg, u, gen).values()]).to(dev, dt)  # noqa: E731
+    lay, head = us[1], us[-1]
+    w, wh = lay.views(flat(lay)), head.views(flat(head))
+    w = {k: v.requires_grad_() for k, v in w.items()}
+    wh = {k: v.requires_grad_() for k, v in wh.items()}
+    gacc = lay.views(torch.zeros(lay.numel, device=dev))
+    rope = model.rope_cache(cfg, T, dev, dt)
+    xs = [torch.randn(B // M, T, cfg.d_model, device=dev, dtype=dt) for _ in range(M)]
+    tgt = torch.randint(0, cfg.vocab_size, (B // M * T,), device=dev)
+    chunk = max(64, (1 << 26) // cfg.vocab_size)  # stream.Trainer's default chunk
+
+    def layer():
+        with torch.no_grad():
+            [model.block(cfg, x, w, rope) for x in xs]
+        for x in xs:
+            xin = x.detach().requires_grad_()
+            y = model.block(cfg, xin, w, rope)
+            _, *gw = torch.autograd.grad(y, [xin, *w.values()], x)
+            for acc, g in zip(gacc.values(), gw):
+                acc.add_(g)                                  # fp32 accumulation, as the engine does
+
+    def head_pass():
+        for x in xs:
+            xf = x.reshape(-1, cfg.d_model)
+            for c in range(0, xf.shape[0], chunk):
+                xc = xf[c:c + chunk].detach().requires_grad_()
+                torch.autograd.grad(model.head_loss(cfg, xc, wh, tgt[c:c + chunk]), [xc, *wh.values()])
+
+    def timed(fn):
+        fn()
+        out = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+        return median(out)
+    return cfg.n_layer * timed(layer) + timed(head_pass)
+
+
+# ----------------------------------------------------------------------------- the peers as nn.Modules
+class Layer(nn.Module):
+    """One model.block as an nn.Module (FSDP2 shards modules); parameter names with '.' -> '_'."""
+
+    def __init__(self, cfg, w):
+        super().__init__()
+        self.cfg, self.names = cfg, list(w)
+        for s, t in w.items():
+            self.register_parameter(s.replace(".", "_"), nn.Parameter(t.clone()))
+
+    def forward(self, x, rope):
+        return model.block(self.cfg, x, {s: getattr(self, s.replace(".", "_")) for s in self.names}, rope)
+
+
+class Model(nn.Module):
+    """model.py's maths with nn.Parameters, per-layer activation checkpointing (as the engine recomputes)."""
+
+    def __init__(self, cfg, weights):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(weights[model.EMBED].clone())
+        self.layers = nn.ModuleList(Layer(cfg, model.layer_weights(weights, i, cfg)) for i in range(cfg.n_layer))
+        self.norm, self.lm_head = nn.Parameter(weights[model.NORM].clone()), nn.Parameter(weights[model.HEAD].clone())
+
+    def forward(self, tok, tgt):  # returns the summed loss of (tok, tgt)
+        x = nn.functional.embedding(tok, self.embed)
+        rope = model.rope_cache(self.cfg, tok.shape[1], x.device, x.dtype)
+        for layer in self.layers:
+            x = checkpoint(layer, x, rope, use_reentrant=False)
+        return model.chunked_loss_sum(self.cfg, x, {"lm_head": self.lm_head, "norm": self.norm}, tgt, 4096)
+
+
+def module_step(m, M, autocast, **adamw):
+    """step(tokens, targets) -> mean loss: M micro-batches of m, then AdamW (decay on >= 2-D tensors)."""
+    dev, params = ("cuda" if CUDA else "cpu"), list(m.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-4, **adamw)
+
+    def step(tokens, targets):
+        n, total = targets.numel(), 0.0
+        for tok, tgt in zip(tokens.chunk(M), targets.chunk(M)):
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+                ls = m(tok.to(dev), tgt.to(dev))
+            (ls / n).backward()
+            total += ls.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total / n
+    return step
+
+
+def resident_ckpt_trainer(cfg, weights, M, fused=True):
+    """Plain PyTorch, every weight on the GPU: fp32 params, bf16 autocast, fused AdamW, per-layer checkpointing."""
+    return module_step(Model(cfg, weights).to("cuda" if CUDA else "cpu"), M, autocast=CUDA, fused=fused)
+
+
+def fsdp2_trainer(cfg, weights, M, fused=True):
+    """FSDP2 on one GPU with CPUOffloadPolicy (bf16 params, fp32 reduce, torch AdamW on the CPU shards).
+    Without CUDA: plain FSDP2 on a gloo CPU mesh (a code-path check only, no offload)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sk:  # a free port: other runs on this machine may hold a fixed one
+            sk.bind(("localhost", 0))
+            os.environ["MASTER_PORT"] = str(sk.getsockname()[1])
+    os.environ.update(MASTER_ADDR="localhost", RANK="0", WORLD_SIZE="1")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if CUDA else "gloo", rank=0, world_size=1)
+    if CUDA:
+        torch.cuda.set_device(0)
+    kw = dict(offload_policy=CPUOffloadPolicy(),
+              mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32)) if CUDA else {}
+    m = Model(cfg, weights)
+    for layer in m.layers:
+        fully_shard(layer, **kw)
+    fully_shard(m, **kw)
+    return module_step(m, M, autocast=False, fused=fused)  # mixed precision by the policy, not autocast
+
+
+# ----------------------------------------------------------------------------- cases
+def stream_case(cfg, B, T, M, S, peak, offload, keep=False):
+    t = Trainer(cfg, SameLayers(cfg), micro_batches=M, offload_checkpoints=offload)
+    b = batch(cfg, B, T)
+    r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
+    r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload), peak, offload,
+              compute_only(cfg, B, T, M))
+    return (r, t) if keep else r
+
+
+def pinned_case(S):
+    if not CUDA:
+        return {"skipped": "no CUDA"}
+    host = torch.empty(2**30 // 2, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    out = {}
+    for name, dst, src in (("h2d_gbs", dev, host), ("d2h_gbs", host, dev)):
+        best = math.inf
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        out[name] = host.numel() * 2 / GB / best
+    return out
+
+
+def sweep_case(S, peak):
+    rows = {}
+    for L in S["depths"]:
+        cfg = dataclasses.replace(S["sweep"], n_layer=L)
+        rows[L] = stream_case(cfg, S["sweep_batch"], S["seq"], S["sweep_batch"], S, peak, offload=True)
+        free_memory()
+    peaks = [r["peak_gpu_gb"] for r in rows.values() if r["peak_gpu_gb"]]
+    return dict(depths=rows, gpu_mem_depth_spread=(max(peaks) - min(peaks)) / min(peaks) if peaks else None)
+
+
+def tokens_for(cfg, S):
+    """(B, T, M): planner's min_tokens_per_step rounded up to whole sequences, one sequence per micro-batch."""
+    T = S["seq"]
+    tok = S.get("tokens") or planner.plan(cfg, "local", batch_size=1, seq_len=T,
+                                          dtype="bf16" if CUDA else "fp32")["min_tokens_per_step"]
+    B = max(1, math.ceil(tok / T))
+    return B, T, B
+
+
+def peers_case(S, peak):
+    cfg = dataclasses.replace(S["wide"], n_layer=S["peers_depth"])
+    B, T, M = tokens_for(cfg, S)
+    out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg), stream=stream_case(cfg, B, T, M, S, peak, offload=False))
+    free_memory()
+    runs = [("resident", True), ("resident_no_ckpt", True), ("fsdp2_offload", True), ("fsdp2_offload", False)]
+    for name, fused in runs:  # fsdp2 with torch's default AdamW only if the fused CPU kernel failed on it
+        if name in out and "error" not in out[name]:
+            continue
+        try:
+            if name == "resident_no_ckpt":  # megatrain_min.reference: keeps every activation, no recompute
+                if not CUDA:
+                    out[name] = {"skipped": "no CUDA"}
+                    continue
+                step = ReferenceTrainer(cfg, SameLayers(cfg), device="cuda", dtype=torch.bfloat16, micro_batches=M).step
+            else:
+                step = (resident_ckpt_trainer if name == "resident" else fsdp2_trainer)(cfg, SameLayers(cfg), M, fused)
+            r = time_steps(step, batch(cfg, B, T), S["warmup"], S["steps"])
+            out[name] = rates(cfg, B, T, dict(r, engine=name, n_layer=cfg.n_layer, adamw="fused" if fused else "default",
+                                              earlier_error=out.get(name, {}).get("error")))
+            out[f"vs_{name}"] = out["stream"]["tokens_per_s"] / out[name]["tokens_per_s"]
+        except Exception as e:  # noqa: BLE001 -- an OOM or an FSDP2 failure is a result, not a crash
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "earlier_error": out.get(name, {}).get("error"),
+                         "did_not_fit": isinstance(e, torch.OutOfMemoryError)}
+        step = None
+        free_memory()
+    return out
+
+
+def wide_case(S, peak, profile_dir=None, save=lambda out: None):
+    base = S["wide"]
+    B, T, M = tokens_for(base, S)
+    avail = planner.host_available_bytes()
+    L = next((L for L in range(S["max_depth"], 0, -1) if planner.plan(
+        dataclasses.replace(base, n_layer=L), "local", batch_size=B, seq_len=T, micro_batches=M,
+        dtype="bf16" if CUDA else "fp32")["host_bytes"] <= 0.85 * avail), 1)
+    cfg = dataclasses.replace(base, n_layer=L)
+    p = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M, dtype="bf16" if CUDA else "fp32")
+    r, t = stream_case(cfg, B, T, M, S, peak, p["offload_checkpoints"], keep=True)
+    out = dict(n_layer=L, params=model.n_params(cfg), host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB,
+               planned_step_s=p["step_time_s"], planned_min_tokens=p["min_tokens_per_step"], at_min_tokens=r)
+    b2 = batch(cfg, 2 * B, T)  # twice the tokens, same trainer
+    r2 = time_steps(t.step, b2, 1, max(2, S["steps"] - 1), drain=lambda: t.weights(copy=False))
+    out["at_2x_tokens"] = rates(cfg, 2 * B, T, dict(r2, engine="stream", n_layer=L), peak, p["offload_checkpoints"],
+                                compute_only(cfg, 2 * B, T, 2 * M))
+    gpu = torch.cuda.get_device_properties(0).total_memory if CUDA else 0
+    out["resident"] = {"skipped": "not attempted: 16 B/param (fp32 weights, grads, Adam m, v) = "
+                       f"{16 * out['params'] / GB:.0f} GB vs {gpu / GB:.0f} GB of GPU memory; see the peers case"}
+    save(out)  # the numbers are on disk before the (slow, optional) trace
+    if profile_dir:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])
+        b = batch(cfg, B, T)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(3):
+                t.step(*b)
+            t.weights(copy=False), sync()
+        trace = Path(profile_dir) / "trace.json"
+        prof.export_chrome_trace(str(trace))  # gzipped: a 7B-wide trace is large; Perfetto opens .json.gz
+        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+            g.write(f.read())
+        trace.unlink()
+        out["trace"] = f"{trace}.gz"
+    t.weights(copy=False)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+def meta(args):
+    drv = None
+    try:
+        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return dict(device=torch.cuda.get_device_name(0) if CUDA else "cpu", driver=drv, cuda=torch.version.cuda,
+                torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                host=socket.gethostname(), cpus=os.cpu_count(),
+                command=" ".join([sys.executable, "-m", "megatrain_min.bench", *sys.argv[1:]]),
+                smoke=args.smoke, host_available_gb=planner.host_available_bytes() / GB)
+
+
+def summary(res):
+    c = res["cases"]
+    get = lambda *ks: _dig(c, ks)  # noqa: E731
+    return dict(device=res["meta"]["device"], date=res["meta"]["date"], overlap=get("wide", "at_min_tokens", "overlap"),
+                vs_resident=get("peers", "vs_resident"), vs_fsdp2_offload=get("peers", "vs_fsdp2_offload"),
+                model_tflops_7b_wide=None if res["meta"]["smoke"] else get("wide", "at_min_tokens", "model_tflops"),
+                gpu_mem_depth_spread=get("sweep", "gpu_mem_depth_spread"))
+
+
+def _dig(d, ks):
+    for k in ks:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def markdown(res):
+    m, rows = res["meta"], []
+    f = lambda v, p=2: "-" if v is None else f"{v:,.{p}f}"  # noqa: E731
+    for name, r in [("wide @ min tokens", _dig(res["cases"], ["wide", "at_min_tokens"])),
+                    ("wide @ 2x tokens", _dig(res["cases"], ["wide", "at_2x_tokens"]))] + \
+            [(f"peers: {k}", _dig(res["cases"], ["peers", k]))
+             for k in ("stream", "resident", "resident_no_ckpt", "fsdp2_offload")] + \
+            [(f"sweep L={L}", r) for L, r in (_dig(res["cases"], ["sweep", "depths"]) or {}).items()]:
+        if isinstance(r, dict) and "step_s" in r:
+            rows.append(f"| {name} | {r.get('n_layer', '')} | {r['tokens']:,} | {f(r['step_s'], 3)} | "
+                        f"{f(r['tokens_per_s'], 0)} | "
+                        f"{f(r['model_tflops'], 1)} | {f(r['hw_tflops'], 1)} | {f(r.get('overlap'))} | "
+                        f"{f(r.get('h2d_gbs'), 1)} | {f(r.get('peak_gpu_gb'))} | {f(r['rss_peak_gb'], 1)} |")
+        elif isinstance(r, dict):
+            rows.append(f"| {name} | | | {r.get('skipped') or r.get('error', '')[:80]} | | | | | | | |")
+    head = (f"# megatrain-min bench: {m['device']}, {m['date']}\n\n"
+            f"torch {m['torch']}, CUDA {m['cuda']}, driver {m['driver']}, "
+            f"{m['cpus']} CPUs, {m['host_available_gb']:.0f} GB host available. Command: `{m['command']}`\n\n"
+            f"pinned copy peak: {res['cases'].get('pinned')}\n\nsummary: {json.dumps(res['summary'])}\n\n"
+            "| case | layers | tokens/step | step s | tokens/s | model TFLOP/s | hw TFLOP/s | overlap | H2D GB/s (avg) "
+            "| peak GPU GB | peak RSS GB |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes (CPU or GPU, < 1 min): checks the harness, not the speed")
+    ap.add_argument("--out", help="output directory (default bench/results/<date>-<device>)")
+    ap.add_argument("--only", default="pinned,sweep,peers,wide", help="comma-separated cases: pinned,sweep,peers,wide")
+    ap.add_argument("--profile", action="store_true", help="write OUT/trace.json: 3 steps of the wide case (torch.profiler)")
+    args = ap.parse_args()
+    S, only = SMOKE if args.smoke else FULL, args.only.split(",")
+    if bad := set(only) - {"pinned", "sweep", "peers", "wide"}:
+        ap.error(f"unknown case(s) {sorted(bad)} in --only; choose from pinned,sweep,peers,wide")
+    res = dict(meta=meta(args), definitions=DEFS, cases={})
+    slug = re.sub(r"[^a-z0-9]+", "-", res["meta"]["device"].lower()).strip("-")
+    out = Path(args.out or f"bench/results/{datetime.date.today()}-{slug}")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+
+    def save(case):  # the wide case saves itself before its trace
+        res["cases"]["wide"] = case
+        write()
+
+    def write():  # after every case: a crash (host OOM kill) keeps what was measured
+        res["summary"] = summary(res)
+        (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "summary.json").write_text(json.dumps(res["summary"], indent=1))
+        (out / "results.md").write_text(markdown(res))
+    print(f"bench: {res['meta']['device']}, torch {torch.__version__}, {res['meta']['host_available_gb']:.0f} GB host "
+          f"available, cases {only}, out {out}", flush=True)
+    peak = res["cases"]["pinned"] = pinned_case(S)  # always: the copy peak is the yardstick of every case
+    peak = peak if peak and "h2d_gbs" in peak else None
+    for name, fn in (("sweep", lambda: sweep_case(S, peak)), ("peers", lambda: peers_case(S, peak)),
+                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, save))):
+        if name in only:
+            t0 = time.time()
+            print(f"bench: {name} ...", flush=True)
+            res["cases"][name] = fn()
+            res["cases"][name]["case_wall_s"] = time.time() - t0
+            free_memory()
+            write()
+            print(f"bench: {name} done in {time.time() - t0:.0f}s", flush=True)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # the FSDP2 peer's one-process group
+    write()
+    print(markdown(res))
+    print(f"bench: wrote {out}/results.json, results.md, summary.json")
+
+
+if __name__ == "__main__":
+    main()
