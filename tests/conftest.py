@@ -24,6 +24,14 @@ def random_batch(cfg, B, T, gen, ignore_frac=0.2):
     return tok, tgt
 
 
+def losses_agree(a, b, cfg, gen, steps, B, T, rtol):
+    """Step trainers a and b on the same random batches; every step's losses agree to rtol (relative)."""
+    for s in range(steps):
+        tok, tgt = random_batch(cfg, B, T, gen)
+        la, lb = a.step(tok, tgt), b.step(tok, tgt)
+        assert abs(la - lb) / abs(lb) <= rtol, f"step {s}: loss {la} vs {lb}"
+
+
 def update_rel(w0, wa, wb):
     """||(wa - w0) - (wb - w0)|| / ||wb - w0|| over all tensors: how far two updates are apart."""
     num = sum(((wa[k] - wb[k]).double() ** 2).sum() for k in wb) ** 0.5

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import model
-from conftest import SPECIAL, random_batch, update_rel
+from conftest import SPECIAL, losses_agree, random_batch, update_rel
 from megatrain_min import data
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
@@ -41,10 +41,7 @@ def test_cuda_fp32_equals_reference(cfg):
     w0 = model.init_weights(cfg, 0)
     ours = Trainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0, **HP)
-    for _ in range(5):
-        tok, tgt = random_batch(cfg, 4, 32, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        assert abs(a - b) / b <= 1e-5
+    losses_agree(ours, ref, cfg, gen, steps=5, B=4, T=32, rtol=1e-5)
     assert update_rel(w0, ours.weights(), ref.weights()) <= 1e-3
 
 

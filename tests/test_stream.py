@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import model
-from conftest import SPECIAL, random_batch, update_rel
+from conftest import SPECIAL, losses_agree, random_batch, update_rel
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
 
@@ -45,10 +45,7 @@ def test_micro_batches_equal_one_batch():
     gen = torch.Generator().manual_seed(3)
     w0 = model.init_weights(cfg, 0)
     one, four = (Trainer(cfg, w0, device="cpu", micro_batches=m, **HP) for m in (1, 4))
-    for _ in range(3):
-        tok, tgt = random_batch(cfg, 8, 16, gen)
-        a, b = one.step(tok, tgt), four.step(tok, tgt)
-        assert abs(a - b) / b <= 1e-6
+    losses_agree(four, one, cfg, gen, steps=3, B=8, T=16, rtol=1e-6)
     assert update_rel(w0, four.weights(), one.weights()) <= 1e-4
 
 
