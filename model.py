@@ -231,6 +231,11 @@ def head_loss(cfg, x, w, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
+def default_chunk_tokens(cfg):
+    """Tokens per loss chunk: at most 2**26 fp32 logits (256 MB), whatever the vocabulary."""
+    return max(64, (1 << 26) // cfg.vocab_size)
+
+
 def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
     """Sum of head_loss over token chunks of x: (B, T, d). Each chunk is checkpointed, so autograd
     keeps no (chunk, V) logits alive either: peak memory is one chunk's logits in forward and backward."""

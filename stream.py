@@ -113,7 +113,7 @@ class Trainer:
         self.M, self.grad_clip, self.lr = micro_batches, grad_clip, lr
         self.deferred = bool(grad_clip)               # update only once every gradient is on the host
         self.skip_nonfinite, self.skipped, self.grad_norm = skip_nonfinite, False, None
-        self.chunk = chunk_tokens or max(64, (1 << 26) // cfg.vocab_size)  # <= 256 MB of fp32 logits per chunk
+        self.chunk = chunk_tokens or model.default_chunk_tokens(cfg)
         self.offload = offload_checkpoints
         if cuda and self.dtype == torch.float32:
             torch.backends.cuda.matmul.allow_tf32 = False  # "fp32" means fp32 unless asked otherwise

@@ -159,7 +159,7 @@ def compute_only(cfg, B, T, M, reps=3):
     rope = model.rope_cache(cfg, T, dev, dt)
     xs = [torch.randn(B // M, T, cfg.d_model, device=dev, dtype=dt) for _ in range(M)]
     tgt = torch.randint(0, cfg.vocab_size, (B // M * T,), device=dev)
-    chunk = max(64, (1 << 26) // cfg.vocab_size)  # stream.Trainer's default chunk
+    chunk = model.default_chunk_tokens(cfg)  # stream.Trainer's default chunk
 
     def layer():
         with torch.no_grad():

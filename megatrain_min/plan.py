@@ -181,7 +181,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     gpu[f"recompute activations: 1 layer, {tokens // micro_batches:,} tok"] = \
         layer_activation_bytes(cfg, tokens // micro_batches, cb)
     gpu[f"weight grads from autograd ({dtype}, one unit)"] = n_slot * cb
-    chunk = min(max(64, (1 << 26) // cfg.vocab_size), tokens // micro_batches)  # stream.Trainer.chunk
+    chunk = min(model.default_chunk_tokens(cfg), tokens // micro_batches)  # stream.Trainer.chunk
     gpu[f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits"] = \
         chunk * cfg.vocab_size * (12 + (2 * cb if cb == 2 else 0))  # logits, fp32 copy, log-softmax, grads
     # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there;
