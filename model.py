@@ -42,6 +42,8 @@ class GPTConfig:
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
     tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
+    rope_scaling: dict = None     # Llama 3.1+ "llama3" RoPE: {factor, low_freq_factor, high_freq_factor,
+    #                               original_max_position_embeddings}; None = plain RoPE
 
     def __post_init__(self):
         if self.head_dim == 0 and self.n_head > 0:
@@ -76,7 +78,9 @@ PRESETS = {
                        d_ff=2048, max_seq_len=1024, tie_embeddings=True),
     # Llama-3.2-1B.                                                                    1.24B
     "1b": GPTConfig(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048,
-                    d_ff=8192, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True),
+                    d_ff=8192, max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True,
+                    rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=8192)),
     # Llama-2-7B.                                                                      6.74B
     "7b": GPTConfig(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, d_model=4096,
                     d_ff=11008, max_seq_len=4096),
@@ -183,9 +187,20 @@ def rope_cache(cfg, T, device=None, dtype=torch.float32):
     """cos, sin: (T, head_dim), computed in fp32 as Hugging Face does, then cast to dtype."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if cfg.rope_scaling:
+        inv_freq = llama3_inv_freq(inv_freq, **cfg.rope_scaling)
     freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)                                             # (T, hd)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.1's long-context RoPE: a frequency whose wavelength is long against the original context
+    (fewer than low_freq_factor periods fit in it) is slowed down by `factor`, a short one (more than
+    high_freq_factor periods) is kept, and in between the two are blended linearly in periods-per-context."""
+    periods = original_max_position_embeddings * inv_freq / (2 * math.pi)     # periods in the original context
+    t = ((periods - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)  # 0: slow down, 1: keep
+    return (1 - t) * inv_freq / factor + t * inv_freq
 
 
 def apply_rope(x, cos, sin):

@@ -83,8 +83,12 @@ def config_from_hf(c, where="config.json"):
     # RoPE: transformers reads rope_scaling (legacy) before rope_parameters (v5); theta may sit at top level
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
+    if rope_type not in ("default", None, "llama3"):
         unsupported(f"rope scaling type {rope_type!r}")
+    llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if rope_type == "llama3" and not all(k in rope for k in llama3):
+        unsupported(f"a llama3 rope scaling without {[k for k in llama3 if k not in rope]}")
+    scaling = {k: rope[k] for k in llama3} if rope_type == "llama3" else None
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         unsupported("partial_rotary_factor")
     # sliding window: exact as long as no sequence is longer than the window (see the module docstring)
@@ -104,7 +108,7 @@ def config_from_hf(c, where="config.json"):
             d_ff=c["intermediate_size"], head_dim=c.get("head_dim") or c["hidden_size"] // n_head,
             max_seq_len=max_len, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             norm_eps=c.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-            tie_embeddings=bool(c.get("tie_word_embeddings", False))).check()
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_scaling=scaling).check()
     except KeyError as e:
         raise HFError(f"{where}: missing field {e.args[0]!r}") from None
     except ValueError as e:
@@ -116,14 +120,17 @@ def config_to_hf(cfg, dtype=torch.bfloat16):
     if cfg.qkv_bias and cfg.qk_norm:
         raise HFError("no transformers family has a qkv bias AND q/k norm (Qwen3's attention_bias biases o_proj too)")
     arch = "Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+    rope = {"rope_type": "llama3" if cfg.rope_scaling else "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
     c = {"architectures": [arch], "model_type": ARCHS[arch], "vocab_size": cfg.vocab_size,
          "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
          "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
          "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
          "rope_theta": cfg.rope_theta,                                            # transformers v4 reads this
-         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # ... and v5 this
+         "rope_parameters": rope,                                                 # ... and v5 this
          "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
          "torch_dtype": str(dtype)[6:], "initializer_range": 0.02}
+    if cfg.rope_scaling:
+        c["rope_scaling"] = rope                                                  # v4's name for it
     if arch != "LlamaForCausalLM":
         c.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
     return c

@@ -27,6 +27,13 @@ BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_lay
 FAMILIES = {  # each family with the feature it brings
     "llama-gqa": lambda: LlamaConfig(**BASE, num_key_value_heads=2, tie_word_embeddings=False,
                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # Llama 3.1/3.2's long-context RoPE; original context 32 with head_dim 16 puts frequencies in all
+    # three bands (kept, blended, slowed down)
+    "llama3.2-rope-tied": lambda: LlamaConfig(**BASE, num_key_value_heads=2, tie_word_embeddings=True,
+                                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                               "factor": 8.0, "low_freq_factor": 1.0,
+                                                               "high_freq_factor": 4.0,
+                                                               "original_max_position_embeddings": 32}),
     "mistral": lambda: MistralConfig(**BASE, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False),
     "qwen2-bias-tied": lambda: Qwen2Config(**BASE, num_key_value_heads=4, tie_word_embeddings=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
@@ -234,8 +241,8 @@ BAD = {  # name: (how to break a fresh tiny Llama checkpoint, words the message 
     "corrupt-header": (_corrupt_header, "not a readable safetensors file"),
     "architecture": (lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]), "architecture GPT2LMHeadModel"),
     "moe": (lambda d: _edit_config(d, architectures=["MixtralForCausalLM"]), "mixture-of-experts architecture Mixtral"),
-    "rope-scaling": (lambda d: _edit_config(d, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8}),
-                     "rope scaling type 'llama3'"),
+    "rope-scaling": (lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8}),
+                     "rope scaling type 'yarn'"),
     "o-proj-bias": (lambda d: _edit_config(d, attention_bias=True), "attention_bias"),
     "missing-tensor": (lambda d: _drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight is missing"),
     "no-weights": (lambda d: (d / "model.safetensors").unlink(), "no model.safetensors"),

@@ -142,3 +142,12 @@ def test_lazy_init_equals_init_weights_in_any_order():
     keys = list(w)
     for k in keys + keys[::-1]:  # sequential, then backwards (regenerates)
         assert torch.equal(lazy[k], w[k]), k
+
+
+def test_llama3_rope_bands():
+    """llama3_inv_freq keeps short wavelengths, slows long ones by `factor`, blends in between."""
+    inv = torch.tensor([1.0, 0.1, 0.01, 0.001])            # periods in a 64-token context: 10.2, 1.02, 0.10, 0.01
+    out = model.llama3_inv_freq(inv, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=64)
+    assert out[0] == inv[0] and torch.equal(out[2:], inv[2:] / 8)
+    assert inv[1] / 8 < out[1] < inv[1]
