@@ -129,7 +129,7 @@ class Trainer:
                              weight_decay=weight_decay, pin=cuda, shadow_dtype=shadow, grad_store=self.deferred)
         # Without deferral a unit's gradient lives on the host only until its update: a few staging slabs
         # suffice (3: one may be held by the tied head until the embedding scatter, two rotate).
-        self.slabs = queue.Queue()
+        self.slabs, self.held = queue.Queue(), {}     # free slabs; unit -> the slab its gradient sits in
         if not self.deferred:
             for _ in range(3):
                 self.slabs.put(torch.zeros(max(lay.numel for lay in self.units), pin_memory=cuda))
@@ -390,12 +390,12 @@ class Trainer:
         store keeps a gradient per unit. The worker gives the slab back after the update (_release)."""
         if self.deferred or (self.opt.grad[u] is not None):
             return
-        slab = self.slabs.get()
-        self.opt.grad[u] = slab[:self.units[u].numel]
+        self.held[u] = self.slabs.get()
+        self.opt.grad[u] = self.held[u][:self.units[u].numel]
 
     def _release(self, u):
         if not self.deferred:
-            self.slabs.put(self.opt.grad[u]._base if self.opt.grad[u]._base is not None else self.opt.grad[u])
+            self.slabs.put(self.held.pop(u))
             self.opt.grad[u] = None
 
     def _submit(self, u, fn, *args):
