@@ -247,8 +247,11 @@ def head_loss(cfg, x, w, targets):
 
 
 def default_chunk_tokens(cfg):
-    """Tokens per loss chunk: at most 2**26 fp32 logits (256 MB), whatever the vocabulary."""
-    return max(64, (1 << 26) // cfg.vocab_size)
+    """Tokens per loss chunk (the one home of this default): 2**26 fp32 logits (256 MB), but at least 2048 tokens.
+    Why the floor: each chunk's backward builds a V x d lm_head gradient that is added into fp32 (~12 B/param of
+    memory traffic); at 2048 tokens the chunk's 2*V*d*2048 FLOP outweigh it on an H100 (~340 FLOP/B against a
+    ridge of ~295), at Llama 3's V=128k the 2**26 rule alone would give 523 tokens and a memory-bound head."""
+    return max(2048, (1 << 26) // cfg.vocab_size)
 
 
 def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
@@ -290,10 +293,57 @@ def forward(cfg, weights, tokens):
     return F.linear(rms_norm(hidden(cfg, weights, tokens), w["norm"], cfg.norm_eps), w["lm_head"])
 
 
-def loss(cfg, weights, tokens, targets, chunk_tokens=4096):
+def loss(cfg, weights, tokens, targets, chunk_tokens=None):
     """Reference training loss: mean cross-entropy over the non-ignored targets, chunked head."""
     n = (targets != IGNORE).sum().clamp(min=1)
-    return chunked_loss_sum(cfg, hidden(cfg, weights, tokens), head_weights(weights, cfg), targets, chunk_tokens) / n
+    chunk = chunk_tokens or default_chunk_tokens(cfg)
+    return chunked_loss_sum(cfg, hidden(cfg, weights, tokens), head_weights(weights, cfg), targets, chunk) / n
+
+
+# ----------------------------------------------------------------------------- gradients, one unit at a time
+# What the streaming engine (and bench/) runs per layer visit: no graph across layers, the weight gradients
+# added into fp32 buffers (acc: views keyed like w) -- accumulation over micro-batches and chunks in fp32.
+def block_grad(cfg, x, w, rope, dy, acc):
+    """Recompute block(x) with grad and backpropagate dy through it. w: leaf tensors (requires_grad) keyed
+    like block's weights. Adds each weight's gradient into acc[k]; returns dx, the gradient w.r.t. x."""
+    xin = x.detach().requires_grad_()
+    with torch.enable_grad():
+        y = block(cfg, xin, w, rope)
+        dx, *gw = torch.autograd.grad(y, [xin, *w.values()], dy)
+    for a, g in zip(acc.values(), gw):
+        a.add_(g)
+    return dx
+
+
+def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
+    """Final norm + LM head + cross-entropy of x (N, d), forward and backward in token chunks (no (N, V) logits
+    ever exist). The loss is sum / n_tok; its gradients w.r.t. w are added into acc. Returns (loss, dx)."""
+    dx = torch.empty_like(x)
+    total = x.new_zeros((), dtype=torch.float32)
+    for c in range(0, x.shape[0], chunk_tokens):
+        xc = x[c:c + chunk_tokens].detach().requires_grad_()                   # (chunk, d)
+        with torch.enable_grad():
+            lc = head_loss(cfg, xc, w, targets[c:c + chunk_tokens]) / n_tok
+            dx[c:c + chunk_tokens], *gw = torch.autograd.grad(lc, [xc, *w.values()])
+        for a, g in zip(acc.values(), gw):
+            a.add_(g)
+        total += lc.detach()
+    return total, dx
+
+
+def block_activation_bytes(cfg, n_tok, cb):
+    """GPU bytes of one layer's backward for n_tok tokens (one micro-batch): what autograd saves when
+    model.block is recomputed with grad, plus the backward's largest transients. An estimate from the
+    ops (flash/efficient SDPA: no T x T scores); the layer input itself is the checkpoint, counted apart."""
+    d, ff = cfg.d_model, cfg.d_ff
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    norms = 4 * cb * d + 4 * d * (2 if cb == 2 else 1)  # 2 rms_norms: normalised x, scaled output, fp32 x
+    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head  # rotated q, k; v; SDPA out + its copy for o_proj; lse
+    if cfg.qk_norm:
+        attn += (cb + 4) * (q + kv)
+    mlp = 4 * cb * ff                            # gate (silu's input), silu(gate), up, their product
+    transient = 2 * cb * ff + 8 * d              # two (n, ff) grads alive at once, fp32 norm grads
+    return n_tok * (norms + attn + mlp + transient)
 
 
 # ----------------------------------------------------------------------------- init

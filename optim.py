@@ -53,6 +53,21 @@ class HostAdamW:
         held = self.master + self.m + self.v + [g for g in self.grad if g is not None] + (self.shadow or [])
         return sum(t.numel() * t.element_size() for t in held)
 
+    def state(self, u):
+        """{"master", "m", "v": fp32 host tensor} of unit u: the store itself (no copy), what a checkpoint holds."""
+        return {"master": self.master[u], "m": self.m[u], "v": self.v[u]}
+
+    def step_count(self, u):
+        return int(self.steps[u])
+
+    def set_step_count(self, u, n):
+        self.steps[u].fill_(n)
+
+    def reset(self):
+        """Forget the optimizer's history (m, v and the step counts); the master weights stay."""
+        for u in range(len(self.sizes)):
+            self.m[u].zero_(), self.v[u].zero_(), self.steps[u].zero_()
+
     def refresh_shadow(self, u):
         if self.shadow is not None:
             self.shadow[u].copy_(self.master[u])
@@ -80,11 +95,20 @@ class HostAdamW:
 
 
 def pin_exact_sizes(threshold_mb=64):
-    """Framework internal: torch's pinned-memory allocator rounds every allocation up to a power of two
-    (ATen/core/CachingHostAllocator.h), so a 5 GB unit would pin 8 GB and a 120B store would not fit in
-    1.5 TB. Rounding only allocations below threshold_mb keeps the store at its real size.
-    tests/test_optim.py pins that torch still accepts this setting."""
-    torch._C._accelerator_setAllocatorSettings(f"pinned_max_round_threshold_mb:{threshold_mb}")
+    """Framework internal (ATen/core/CachingHostAllocator.h, torch 2.13): the pinned-memory allocator rounds
+    every allocation up to a power of two, so a 5 GB unit would pin 8 GB and a 120B store would not fit in
+    1.5 TB. Two settings keep buffers at their real size, safely:
+    * pinned_max_round_threshold_mb: allocations above it are not rounded up;
+    * pinned_max_cached_size_mb: allocations above it are given back to the OS when freed, not cached. The
+      cache's free lists are log2 buckets and get_free_block hands out a bucket's last block without comparing
+      sizes, so an unrounded 72 MiB block, once cached, could be handed to a 96 MiB request and overrun
+      (upstream PR #192722). With both at the same value every cached block is an exact power of two.
+    The setter replaces the whole allocator configuration, so ours is appended to what is set already
+    (PYTORCH_ALLOC_CONF, or the user's own calls). tests/test_optim.py pins both behaviours."""
+    ours = f"pinned_max_round_threshold_mb:{threshold_mb},pinned_max_cached_size_mb:{threshold_mb}"
+    current = torch._C._accelerator_getAllocatorSettings()
+    if not current.endswith(ours):
+        torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
 
 
 def clip_coef(total_norm, max_norm):

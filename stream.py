@@ -8,7 +8,8 @@ What it is
 What it is not
     No tensor/pipeline parallelism, no nn.Module, no autograd graph across layers. The model maths is
     model.py's; the optimizer is optim.py's. Reference: megatrain_min/reference.py (plain PyTorch), which
-    tests/test_stream.py holds this engine to.
+    tests/test_stream.py holds this engine to. The ordering is proven on the CPU by the stream checker
+    (python -m megatrain_min.sim check), which runs this file unchanged with checked Lanes.
 
 One step, layer-major (every micro-batch passes through a layer during ONE visit of its weights):
 
@@ -17,9 +18,9 @@ One step, layer-major (every micro-batch passes through a layer during ONE visit
   head      per micro-batch, per token chunk: norm + lm_head + CE, forward AND backward at once
   backward  for layer i = L-1..0:  recompute block(ckpt[i][j]) with grad, autograd.grad w.r.t.
             (input, weights), fp32 gradient accumulated in a grad slot, then D2H to the host store
-  update    a worker thread runs AdamW on each unit as its gradient lands (no clipping), or, with
-            clipping, once the global norm is known, in forward order, so that the next step's
-            forward of layer i waits only for layer i's update.
+  update    a worker thread runs AdamW on each unit as its gradient lands, or, when updates are deferred
+            (clipping: the global norm comes first), once every gradient is on the host, in forward order,
+            so that the next step's forward of layer i waits only for layer i's update.
 
 The three streams for L=3, one column per layer visit (0/1/2 = layers, H = head, ' = backward,
 (A)/(B) = weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the host):
@@ -31,20 +32,33 @@ The three streams for L=3, one column per layer visit (0/1/2 = layers, H = head,
 
 The copy of the next unit runs under the compute of the current one; 2' needs no copy (slot A still
 holds layer 2). Boundary-checkpoint offloads and reloads, when on, ride the D2H and H2D lanes too.
-Without clipping a gradient lands in one of 3 pinned staging slabs and is updated at once (the CPU row);
-with clipping every unit keeps its gradient until the global norm is known (the updates follow the step).
 
-Each copy is one contiguous transfer of a unit's flat buffer. A slot is refilled only after the
-compute stream has finished with it (event slot_free), and the compute stream uses a slot only after
-its copy landed (event slot_loaded). A grad slot is zeroed only after its previous D2H finished.
+Every ordering rule is an event, each one line below:
+  slot_loaded[s]  H2D -> compute    never compute on half-copied weights
+  slot_free[s]    compute -> H2D    never overwrite weights still in use
+  gslot_free[g]   D2H -> compute    never zero a gradient slot before its copy to the host finished
+  ring_ready[r]   writer -> reader  a checkpoint ring slot holds the checkpoint (compute->D2H fwd, H2D->compute bwd)
+  ring_free[r]    reader -> writer  never overwrite a ring slot still being read
+  grad landed     D2H -> worker     AdamW reads a complete gradient (the worker waits on the host)
+  loss_ready      compute -> host   the loss is in pinned memory
+and three host-side hand-offs: a unit's update finishes before its weights are copied again (_ready), a
+gradient waits for a free staging slab (without deferral, see STAGING_SLABS), and the embedding's gradient
+is scattered after its dy landed.
+
+Numerics (DESIGN.md section 2): with bf16 compute the blocks and the head run under torch.autocast(bf16), the
+residual stream (x between layers, the boundary checkpoints, dy) stays fp32 unless residual_dtype=bf16 asks to
+save memory: the arithmetic of autocast on the reference trainer, with weights from the bf16 shadow.
 
 Try it
     python -m pytest tests/test_stream.py       # CPU: equals the reference trainer step for step
+    python -m megatrain_min.sim check           # the ordering, proven by a happens-before checker
     python train.py --engine stream             # the default engine of train.py
 """
 import contextlib
 import math
+import os
 import queue
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -52,19 +66,43 @@ import torch
 import model
 from optim import HostAdamW, clip_coef
 
+# Pinned fp32 staging slabs for gradients on their way to the optimizer (when updates are not deferred): two
+# rotate, and a tied head may hold a third until the embedding scatter. With fewer free slabs than units in
+# flight the main thread waits for the worker; plan.py sizes more when D2H + AdamW outlast two backwards.
+STAGING_SLABS = 3
+RING = 2  # device slots that boundary checkpoints pass through on their way to and from the host
 
+
+def default_dtype(device_type):
+    """The compute dtype when none is asked for: bf16 on CUDA, fp32 on the CPU (bf16 matmuls are slow there)."""
+    return torch.bfloat16 if device_type == "cuda" else torch.float32
+
+
+def worker_threads():
+    """OpenMP threads of the optimizer thread: all cores but two, which stay with the main thread's host
+    work (issuing kernels, the embedding gather) -- else both start a full team and oversubscribe the CPU."""
+    return max(1, (os.cpu_count() or 1) - 2)
+
+
+def offload_needed(ckpt_bytes, working_bytes, free_bytes):
+    """The rule for offload_checkpoints=None (plan.py applies the same one): offload the boundary checkpoints
+    to host memory when, with one layer's working set beside them, they would not fit in the free device memory."""
+    return ckpt_bytes + working_bytes > free_bytes
+
+
+# ----------------------------------------------------------------------------- the hardware, as the engine sees it
 class Lane:
-    """A CUDA stream, or nothing on the CPU (work then runs synchronously, in program order)."""
+    """A CUDA stream on `device`, or nothing on the CPU (work then runs synchronously, in program order)."""
 
-    def __init__(self, cuda, sync=False):
-        self.stream = torch.cuda.Stream() if cuda else None
+    def __init__(self, device=None, sync=False):
+        self.stream = torch.cuda.Stream(device=device) if device is not None else None
         self.sync = sync  # debug: synchronise after every recorded operation (the race detector's baseline)
 
-    def __call__(self):  # `with lane():` -- issue the work inside on this stream
+    def __call__(self):  # `with lane():` -- issue the work inside on this stream (and on its device)
         if self.stream is None:
             return contextlib.nullcontext()
         if self.sync:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.stream.device)
         return torch.cuda.stream(self.stream)
 
     def wait(self, event):
@@ -75,7 +113,7 @@ class Lane:
         if self.stream is None:
             return None
         if self.sync:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.stream.device)
         return self.stream.record_event()
 
     def keep(self, t):  # t was allocated on another stream: the caching allocator must not reuse it early
@@ -83,77 +121,243 @@ class Lane:
             t.record_stream(self.stream)
 
 
-def wait_event(event):
-    """Block the calling host thread until the GPU passed `event` (no-op on the CPU)."""
-    if event is not None:
-        event.synchronize()
+class Lanes:
+    """What the engine asks of the hardware: three lanes, the host's waits on them, pinned memory and the
+    optimizer thread. megatrain_min/sim.py supplies a checked backend with the same methods, which records
+    every ordering edge; the engine does not know which one it runs on."""
+
+    def __init__(self, device, sync=False):
+        cuda = device.type == "cuda"
+        self.device, self.pin = device, cuda
+        self.h2d, self.comp, self.d2h = (Lane(device if cuda else None, sync) for _ in range(3))
+        # one optimizer thread; torch.set_num_threads there sizes its own OpenMP team (a per-thread setting)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw",
+                                         initializer=torch.set_num_threads, initargs=(worker_threads(),))
+
+    def host_wait(self, event):
+        """Block the calling host thread until the device passed `event` (no-op on the CPU)."""
+        if event is not None:
+            event.synchronize()
+
+    def synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def submit(self, fn, *args):
+        """Run fn(*args) on the optimizer thread; returns a concurrent.futures.Future."""
+        return self.worker.submit(fn, *args)
+
+    def slab_pool(self):
+        return queue.Queue()
+
+
+# one step's input, staged: tokens (B, T) on the host, targets M x (B/M, T) on the device once targets_ready fired
+Batch = namedtuple("Batch", "tokens targets targets_ready n_tok rope offload")
 
 
 class Trainer:
     def __init__(self, cfg, weights, device=None, dtype=None, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1, grad_clip=0.0, micro_batches=1, offload_checkpoints=None,
-                 chunk_tokens=None, mode="fast", sync=False, skip_nonfinite=False):
+                 chunk_tokens=None, mode="fast", residual_dtype=None, staging_slabs=STAGING_SLABS,
+                 skip_nonfinite=False, sync=False, lanes=None):
         """cfg: model.GPTConfig; weights: {key: fp32 tensor} as model.init_weights returns.
-        device: "cuda" or "cpu" (default: cuda when available); dtype: compute dtype (bf16 on CUDA,
-        fp32 on CPU by default); grad_clip 0 = off; offload_checkpoints: keep boundary checkpoints in
-        pinned host memory (None = only when they would not fit on the GPU); mode: "fast" streams a
-        compute-dtype shadow of the master, "lean" streams the fp32 master and casts on the GPU (no
-        shadow: 12 B/param + gradients on the host); sync: synchronise after every operation (debug);
-        skip_nonfinite: a step with a non-finite loss updates nothing (checked after the head, before any
-        gradient leaves the GPU: one host sync per step); with clipping the global gradient norm is
-        checked too (it is known before any update)."""
+
+        device      "cuda[:i]" or "cpu" (default: cuda when available).
+        dtype       compute dtype, torch.bfloat16 or torch.float32 (default_dtype: bf16 on CUDA, fp32 on CPU).
+        grad_clip   global grad-norm clip, 0 = off. Clipping defers the updates until every gradient is on
+                    the host (the norm needs them all), which keeps an fp32 gradient per parameter there.
+        offload_checkpoints  keep the boundary checkpoints in pinned host memory; None = decide at the first
+                    step by offload_needed (reported in self.offload_checkpoints).
+        mode        "fast" streams a compute-dtype shadow of the master; "lean" streams the fp32 master and
+                    casts on the GPU (no shadow: 12 B/param + gradients on the host).
+        residual_dtype  the residual stream's dtype (x, checkpoints, dy): fp32 by default, as under autocast;
+                    torch.bfloat16 halves those bytes at some accuracy (README: Numerics).
+        staging_slabs  pinned gradient slabs without deferral (STAGING_SLABS; plan.py gives the count to use).
+        skip_nonfinite  a step with a non-finite loss (or, deferred, gradient norm) updates nothing.
+        sync        synchronise after every operation (debug). lanes: the hardware backend (default Lanes).
+        """
         if mode not in ("fast", "lean"):
             raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
         if dtype not in (None, torch.float32, torch.bfloat16):
-            raise ValueError(f"compute dtype must be torch.bfloat16 or torch.float32, got {dtype} (fp16 would need loss scaling)")
+            raise ValueError(f"compute dtype must be torch.bfloat16 or torch.float32, got {dtype} "
+                             f"(fp16 would need loss scaling)")
+        if residual_dtype not in (None, torch.float32, torch.bfloat16) or (residual_dtype == torch.bfloat16
+                                                                           and dtype == torch.float32):
+            raise ValueError(f"residual_dtype must be torch.float32, or torch.bfloat16 with bf16 compute; "
+                             f"got {residual_dtype} with compute dtype {dtype}")
         self.cfg = cfg.check()
         self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        cuda = self.dev.type == "cuda"
-        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-        self.M, self.grad_clip, self.lr = micro_batches, grad_clip, lr
-        self.deferred = bool(grad_clip)               # update only once every gradient is on the host
-        self.skip_nonfinite, self.skipped, self.grad_norm = skip_nonfinite, False, None
+        self.lanes = lanes or Lanes(self.dev, sync)
+        self.h2d, self.comp, self.d2h = self.lanes.h2d, self.lanes.comp, self.lanes.d2h
+        self.dtype = dtype or default_dtype(self.dev.type)
+        self.residual_dtype = residual_dtype or torch.float32
+        self.M = micro_batches
+        self.lr = lr
+        self.grad_clip = grad_clip
+        self.defer_updates = bool(grad_clip)   # the update of any unit waits for the global gradient norm
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped = False                   # did the last step skip its update (non-finite)?
+        self.grad_norm = None                  # the last step's global gradient norm (deferred updates only)
         self.chunk = chunk_tokens or model.default_chunk_tokens(cfg)
-        self.offload = offload_checkpoints
-        if cuda and self.dtype == torch.float32:
+        self.offload_checkpoints = offload_checkpoints
+        if self.dev.type == "cuda" and self.dtype == torch.float32:
             torch.backends.cuda.matmul.allow_tf32 = False  # "fp32" means fp32 unless asked otherwise
             torch.backends.cudnn.allow_tf32 = False
 
-        # ---- host store: every unit's master/m/v/grad (+ compute-dtype shadow in fast mode)
-        self.units = model.units(cfg)                 # [embed], layer.0..layer.{L-1}, head
+        # ---- host store: every unit's master/m/v (+ gradients when deferred, + compute-dtype shadow in fast mode)
+        self.units = model.units(cfg)          # [embed], layer.0..layer.{L-1}, head
         self.layers = [u for u, lay in enumerate(self.units) if lay.name.startswith("layer.")]
         self.head = len(self.units) - 1
-        self.embed = self.head if cfg.tie_embeddings else 0  # the unit whose first V*d elements are the embedding
+        self.embed = self.head if cfg.tie_embeddings else 0  # see "tied embeddings" below
         shadow = self.dtype if (mode == "fast" and self.dtype != torch.float32) else None
         self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], lr=lr, betas=betas, eps=eps,
-                             weight_decay=weight_decay, pin=cuda, shadow_dtype=shadow, grad_store=self.deferred)
-        # Without deferral a unit's gradient lives on the host only until its update: a few staging slabs
-        # suffice (3: one may be held by the tied head until the embedding scatter, two rotate).
-        self.slabs, self.held = queue.Queue(), {}     # free slabs; unit -> the slab its gradient sits in
-        if not self.deferred:
-            for _ in range(3):
-                self.slabs.put(torch.zeros(max(lay.numel for lay in self.units), pin_memory=cuda))
+                             weight_decay=weight_decay, pin=self.lanes.pin, shadow_dtype=shadow,
+                             grad_store=self.defer_updates)
         read_into = getattr(weights, "read_into", None)  # hf.load_hf's lazy weights fill a view in place
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
                 read_into(key, view) if read_into else view.copy_(weights[key])
             self.opt.refresh_shadow(u)
+        # Without deferral a unit's gradient lives on the host only until its update: staging slabs suffice.
+        self.slabs = self.lanes.slab_pool()    # the free slabs; the worker puts a slab back after each update
+        self.held = {}                         # unit -> the slab its gradient sits in
+        if not self.defer_updates:
+            biggest = max(lay.numel for lay in self.units)
+            for _ in range(staging_slabs):
+                self.slabs.put(torch.zeros(biggest, pin_memory=self.lanes.pin))
+        self.staging = {}                      # pinned per-step buffers, one per (name, shape, dtype): _staging
+        self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=self.lanes.pin)
+        self.pending = {}                      # unit -> Future of its update (or of its squared grad norm)
 
-        # ---- GPU: two weight slots (ping-pong), two fp32 grad slots, streams. Independent of depth.
-        n_slot = max(self.units[u].numel for u in self.layers + [self.head])
-        self.wslot = [torch.empty(n_slot, dtype=self.dtype, device=self.dev) for _ in range(2)]
-        self.gslot = [torch.zeros(n_slot, dtype=torch.float32, device=self.dev) for _ in range(2)]
-        self.stage = (torch.empty(n_slot, dtype=torch.float32, device=self.dev)  # lean mode: fp32 lands here
-                      if shadow is None and self.dtype != torch.float32 else None)
-        self.h2d, self.comp, self.d2h = Lane(cuda, sync), Lane(cuda, sync), Lane(cuda, sync)
+        # ---- GPU: two weight slots (ping-pong), two fp32 grad slots. Independent of depth. Allocated and
+        # zeroed on the compute lane, which uses them first: the pool streams do not wait for the default one.
+        lay, head = self.units[self.layers[0]], self.units[self.head]
+        n_slot = max(lay.numel, head.numel)
+        with self.comp():
+            self.wslot = [torch.empty(n_slot, dtype=self.dtype, device=self.dev) for _ in range(2)]
+            self.gslot = [torch.zeros(n_slot, dtype=torch.float32, device=self.dev) for _ in range(2)]
+            # lean mode: the fp32 master lands here and is cast into the slot on the GPU
+            self.stage = (torch.empty(n_slot, dtype=torch.float32, device=self.dev)
+                          if shadow is None and self.dtype != torch.float32 else None)
+        # Views made once per slot ("stateless layer templates"): every layer has the same layout, so a slot's
+        # views serve whichever layer it holds. Weight views are detached leaves that autograd differentiates.
+        leaves = lambda flat, layout: {k: v.detach().requires_grad_() for k, v in layout.views(flat).items()}  # noqa
+        self.wviews = [{"layer": leaves(w, lay), "head": leaves(w, head)} for w in self.wslot]
+        self.gviews = [{"layer": lay.views(g), "head": head.views(g)} for g in self.gslot]
         self.slot_loaded, self.slot_free, self.gslot_free = [None, None], [None, None], [None, None]
-        self.resident = {}                            # unit -> slot holding its current weights
-        self.worker = ThreadPoolExecutor(max_workers=1)  # the CPU optimizer, off the critical path
-        self.pending = {}                             # unit -> Future of its update
-        self.rope = {}
-        self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=cuda)
+        self.ring, self.ring_ready, self.ring_free = {}, [None] * RING, [None] * RING  # checkpoint ring
+        self.resident = {}                     # unit -> the weight slot holding its current weights
+        self.rope = {}                         # T -> (cos, sin) on the device
 
-    # ------------------------------------------------------------------ weights in and out
+    # ------------------------------------------------------------------ the surface beyond step()
+    def set_lr(self, lr):
+        self.lr = lr
+
+    def wait(self):
+        """Block until every update in flight has finished and the device is idle: the host store is then
+        consistent (checkpoints, weights(), export). Re-raises an optimizer-thread failure."""
+        for u in list(self.pending):
+            self._ready(u)
+        self.lanes.synchronize()
+
+    def weights(self, copy=True):
+        """{key: fp32 CPU tensor} of the master weights, after all pending updates: copies, or with
+        copy=False views into the host store itself (no second copy of the model; valid until the next step)."""
+        self.wait()
+        return {k: v.clone() if copy else v
+                for u, lay in enumerate(self.units) for k, v in lay.key_views(self.opt.master[u]).items()}
+
+    def reset_optimizer(self):
+        """Keep the weights, forget Adam's moments and step counts (fine-tuning from a checkpoint's weights)."""
+        self.wait()
+        self.opt.reset()
+
+    # ------------------------------------------------------------------ one training step
+    def step(self, tokens, targets):
+        """tokens, targets: (B, T) int64 CPU tensors, targets == -100 ignored. Returns the step's mean
+        loss (before the update). Updates may still be running on the worker when this returns."""
+        b = self._prepare(tokens, targets, train=True)
+        self.skipped = False
+        with self.comp(), self._autocast():
+            x, ckpt = self._forward(b, keep=True)
+            dy, loss_ready = self._head(x, b, backward=True)  # the head's gradient waits in grad slot 0
+            if self.skip_nonfinite and not self.defer_updates and not self._loss_finite(loss_ready):
+                self.slot_free[self.resident[self.head]] = self.comp.record()  # no gradient leaves the GPU
+                self.skipped = True
+                return self.loss_host.item()
+            self._drain(self.head, 0)
+            self._backward(dy, ckpt, b)
+            dy_host, dy_ready = self._to_host("dy", dy)       # dy of layer 0: the embedding's gradient (B, T, d)
+        self._host_grad(self.embed)                            # the tied head already holds one
+        self.pending[self.embed] = self.lanes.submit(self._scatter_embedding, b.tokens, dy_host, dy_ready, self.lr)
+
+        self.lanes.host_wait(loss_ready)
+        loss = self.loss_host.item()
+        if self.defer_updates:  # every squared norm known: clip, then update in the order the forward needs
+            self.grad_norm = math.sqrt(sum(self.pending.pop(u).result() for u in range(len(self.units))))
+            if self.skip_nonfinite and not math.isfinite(self.grad_norm + loss):
+                self.skipped = True                                   # weights, m, v and step counts untouched
+                return loss
+            coef = clip_coef(self.grad_norm, self.grad_clip)
+            for u in [self.embed] + [u for u in range(len(self.units)) if u != self.embed]:
+                self.pending[u] = self.lanes.submit(self.opt.step, u, self.lr, coef)
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, tokens, targets):
+        """Mean loss of (tokens, targets) with the current weights: the forward half of a step, streamed."""
+        b = self._prepare(tokens, targets, train=False)
+        with self.comp(), self._autocast():
+            x, _ = self._forward(b, keep=False)
+            _, loss_ready = self._head(x, b, backward=False)
+            self.slot_free[self.resident[self.head]] = self.comp.record()
+        self.lanes.host_wait(loss_ready)
+        return self.loss_host.item()
+
+    def _autocast(self):
+        """bf16 compute = torch.autocast(bf16) around blocks and head, exactly as on the reference trainer."""
+        return torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def _prepare(self, tokens, targets, train):
+        """Check the batch and stage it: the targets go to the device on the H2D lane now, from a pinned buffer;
+        the tokens stay on the host, where the embedding rows are gathered."""
+        B, T = tokens.shape
+        if B % self.M:
+            raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
+        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
+        tgt_host = self._staging("targets", (B, T), torch.int64)
+        tgt_host.copy_(targets)
+        with self.h2d():
+            tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)
+            tgt.copy_(tgt_host, non_blocking=True)
+            tgt_ready = self.h2d.record()
+        self.comp.keep(tgt)
+        with self.comp():
+            if T not in self.rope:               # on the compute lane: its only reader
+                self.rope[T] = model.rope_cache(self.cfg, T, self.dev, self.residual_dtype)
+        offload = False
+        if train:
+            if self.offload_checkpoints is None:  # decided once, at the first step
+                self.offload_checkpoints = self._decide_offload(B, T)
+            offload = self.offload_checkpoints
+        return Batch(tokens, tgt.chunk(self.M), tgt_ready, n_tok, self.rope[T], offload)
+
+    def _decide_offload(self, B, T):
+        if self.dev.type != "cuda":
+            return False
+        act = B * T * self.cfg.d_model * self.residual_dtype.itemsize
+        working = 2 * act + model.block_activation_bytes(self.cfg, B * T // self.M, self.dtype.itemsize)
+        return offload_needed(len(self.layers) * act, working, torch.cuda.mem_get_info(self.dev)[0])
+
+    def _staging(self, name, shape, dtype):
+        """A pinned host buffer, made once per (name, shape, dtype) and reused by every step: no cudaHostAlloc or
+        cudaFreeHost per step (cudaFreeHost synchronises the device), no reuse of a cached block of another size."""
+        key = (name, tuple(shape), dtype)
+        if key not in self.staging:
+            self.staging[key] = torch.empty(shape, dtype=dtype, pin_memory=self.lanes.pin)
+        return self.staging[key]
+
+    # ------------------------------------------------------------------ weights in
     def _ready(self, u):
         """Block until unit u's last update finished (never copy half-updated weights)."""
         fut = self.pending.pop(u, None)
@@ -182,252 +386,218 @@ class Trainer:
             self._load(u, 1 - busy_slot)
         return self.resident[u]
 
-    def weights(self, copy=True):
-        """{key: fp32 CPU tensor} of the master weights, after all pending updates: copies, or with
-        copy=False views into the host store itself (no second copy of the model; valid until the next step)."""
-        for u in list(self.pending):
-            self._ready(u)
-        return {k: v.clone() if copy else v
-                for u, lay in enumerate(self.units) for k, v in lay.key_views(self.opt.master[u]).items()}
+    # ------------------------------------------------------------------ tied embeddings
+    # With tie_embeddings there is no embed unit: the head's first V*d elements (lm_head) ARE the embedding
+    # table, and self.embed is the head. Four consequences, all here or marked "tied": the rows are gathered
+    # from unit self.embed; the embedding's gradient is scattered into that unit's gradient, on top of the
+    # head's own lm_head gradient when tied (its D2H landed first, same lane); so that unit is handed to the
+    # optimizer only after the scatter (_drain skips it); and its update comes first in the deferred order.
+    def _table(self, flat):
+        """The (V, d) embedding table inside a flat buffer of unit self.embed (its first entry either way)."""
+        V, d = self.cfg.vocab_size, self.cfg.d_model
+        return flat[:V * d].view(V, d)
 
-    def set_lr(self, lr):
-        self.lr = lr
-
-    # ------------------------------------------------------------------ activations to and from the host
-    def _offload(self, x):
-        """D2H copy of a boundary checkpoint into pinned host memory; returns the host tensor."""
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.dev.type == "cuda")
-        ev = self.comp.record()
-        with self.d2h():
-            self.d2h.wait(ev)
-            self.d2h.keep(x)
-            host.copy_(x, non_blocking=True)
-        return host
-
-    def _reload(self, hosts, offloaded):
-        """H2D copies of a layer's offloaded checkpoints (after their D2H finished); returns (GPU tensors, event)."""
+    def _embed_rows(self, b):
+        """x for the step: the embedding rows of its tokens, gathered on the host by one index_select into a
+        pinned buffer (only B x T x d cross PCIe, never the table), from the fp32 master -- or the bf16 shadow
+        when the residual stream is bf16. Returns M x (B/M, T, d) in the residual dtype, on the compute lane."""
+        self._ready(self.embed)
+        src = self.opt.master[self.embed]
+        if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
+            src = self.opt.shadow[self.embed]
+        table, d = self._table(src), self.cfg.d_model
+        rows = self._staging("rows", (*b.tokens.shape, d), table.dtype)                 # (B, T, d) pinned
+        torch.index_select(table, 0, b.tokens.reshape(-1), out=rows.view(-1, d))
         with self.h2d():
-            self.h2d.wait(offloaded)
-            xs = [h.to(self.dev, non_blocking=True) for h in hosts]
-            ev = self.h2d.record()
-        for x in xs:
-            self.comp.keep(x)
-        return xs, ev
+            x = torch.empty(rows.shape, dtype=rows.dtype, device=self.dev)
+            x.copy_(rows, non_blocking=True)
+            ready = self.h2d.record()
+        self.comp.keep(x)
+        self.comp.wait(ready)
+        x = x.to(self.residual_dtype)                                         # lean + bf16 residual: cast here
+        return list(x.chunk(self.M))
 
-    # ------------------------------------------------------------------ one training step
-    def step(self, tokens, targets):
-        """tokens, targets: (B, T) int64 CPU tensors, targets == -100 ignored. Returns the step's mean
-        loss (before the update). Updates may still be running on the worker when this returns."""
-        tok_mb, n_tok, rope, offload = self._prepare(tokens, targets)
-        self.skipped = False
-        with self.comp():
-            x, ckpt = self._forward(tok_mb, rope, offload, keep=True)
-            dy, loss_ready = self._head(x, targets, n_tok, backward=True)
-            if dy is None:                              # non-finite loss: nothing was updated or drained
-                self.skipped = True
-                return self.loss_host.item()
-            self._backward(dy, ckpt, rope, offload)
-            # embedding gradient: dy of layer 0 goes to the host, the worker scatters it into the rows used
-            dy_host = [self._offload(d) for d in dy]
-            dy_ready = self.d2h.record()
-        self._host_grad(self.embed)                   # the tied head already holds one
-        self._submit(self.embed, self._scatter_embedding, tok_mb, dy_host, dy_ready, self.lr)
+    def _scatter_embedding(self, tokens, dy_host, dy_ready, lr):
+        """Worker: add dy of layer 0 into the embedding rows that were used (index_add on the host)."""
+        try:
+            self.lanes.host_wait(dy_ready)
+            grad = self._table(self.opt.grad[self.embed])
+            if self.embed != self.head:
+                grad.zero_()               # untied: the scatter is the whole embedding gradient
+            # tied: the head's D2H wrote the lm_head gradient here first (same lane, before dy_ready)
+            grad.index_add_(0, tokens.reshape(-1), dy_host.reshape(-1, grad.shape[1]).float())
+        except BaseException:
+            self._release(self.embed)
+            raise
+        return self._grad_landed(self.embed, None, lr)
 
-        # updates: each unit as its gradient lands, or all of them once the global norm is known
-        wait_event(loss_ready)
-        loss = self.loss_host.item()
-        if self.deferred:
-            self.grad_norm = sum(self.pending.pop(u).result() for u in range(len(self.units))) ** 0.5
-            if self.skip_nonfinite and not math.isfinite(self.grad_norm + loss):
-                self.skipped = True                                   # weights, m, v and step counts untouched
-                return loss
-            coef = clip_coef(self.grad_norm, self.grad_clip)
-            order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]  # as the forward needs them
-            for u in order:
-                self.pending[u] = self.worker.submit(self.opt.step, u, self.lr, coef)
-        return loss
-
+    # ------------------------------------------------------------------ forward, head, backward
     @torch.no_grad()
-    def evaluate(self, tokens, targets):
-        """Mean loss of (tokens, targets) with the current weights: the forward half of a step, streamed."""
-        tok_mb, n_tok, rope, _ = self._prepare(tokens, targets)
-        with self.comp():
-            x, _ = self._forward(tok_mb, rope, offload=False, keep=False)
-            _, loss_ready = self._head(x, targets, n_tok, backward=False)
-        wait_event(loss_ready)
-        return self.loss_host.item()
-
-    def _prepare(self, tokens, targets):
-        B, T = tokens.shape
-        if B % self.M:
-            raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
-        if T not in self.rope:
-            self.rope[T] = model.rope_cache(self.cfg, T, self.dev, self.dtype)
-        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
-        offload = self.offload if self.offload is not None else self._auto_offload(B, T)
-        return tokens.chunk(self.M), n_tok, self.rope[T], offload
-
-    def _forward(self, tok_mb, rope, offload, keep):
-        """Embedding + all layers, layer-major, no autograd graph. Returns (x, ckpt): x is M x (B/M, T, d)
-        on the compute stream; ckpt[i] = (inputs of layer i per micro-batch, D2H event or None)."""
+    def _forward(self, b, keep):
+        """Embedding + all layers, layer-major, no autograd graph. Returns (x, ckpt): x is M x (B/M, T, d) on the
+        compute lane; ckpt[i] = the inputs of layer i (on the device, or offloaded: then the ring slot index)."""
         cfg, L = self.cfg, len(self.layers)
         self.resident = {}                              # last step's slots hold stale weights
         self._load(self.layers[0], 0)
-        self._ready(self.embed)
-        emb = self.units[self.embed].views(self.opt.master[self.embed])
-        emb = emb["embed" if "embed" in emb else "lm_head"]                     # (V, d) fp32 master, host
-        cuda = self.dev.type == "cuda"
-        with self.h2d():                                # only (B, T, d) rows cross PCIe, not the table
-            x = [emb[t].to(self.dtype).pin_memory().to(self.dev, non_blocking=True) if cuda
-                 else emb[t].to(self.dtype) for t in tok_mb]                  # M x (B/M, T, d)
-            ev = self.h2d.record()
-        self.comp.wait(ev)
-        for x_j in x:
-            self.comp.keep(x_j)
+        x = self._embed_rows(b)
         ckpt = []
         for i, u in enumerate(self.layers):
             s = self.resident[u]
             self.comp.wait(self.slot_loaded[s])
-            w = self.units[u].views(self.wslot[s])      # views into weight slot s, compute dtype
+            w = self.wviews[s]["layer"]                 # views into weight slot s, compute dtype
             if keep:                                    # boundary checkpoint: the input of layer i
-                ckpt.append(([self._offload(x_j) for x_j in x], self.d2h.record()) if offload else (x, None))
-            x = [model.block(cfg, x_j, w, rope) for x_j in x]                 # (B/M, T, d) each
+                ckpt.append(self._offload(i, x) if b.offload else x)
+            x = [model.block(cfg, x_j, w, b.rope) for x_j in x]                 # (B/M, T, d) each
             self.slot_free[s] = self.comp.record()
             self._prefetch(self.layers[i + 1] if i + 1 < L else self.head, s)
         return x, ckpt
 
-    def _head(self, x, targets, n_tok, backward):
-        """Final norm + LM head + loss per micro-batch and token chunk. With backward, each chunk's
-        gradient is taken at once (no (B, T, V) logits ever exist), the head's weight gradient goes to
-        the host, and dy (M x (B/M, T, d)) is returned for the last layer. Returns (dy, loss event)."""
-        cfg, M = self.cfg, self.M
+    def _head(self, x, b, backward):
+        """Final norm + LM head + loss per micro-batch, chunked (model.head_grad). With backward the head's
+        gradient is accumulated into grad slot 0 and dy (M x (B/M, T, d)) is returned for the last layer.
+        Returns (dy, loss_ready): the loss is in self.loss_host once the host waited for loss_ready."""
+        cfg = self.cfg
         s = self.resident[self.head]
         self._prefetch(self.layers[-1], s)              # resident already: the last layer stays in its slot
         self.comp.wait(self.slot_loaded[s])
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.dev)
-        w = self.units[self.head].views(self.wslot[s])
+        self.comp.wait(b.targets_ready)
+        w = self.wviews[s]["head"]
         if backward:
-            g, gs = self._grad_slot(self.head, 0)
-            w = {k: v.detach().requires_grad_() for k, v in w.items()}
-        dy = []
-        for j, x_j in enumerate(x):
-            tgt = targets.chunk(M)[j].reshape(-1).to(self.dev, non_blocking=True)
-            xf = x_j.reshape(-1, cfg.d_model)                                   # (B/M*T, d)
-            dx = torch.empty_like(xf) if backward else None
-            for c in range(0, xf.shape[0], self.chunk):
-                xc = xf[c:c + self.chunk].detach().requires_grad_(backward)     # (chunk, d)
-                with torch.set_grad_enabled(backward):
-                    lc = model.head_loss(cfg, xc, w, tgt[c:c + self.chunk]) / n_tok
-                if backward:
-                    dx[c:c + self.chunk], *gw = torch.autograd.grad(lc, [xc, *w.values()])
-                    for acc, gi in zip(g.values(), gw):
-                        acc.add_(gi)
-                loss_sum += lc.detach()
-            dy.append(dx.view_as(x_j) if backward else None)
-        self.loss_host.copy_(loss_sum, non_blocking=True)
-        loss_ready = self.comp.record()
-        if backward and self.skip_nonfinite and not self.deferred:
-            wait_event(loss_ready)                      # the guard's price: the host waits for the head
-            if not math.isfinite(self.loss_host.item()):
-                backward = False                        # drop the gradients: no D2H, no update
-                dy = None
-        if backward:
-            self._drain(self.head, gs, s)
-        else:
-            self.slot_free[s] = self.comp.record()
-        return dy, loss_ready
+            gs = self._grad_slot(self.head, 0)
+        loss, dy = torch.zeros((), dtype=torch.float32, device=self.dev), []
+        for x_j, tgt in zip(x, b.targets):
+            xf, tgt = x_j.reshape(-1, cfg.d_model), tgt.reshape(-1)             # (B/M*T, d), (B/M*T,)
+            if backward:
+                lj, dx = model.head_grad(cfg, xf, w, tgt, b.n_tok, self.gviews[gs]["head"], self.chunk)
+                dy.append(dx.view_as(x_j))
+            else:
+                lj = model.chunked_loss_sum(cfg, xf, w, tgt, self.chunk) / b.n_tok
+            loss += lj
+        self.loss_host.copy_(loss, non_blocking=True)
+        return dy, self.comp.record()
 
-    def _backward(self, dy, ckpt, rope, offload):
-        """Layers L-1..0: recompute from the boundary checkpoint with grad, autograd.grad w.r.t. (input,
-        weights), fp32 accumulation over micro-batches, then the gradient drains to the host. dy is
-        updated in place to the gradient w.r.t. the input of layer 0."""
+    def _loss_finite(self, loss_ready):
+        """The non-finite guard without deferral: the host waits for the head (one sync per step)."""
+        self.lanes.host_wait(loss_ready)
+        return math.isfinite(self.loss_host.item())
+
+    def _backward(self, dy, ckpt, b):
+        """Layers L-1..0: recompute from the boundary checkpoint with grad (model.block_grad), fp32 accumulation
+        over micro-batches, then the gradient drains to the host. dy becomes the gradient w.r.t. layer 0's input."""
         L = len(self.layers)
-        reloaded = self._reload(*ckpt[L - 1]) if offload else ckpt[L - 1]
+        nxt = self._reload(L - 1, ckpt) if b.offload else None
         for i in reversed(range(L)):
             u = self.layers[i]
             s = self.resident[u]
             if i > 0:
                 self._prefetch(self.layers[i - 1], s)
-            xs, ev = reloaded
-            if i > 0:                                   # next layer's inputs come back while this one computes
-                reloaded = self._reload(*ckpt[i - 1]) if offload else ckpt[i - 1]
+            if b.offload:                               # the next layer's inputs come back while this one computes
+                (xs, r), nxt = nxt, (self._reload(i - 1, ckpt) if i > 0 else None)
+                self.comp.wait(self.ring_ready[r])
+            else:
+                xs = ckpt[i]
             self.comp.wait(self.slot_loaded[s])
-            self.comp.wait(ev)
-            g, gs = self._grad_slot(u, L - i)           # fp32 views of a grad slot
-            w = {k: v.detach().requires_grad_() for k, v in self.units[u].views(self.wslot[s]).items()}
+            gs = self._grad_slot(u, L - i)
+            w, acc = self.wviews[s]["layer"], self.gviews[gs]["layer"]
             for j in range(self.M):
-                xin = xs[j].detach().requires_grad_()                          # (B/M, T, d) boundary ckpt
-                with torch.enable_grad():
-                    y = model.block(self.cfg, xin, w, rope)
-                    dy[j], *gw = torch.autograd.grad(y, [xin, *w.values()], dy[j])
-                for acc, gi in zip(g.values(), gw):
-                    acc.add_(gi)                                               # fp32 accumulation
+                dy[j] = model.block_grad(self.cfg, xs[j], w, b.rope, dy[j], acc)
+            if b.offload:
+                self.ring_free[r] = self.comp.record()
             ckpt[i] = xs = None
-            self._drain(u, gs, s)
+            self._drain(u, gs)
+
+    # ------------------------------------------------------------------ activations to and from the host
+    def _ring_slot(self, i, shape):
+        """Device ring slot of layer i's checkpoint: RING buffers of (B, T, d), made once per shape."""
+        if shape not in self.ring:
+            with self.comp():
+                self.ring[shape] = [torch.empty(shape, dtype=self.residual_dtype, device=self.dev)
+                                    for _ in range(RING)]
+        return i % RING, self.ring[shape][i % RING]
+
+    def _offload(self, i, x):
+        """Layer i's input to host memory through a ring slot: compute copies x into the slot once its previous
+        D2H finished, D2H copies the slot out. The ring bounds the device memory whatever the host's lead."""
+        r, slot = self._ring_slot(i, (self.M * x[0].shape[0], *x[0].shape[1:]))
+        self.comp.wait(self.ring_free[r])
+        for dst, x_j in zip(slot.chunk(self.M), x):
+            dst.copy_(x_j)
+        self.ring_ready[r] = self.comp.record()
+        host = self._staging("checkpoints", (len(self.layers), *slot.shape), self.residual_dtype)[i]
+        with self.d2h():
+            self.d2h.wait(self.ring_ready[r])
+            host.copy_(slot, non_blocking=True)
+            self.ring_free[r] = sent = self.d2h.record()
+        return host, sent
+
+    def _reload(self, i, ckpt):
+        """H2D of layer i's offloaded checkpoint into its ring slot, once compute is done with the slot and the
+        D2H has landed. Returns (M x (B/M, T, d) views of the slot, ring index)."""
+        host, sent = ckpt[i]
+        r, slot = self._ring_slot(i, tuple(host.shape))
+        with self.h2d():
+            self.h2d.wait(self.ring_free[r])
+            self.h2d.wait(sent)
+            slot.copy_(host, non_blocking=True)
+            self.ring_ready[r] = self.h2d.record()
+        return slot.chunk(self.M), r
+
+    def _to_host(self, name, xs):
+        """D2H of M x (B/M, T, d) device tensors into one pinned (B, T, d) buffer; returns (buffer, event)."""
+        host = self._staging(name, (self.M * xs[0].shape[0], *xs[0].shape[1:]), xs[0].dtype)
+        ev = self.comp.record()
+        with self.d2h():
+            self.d2h.wait(ev)
+            for dst, x in zip(host.chunk(self.M), xs):
+                self.d2h.keep(x)
+                dst.copy_(x, non_blocking=True)
+            done = self.d2h.record()
+        return host, done
 
     # ------------------------------------------------------------------ gradient plumbing
     def _grad_slot(self, u, k):
-        """Grad slot k % 2 for unit u, zeroed once its previous D2H copy finished: (views, slot)."""
+        """Grad slot k % 2 for unit u, zeroed once its previous D2H copy finished. Returns the slot index."""
         gs = k % 2
         self.comp.wait(self.gslot_free[gs])
         self.gslot[gs][:self.units[u].numel].zero_()
-        return self.units[u].views(self.gslot[gs]), gs
+        return gs
 
-    def _drain(self, u, gs, s):
+    def _drain(self, u, gs):
         """Compute is done with unit u: free its weight slot, D2H its gradient, hand it to the worker."""
-        self.slot_free[s] = ev = self.comp.record()
+        self.slot_free[self.resident[u]] = ev = self.comp.record()
         n = self.units[u].numel
         self._host_grad(u)
         with self.d2h():
             self.d2h.wait(ev)
             self.opt.grad[u].copy_(self.gslot[gs][:n], non_blocking=True)
             self.gslot_free[gs] = done = self.d2h.record()
-        if u != self.embed:  # the embedding's unit is handed over after its scatter (_scatter_embedding)
-            self._submit(u, self._grad_landed, u, done, self.lr)
+        if u != self.embed:  # tied: the head is handed over after the embedding scatter
+            self.pending[u] = self.lanes.submit(self._grad_landed, u, done, self.lr)
 
     def _host_grad(self, u):
-        """Point opt.grad[u] at a free staging slab (waiting for the worker to release one), unless the
-        store keeps a gradient per unit. The worker gives the slab back after the update (_release)."""
-        if self.deferred or (self.opt.grad[u] is not None):
+        """Point opt.grad[u] at a free staging slab, unless the store keeps a gradient per unit (deferred) or
+        u holds one already (tied). Waits for the worker to give one back; re-raises a failed update."""
+        if self.defer_updates or self.opt.grad[u] is not None:
             return
-        self.held[u] = self.slabs.get()
+        self.held[u] = self.slabs.get()      # the worker puts slabs back even when an update fails
+        for v, fut in list(self.pending.items()):
+            if fut.done() and fut.exception() is not None:
+                self.pending.pop(v)
+                raise fut.exception()
         self.opt.grad[u] = self.held[u][:self.units[u].numel]
 
     def _release(self, u):
-        if not self.deferred:
-            self.slabs.put(self.held.pop(u))
+        if not self.defer_updates:
             self.opt.grad[u] = None
-
-    def _submit(self, u, fn, *args):
-        self.pending[u] = self.worker.submit(fn, *args)
+            self.slabs.put(self.held.pop(u))
 
     def _grad_landed(self, u, done, lr):
-        """Worker: wait for unit u's gradient on the host, then update it now (no clipping) or
-        return its squared norm for the global clip (the update follows in step())."""
-        wait_event(done)
-        if self.deferred:
-            return self.opt.grad_sq(u)
-        self.opt.step(u, lr)
-        self._release(u)
-
-    def _scatter_embedding(self, tok_mb, dy_host, dy_ready, lr):
-        """Worker: add dy of layer 0 into the embedding rows that were used (index_add on the host)."""
-        wait_event(dy_ready)
-        u, d = self.embed, self.cfg.d_model
-        V = self.cfg.vocab_size
-        grad = self.opt.grad[u][:V * d].view(V, d)
-        if u != self.head:
-            grad.zero_()                 # untied: the scatter is the whole embedding gradient
-        # tied: the head's D2H already wrote the lm_head gradient here; the scatter adds to it.
-        # That D2H was queued on the same stream before dy_ready, so it has landed too.
-        for t, g in zip(tok_mb, dy_host):
-            grad.index_add_(0, t.reshape(-1), g.reshape(-1, d).float())
-        return self._grad_landed(u, None, lr)
-
-    def _auto_offload(self, B, T):
-        """Offload boundary checkpoints when they would take more than half of the free GPU memory."""
-        if self.dev.type != "cuda":
-            return False
-        free, _ = torch.cuda.mem_get_info(self.dev)
-        need = len(self.layers) * B * T * self.cfg.d_model * torch.finfo(self.dtype).bits // 8
-        return need > free // 2
+        """Worker: wait for unit u's gradient on the host, then update it now (no deferral) or return its
+        squared norm for the global clip (the update follows in step())."""
+        try:
+            self.lanes.host_wait(done)
+            if self.defer_updates:
+                return self.opt.grad_sq(u)
+            self.opt.step(u, lr)
+        finally:
+            self._release(u)

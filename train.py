@@ -201,8 +201,7 @@ if init_dir is not None and init_weights is None:  # our checkpoint: its weights
         checkpoint.load(trainer, init_dir)
     except checkpoint.CheckpointError as e:
         fail(str(e))
-    for u in range(len(trainer.units)):  # weights only: Adam starts fresh (--resume continues a run)
-        trainer.opt.m[u].zero_(), trainer.opt.v[u].zero_(), trainer.opt.steps[u].zero_()
+    trainer.reset_optimizer()  # weights only: Adam starts fresh (--resume continues a run)
 if init_dir is not None:
     print(f"initialised from {init_dir}")
 
@@ -212,12 +211,7 @@ def evaluate():
     state = val_batches.state_dict()
     losses = []
     for _ in range(args.eval_batches):
-        x, y = val_batches.next()
-        if args.engine == "stream":
-            losses.append(trainer.evaluate(x, y))
-        else:
-            with torch.no_grad():
-                losses.append(model.loss(cfg, trainer.params, x.to(device), y.to(device)).item())
+        losses.append(trainer.evaluate(*val_batches.next()))
     val_batches.load_state_dict(state)
     return sum(losses) / len(losses)
 
@@ -294,7 +288,7 @@ for step in bar:
     loss = trainer.step(x, y)
     dt = time.time() - t0
     rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt}
-    n_skips = n_skips + 1 if getattr(trainer, "skipped", False) else 0
+    n_skips = n_skips + 1 if trainer.skipped else 0
     if n_skips:
         rec["skipped"] = True
         tqdm.write(f"step {step + 1}: non-finite loss or gradient (loss {loss}), step skipped, weights untouched")

@@ -69,7 +69,7 @@ def save(trainer, out_dir, step, meta=None, keep=None):
     Call it between steps; it waits for the optimizer updates still in flight."""
     out = Path(out_dir)
     meta = json.loads(json.dumps(meta or {}))    # not JSON-able: TypeError now, before anything is written
-    _settle(trainer)
+    trainer.wait()                               # no update or copy in flight
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".tmp-*"):             # what a killed save or delete left behind
         shutil.rmtree(stale, ignore_errors=True)
@@ -81,9 +81,10 @@ def save(trainer, out_dir, step, meta=None, keep=None):
         with ThreadPoolExecutor(max_workers=1) as flusher:  # fsync file u while file u+1 is being written
             synced = []
             for u, lay in enumerate(trainer.units):
-                f, crc = _write(tmp / f"{lay.name}.bin", [getattr(opt, s)[u] for s in STATES])
+                state = opt.state(u)
+                f, crc = _write(tmp / f"{lay.name}.bin", [state[s] for s in STATES])
                 synced.append(flusher.submit(_fsync_close, f))
-                units.append({"name": lay.name, "numel": lay.numel, "step": int(opt.steps[u]),
+                units.append({"name": lay.name, "numel": lay.numel, "step": opt.step_count(u),
                               "file": f"{lay.name}.bin", "bytes": 4 * len(STATES) * lay.numel, "crc32": crc})
             for s in synced:
                 s.result()                       # an fsync error (disk full, I/O) surfaces here
@@ -119,16 +120,6 @@ def _write(path, tensors):
 def _bytes(t):
     """The bytes of a contiguous CPU tensor as a memoryview of its own memory (no copy)."""
     return memoryview(t.numpy()).cast("B")
-
-
-def _settle(trainer):
-    """Wait for the updates still running on the trainer's optimizer thread, and for the GPU's copies from
-    and to the pinned store: never read or overwrite a unit in flight. (Uses stream.Trainer's `pending`
-    futures and its _ready.)"""
-    for u in list(trainer.pending):
-        trainer._ready(u)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _fsync_close(f):
@@ -217,19 +208,20 @@ def load(trainer, path, verify_first=True):
         a, b = next((a, b) for a, b in zip(theirs + [None], ours + [None]) if a != b)
         raise CheckpointError(f"{path} has another parameter layout: unit {a} in the checkpoint, {b} in this model")
     verify_files(path, doc, crc=verify_first)    # nothing has been touched so far
-    _settle(trainer)
+    trainer.wait()
     opt = trainer.opt
     for u, unit in enumerate(doc["units"]):      # straight into the store (from the page cache, if it fits)
         crc = 0
+        state = opt.state(u)
         with open(path / unit["file"], "rb") as f:
             for s in STATES:
-                mv = _bytes(getattr(opt, s)[u])
+                mv = _bytes(state[s])
                 if f.readinto(mv) != len(mv):
                     raise CheckpointError(f"{path / unit['file']} shrank while loading; the trainer is now partial")
                 crc = crc if verify_first else zlib.crc32(mv, crc)
         if not verify_first and crc != unit["crc32"]:
             raise CheckpointError(f"{path / unit['file']} fails its CRC-32 check; the trainer is now partial")
-        opt.steps[u].fill_(unit["step"])
+        opt.set_step_count(u, unit["step"])
         opt.refresh_shadow(u)
     return {**doc["meta"], "step": doc["step"]}
 
@@ -264,9 +256,12 @@ def _bench(n_layer, where, rounds):
     import model
     cfg = dataclasses.replace(model.PRESETS["1b"], n_layer=n_layer)
     units, nbytes = model.units(cfg), 12 * model.n_params(cfg)
-    opt = SimpleNamespace(steps=[torch.zeros(()) for _ in units], refresh_shadow=lambda u: None,
-                          **{s: [torch.full((lay.numel,), u + 0.5) for u, lay in enumerate(units)] for s in STATES})
-    trainer = SimpleNamespace(cfg=cfg, units=units, opt=opt, pending={})
+    from optim import HostAdamW
+    opt = HostAdamW([(lay.numel, lay.n_decay) for lay in units], grad_store=False)
+    for u in range(len(units)):
+        for t in opt.state(u).values():
+            t.fill_(u + 0.5)
+    trainer = SimpleNamespace(cfg=cfg, units=units, opt=opt, wait=lambda: None)
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=where))
     print(f"1b preset with {n_layer} layers: {model.n_params(cfg) / 1e9:.2f}B params, {nbytes / 1e9:.1f} GB "
           f"of fp32 master + m + v; writing to {root}")
@@ -281,7 +276,7 @@ def _bench(n_layer, where, rounds):
         for u in range(len(units)):
             with open(root / f"raw-{u}.bin", mode) as f:
                 for s in STATES:
-                    (f.write if mode == "wb" else f.readinto)(_bytes(getattr(opt, s)[u]))
+                    (f.write if mode == "wb" else f.readinto)(_bytes(opt.state(u)[s]))
                 if mode == "wb":
                     f.flush()
                     os.fsync(f.fileno())
@@ -293,7 +288,7 @@ def _bench(n_layer, where, rounds):
             os.close(fd)
 
     try:
-        timed("crc32 in memory", lambda: [zlib.crc32(_bytes(getattr(opt, s)[u])) for u in range(len(units)) for s in STATES])
+        timed("crc32 in memory", lambda: [zlib.crc32(_bytes(opt.state(u)[s])) for u in range(len(units)) for s in STATES])
         for r in range(rounds):
             print(f"round {r + 1}")
             timed("raw write + fsync", lambda: raw("wb"))
@@ -304,7 +299,7 @@ def _bench(n_layer, where, rounds):
             timed("load, cold (verify, then read)", lambda: load(trainer, latest(root)))
             drop_cache()
             timed("load, cold, verify_first=False", lambda: load(trainer, latest(root), verify_first=False))
-        assert all(bool((getattr(opt, s)[u] == u + 0.5).all()) for u in range(len(units)) for s in STATES)
+        assert all(bool((opt.state(u)[s] == u + 0.5).all()) for u in range(len(units)) for s in STATES)
     finally:
         shutil.rmtree(root)
 

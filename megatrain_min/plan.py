@@ -123,21 +123,6 @@ def flops_per_token(cfg):
     return 6 * sum(u.n_decay for u in model.units(cfg) if u.name != "embed")
 
 
-def layer_activation_bytes(cfg, n_tok, cb):
-    """GPU bytes of one layer's backward for n_tok tokens (one micro-batch): what autograd saves when
-    model.block is recomputed with grad, plus the backward's largest transients. An estimate from the
-    ops (flash/efficient SDPA: no T x T scores); the layer input itself is the checkpoint, counted apart."""
-    d, ff = cfg.d_model, cfg.d_ff
-    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-    norms = 4 * cb * d + 4 * d * (2 if cb == 2 else 1)  # 2 rms_norms: normalised x, scaled output, fp32 x
-    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head  # rotated q, k; v; SDPA out + its copy for o_proj; lse
-    if cfg.qk_norm:
-        attn += (cb + 4) * (q + kv)
-    mlp = 4 * cb * ff                            # gate (silu's input), silu(gate), up, their product
-    transient = 2 * cb * ff + 8 * d              # two (n, ff) grads alive at once, fp32 norm grads
-    return n_tok * (norms + attn + mlp + transient)
-
-
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
          grad_clip=False, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
          name=None):
@@ -179,7 +164,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
     gpu["residual stream x and its grad dy"] = 2 * act
     gpu[f"recompute activations: 1 layer, {tokens // micro_batches:,} tok"] = \
-        layer_activation_bytes(cfg, tokens // micro_batches, cb)
+        model.block_activation_bytes(cfg, tokens // micro_batches, cb)
     gpu[f"weight grads from autograd ({dtype}, one unit)"] = n_slot * cb
     chunk = min(model.default_chunk_tokens(cfg), tokens // micro_batches)  # stream.Trainer.chunk
     gpu[f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits"] = \

@@ -1,7 +1,8 @@
 """reference.py -- the oracle: plain PyTorch training with the whole model in memory.
 
 What it is
-    ReferenceTrainer has the same surface as stream.Trainer (step, set_lr, weights) but does the
+    ReferenceTrainer has the same surface as stream.Trainer (step, evaluate, set_lr, weights, wait, skipped)
+    but does the
     obvious thing: every weight is a leaf tensor on one device, one autograd graph per micro-batch,
     torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True) with two parameter groups (decay on
     tensors with >= 2 dims). `python train.py --engine reference` uses it; the tests hold the streaming
@@ -19,6 +20,7 @@ class ReferenceTrainer:
                  eps=1e-8, weight_decay=0.1, grad_clip=0.0, micro_batches=1):
         self.cfg, self.dev, self.dtype = cfg, torch.device(device), dtype
         self.grad_clip, self.M = grad_clip, micro_batches
+        self.skipped = False  # the oracle never skips a step
         self.params = {k: v.detach().to(self.dev, torch.float32).clone().requires_grad_() for k, v in weights.items()}
         decay = [p for p in self.params.values() if p.dim() >= 2]
         no_decay = [p for p in self.params.values() if p.dim() < 2]
@@ -34,7 +36,8 @@ class ReferenceTrainer:
             tok, tgt = tok.to(self.dev), tgt.to(self.dev)
             with torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 h = model.hidden(self.cfg, self.params, tok)
-                loss_sum = model.chunked_loss_sum(self.cfg, h, model.head_weights(self.params, self.cfg), tgt, 4096)
+                loss_sum = model.chunked_loss_sum(self.cfg, h, model.head_weights(self.params, self.cfg), tgt,
+                                                  model.default_chunk_tokens(self.cfg))
             (loss_sum / n).backward()
             total += loss_sum.item()
         if self.grad_clip:
@@ -42,6 +45,15 @@ class ReferenceTrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total / n
+
+    @torch.no_grad()
+    def evaluate(self, tokens, targets):
+        """Mean loss of (tokens, targets) with the current weights (same autocast as step)."""
+        with torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            return model.loss(self.cfg, self.params, tokens.to(self.dev), targets.to(self.dev)).item()
+
+    def wait(self):
+        """Nothing runs in the background here (stream.Trainer's surface)."""
 
     def set_lr(self, lr):
         for g in self.opt.param_groups:

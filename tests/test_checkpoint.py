@@ -95,10 +95,10 @@ def test_save_and_load_wait_for_updates_in_flight(tmp_path):
         fn(t.opt.master[1])
 
     a = trained(1)
-    a.pending[1] = a.worker.submit(slow, a, lambda x: x.add_(1.0))
+    a.pending[1] = a.lanes.submit(slow, a, lambda x: x.add_(1.0))
     path = checkpoint.save(a, tmp_path, 1)      # must contain the +1
     b = trained(1, seed=1)
-    b.pending[1] = b.worker.submit(slow, b, lambda x: x.fill_(123.0))
+    b.pending[1] = b.lanes.submit(slow, b, lambda x: x.fill_(123.0))
     checkpoint.load(b, path)                    # must overwrite the 123s, not be overwritten by them
     assert same(state(b), state(a))
 

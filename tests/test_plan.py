@@ -125,7 +125,7 @@ def test_checkpoints_offloaded_only_when_they_do_not_fit():
 
 
 def test_activation_estimate_matches_what_autograd_saves():
-    """layer_activation_bytes (minus its backward transients) against the bytes of the tensors autograd
+    """model.block_activation_bytes (minus its backward transients) against the bytes of the tensors autograd
     saves when model.block runs with grad on the CPU, for fp32 and bf16."""
     for cfg in (model.PRESETS["toy"], SPECIAL):
         lay = next(u for u in model.units(cfg) if u.name == "layer.0")
@@ -142,7 +142,7 @@ def test_activation_estimate_matches_what_autograd_saves():
                     lambda t: t):
                 model.block(cfg, x, w, rope)
             got = sum(v for k, v in saved.items() if k not in skip)
-            est = P.layer_activation_bytes(cfg, B * T, cb) - B * T * (2 * cb * cfg.d_ff + 8 * cfg.d_model)
+            est = model.block_activation_bytes(cfg, B * T, cb) - B * T * (2 * cb * cfg.d_ff + 8 * cfg.d_model)
             print(f"{dtype}: autograd saves {got:,} B, plan estimates {est:,} B ({est / got - 1:+.1%})")
             assert 0.9 * got <= est <= 1.2 * got
 

@@ -235,9 +235,9 @@ def load(u, slot):
     return real_load(u, slot)
 
 
-def drain(u, gs, s):
+def drain(u, gs):
     record["D2H"].append("g" + names[u])
-    return real_drain(u, gs, s)
+    return real_drain(u, gs)
 
 
 def block(cfg_, x, w, rope):
