@@ -143,6 +143,10 @@ class Lanes:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def free_memory(self):
+        """Bytes the device has free now, or None when device buffers live in host memory (the CPU)."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+
     def submit(self, fn, *args):
         """Run fn(*args) on the optimizer thread; returns a concurrent.futures.Future."""
         return self.worker.submit(fn, *args)
@@ -343,11 +347,12 @@ class Trainer:
         return Batch(tokens, tgt.chunk(self.M), tgt_ready, n_tok, self.rope[T], offload)
 
     def _decide_offload(self, B, T):
-        if self.dev.type != "cuda":
+        free = self.lanes.free_memory()
+        if free is None:
             return False
-        act = B * T * self.cfg.d_model * self.residual_dtype.itemsize
+        act = B * T * self.cfg.d_model * self.residual_dtype.itemsize     # one (B, T, d) residual tensor
         working = 2 * act + model.block_activation_bytes(self.cfg, B * T // self.M, self.dtype.itemsize)
-        return offload_needed(len(self.layers) * act, working, torch.cuda.mem_get_info(self.dev)[0])
+        return offload_needed(len(self.layers) * act, working, free)
 
     def _staging(self, name, shape, dtype):
         """A pinned host buffer, made once per (name, shape, dtype) and reused by every step: no cudaHostAlloc or

@@ -277,7 +277,10 @@ bar = tqdm(range(start_step, args.steps), desc="train", dynamic_ncols=True, disa
 prof = None
 if args.profile:  # skip step 1 (allocations, warm-up), record the next three
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # profile_all_threads (framework internal, torch 2.13: off by default) records the optimizer thread too --
+    # the AdamW overlap the trace exists to show; tests/test_train.py pins that its ops are in the trace
     prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(wait=1, warmup=0, active=3, repeat=1),
+                                  experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True),
                                   on_trace_ready=lambda p_: p_.export_chrome_trace(str(out / "trace.json")))
     prof.start()
 for step in bar:

@@ -61,7 +61,16 @@ def test_lr_schedule_and_clip_coef():
     assert clip_coef(10.0, 0.0) == 1.0
 
 
-def test_pinned_allocator_setting_is_accepted():
-    """optim.pin_exact_sizes leans on a private torch setter; make a torch upgrade that drops it loud."""
-    pin_exact_sizes()
-    assert "pinned_max_round_threshold_mb:64" in torch._C._accelerator_getAllocatorSettings()
+def test_pinned_allocator_settings_are_accepted_and_appended():
+    """optim.pin_exact_sizes leans on a private torch setter (which replaces the whole configuration); make a
+    torch upgrade that drops it loud, and keep what the user set (PYTORCH_ALLOC_CONF) in place."""
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:128,garbage_collection_threshold:0.6")
+        pin_exact_sizes()
+        pin_exact_sizes()                              # idempotent: not appended twice
+        got = torch._C._accelerator_getAllocatorSettings()
+        assert got == ("max_split_size_mb:128,garbage_collection_threshold:0.6,"
+                       "pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:64")
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)

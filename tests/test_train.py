@@ -141,3 +141,14 @@ def test_consecutive_nonfinite_steps_stop_training(tmp_path):
     assert r.returncode == 3 and "consecutive steps had a non-finite" in r.stderr, r.stderr
     recs = metrics(tmp_path / "o")
     assert [m.get("skipped", False) for m in recs][-3:] == [True] * 3
+
+
+def test_profile_trace_holds_the_optimizer_thread(tmp_path):
+    """--profile records every thread (profile_all_threads): the worker's fused AdamW ops are in the trace, on
+    a thread of their own -- the overlap the trace exists to show."""
+    r = run("--out", str(tmp_path / "o"), "--profile", *FAST[:1], "5", *FAST[2:])
+    assert r.returncode == 0, r.stderr
+    events = json.loads((tmp_path / "o" / "trace.json").read_text())["traceEvents"]
+    tids = lambda name: {e["tid"] for e in events if e.get("ph") == "X" and e["name"] == name}  # noqa: E731
+    adamw, blocks = tids("aten::_fused_adamw_"), tids("aten::scaled_dot_product_attention")
+    assert adamw and blocks and not adamw & blocks, (adamw, blocks)
