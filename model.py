@@ -331,14 +331,19 @@ def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
     return total, dx
 
 
-def block_activation_bytes(cfg, n_tok, cb):
-    """GPU bytes of one layer's backward for n_tok tokens (one micro-batch): what autograd saves when
-    model.block is recomputed with grad, plus the backward's largest transients. An estimate from the
-    ops (flash/efficient SDPA: no T x T scores); the layer input itself is the checkpoint, counted apart."""
+def block_activation_bytes(cfg, n_tok, cb, rb=None):
+    """Bytes of one layer's backward for n_tok tokens (one micro-batch): what autograd saves when block() is
+    recomputed with grad, plus the backward's largest transients. cb: bytes of the compute dtype, rb: of the
+    residual stream (default cb; 4 with 2 is bf16 autocast on an fp32 residual, the engine's default). An
+    estimate from the ops (flash/efficient SDPA: no T x T scores), checked against autograd in tests/test_plan.py;
+    the layer input itself is the boundary checkpoint, counted apart."""
+    rb = rb or cb
     d, ff = cfg.d_model, cfg.d_ff
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-    norms = 4 * cb * d + 4 * d * (2 if cb == 2 else 1)  # 2 rms_norms: normalised x, scaled output, fp32 x
-    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head  # rotated q, k; v; SDPA out + its copy for o_proj; lse
+    # 2 rms_norms: fp32 normalised x (+ the fp32 copy of a bf16 x), the 2nd one's input; the linears' inputs:
+    # shared by q/k/v and by gate/up, or -- autocast on an fp32 residual -- a bf16 cast per linear (5)
+    norms = 12 * d + (5 if cb != rb else 2) * cb * d
+    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head  # SDPA's q, k, v, its output + the copy o_proj reads; lse
     if cfg.qk_norm:
         attn += (cb + 4) * (q + kv)
     mlp = 4 * cb * ff                            # gate (silu's input), silu(gate), up, their product

@@ -84,6 +84,19 @@ def worker_threads():
     return max(1, (os.cpu_count() or 1) - 2)
 
 
+def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot):
+    """What a step holds on the device beside the weight/grad slots and the boundary checkpoints, by component:
+    plan.py prints it, offload_needed weighs it. tokens: per step; n_slot: elements of a slot."""
+    cb, rb, per_mb = dtype.itemsize, residual_dtype.itemsize, tokens // micro_batches
+    chunk = min(chunk_tokens, per_mb)
+    return {"residual stream x and its grad dy": 2 * tokens * cfg.d_model * rb,
+            f"recompute activations: 1 layer, {per_mb:,} tok": model.block_activation_bytes(cfg, per_mb, cb, rb),
+            f"weight grads from autograd ({str(dtype)[6:]}, one unit)": n_slot * cb,
+            f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits":  # logits, fp32 copy, log-softmax, grads
+                chunk * cfg.vocab_size * (12 + (2 * cb if cb == 2 else 0)),
+            "targets": tokens * 8}
+
+
 def offload_needed(ckpt_bytes, working_bytes, free_bytes):
     """The rule for offload_checkpoints=None (plan.py applies the same one): offload the boundary checkpoints
     to host memory when, with one layer's working set beside them, they would not fit in the free device memory."""
@@ -351,8 +364,9 @@ class Trainer:
         if free is None:
             return False
         act = B * T * self.cfg.d_model * self.residual_dtype.itemsize     # one (B, T, d) residual tensor
-        working = 2 * act + model.block_activation_bytes(self.cfg, B * T // self.M, self.dtype.itemsize)
-        return offload_needed(len(self.layers) * act, working, free)
+        working = step_device_bytes(self.cfg, B * T, self.M, self.dtype, self.residual_dtype, self.chunk,
+                                    self.wslot[0].numel())
+        return offload_needed(len(self.layers) * act, sum(working.values()), free)
 
     def _staging(self, name, shape, dtype):
         """A pinned host buffer, made once per (name, shape, dtype) and reused by every step: no cudaHostAlloc or

@@ -31,7 +31,7 @@ from megatrain_min import checkpoint, data, hf
 from megatrain_min import plan as planner
 from megatrain_min.reference import ReferenceTrainer
 from optim import lr_at
-from stream import Trainer
+from stream import Trainer, default_dtype
 
 
 def fail(msg):
@@ -62,6 +62,9 @@ p.add_argument("--eval-every", type=int, default=100, help="evaluate val loss ev
 p.add_argument("--eval-batches", type=int, default=8, help="val batches per evaluation")
 p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"], help="boundary checkpoints in host memory")
 p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
+p.add_argument("--residual-dtype", default="fp32", choices=["fp32", "bf16"],
+               help="dtype of the residual stream (x, checkpoints, dy); bf16 halves those bytes at some accuracy")
+p.add_argument("--chunk-tokens", type=int, default=0, help="tokens per loss chunk (0: model.default_chunk_tokens)")
 for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
     p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
 p.add_argument("--init-from", default=None, help="start from a Hugging Face model directory or one of our checkpoints (weights only)")
@@ -110,8 +113,7 @@ except ValueError as e:
 device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 if device.type == "cuda" and not torch.cuda.is_available():
     fail("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
-dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype] or \
-    (torch.bfloat16 if device.type == "cuda" else torch.float32)
+dtype = planner.DTYPES[args.dtype] if args.dtype else default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else "default on CPU: bf16 matmuls are slow there")
 for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
                 ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)):
@@ -132,9 +134,10 @@ def make_plan(hardware):
     try:
         return planner.plan(cfg, hardware, batch_size=args.batch_size, seq_len=args.seq_len,
                             micro_batches=args.micro_batches, mode=args.mode,
-                            dtype=args.dtype or ("bf16" if hardware != "local" or device.type == "cuda" else "fp32"),
-                            grad_clip=args.grad_clip > 0, offload_checkpoints=offload,
-                            host_mem_gb=args.host_mem, host_bw_gbs=args.host_bw, name=args.config)
+                            dtype=args.dtype or (None if hardware != "local" else planner.DTYPE_NAMES[dtype]),
+                            grad_clip=args.grad_clip, offload_checkpoints=offload, residual_dtype=args.residual_dtype,
+                            chunk_tokens=args.chunk_tokens or None, host_mem_gb=args.host_mem,
+                            host_bw_gbs=args.host_bw, name=args.config)
     except ValueError as e:  # an unknown --hardware, say
         fail(str(e))
 
@@ -151,7 +154,7 @@ if args.engine == "stream":  # refuse before anything is allocated
         fail(str(e))
     offload = pl["offload_checkpoints"]
 print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}")
-print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}) | engine {args.engine} | "
+print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual stream | engine {args.engine} | "
       f"{tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
 print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:.1f} B/param in the store), "
       f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}; "
@@ -190,7 +193,8 @@ weights = init_weights if init_weights is not None else model.LazyInit(cfg, seed
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 if args.engine == "stream":
     trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
-                      skip_nonfinite=True, **hyper)
+                      residual_dtype=planner.DTYPES[args.residual_dtype], chunk_tokens=args.chunk_tokens or None,
+                      staging_slabs=pl["staging_slabs"], skip_nonfinite=True, **hyper)
 else:
     trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
 del weights  # the engine holds its own copy (the host store)

@@ -21,7 +21,7 @@ tests=${PIPESTATUS[0]}
 echo "tests/test_gpu.py exit status: $tests" | tee -a "$OUT/test_gpu.log"
 
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout $((570 - SECONDS)) python -m megatrain_min.bench --out "$OUT/bench" ${BENCH_ARGS:---profile} 2>&1 | tee "$OUT/bench.log"
+timeout $((570 - SECONDS)) python bench/gpu.py --out "$OUT/bench" ${BENCH_ARGS:---profile} 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench exit status: $bench" | tee -a "$OUT/bench.log"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -22,8 +22,8 @@ On disk
                                       "step", "file", "bytes", "crc32"}, ...], "meta": {...}, "crc32"}
     out/ckpt-00000100/layer.0.bin   master | m | v, numel fp32 each, in the recorded byte order
 Try it
-    python -m megatrain_min.checkpoint --bench   # save/load GB/s of a ~1B-param store vs the raw disk
     python -m pytest tests/test_checkpoint.py
+    python bench/checkpoint_io.py                # save/load GB/s of a ~1B-param store vs the raw disk
 """
 import base64
 import json
@@ -110,14 +110,14 @@ def _write(path, tensors):
     """Write the raw bytes of `tensors` to a new file; return (the open file, CRC-32 of what was written)."""
     f, crc = open(path, "wb"), 0
     for t in tensors:
-        mv = _bytes(t)
+        mv = bytes_of(t)
         for i in range(0, len(mv), CHUNK):
             crc = zlib.crc32(mv[i:i + CHUNK], crc)   # the chunk is still in cache for the write
             f.write(mv[i:i + CHUNK])                 # a large write goes from our memory to the kernel
     return f, crc
 
 
-def _bytes(t):
+def bytes_of(t):
     """The bytes of a contiguous CPU tensor as a memoryview of its own memory (no copy)."""
     return memoryview(t.numpy()).cast("B")
 
@@ -215,7 +215,7 @@ def load(trainer, path, verify_first=True):
         state = opt.state(u)
         with open(path / unit["file"], "rb") as f:
             for s in STATES:
-                mv = _bytes(state[s])
+                mv = bytes_of(state[s])
                 if f.readinto(mv) != len(mv):
                     raise CheckpointError(f"{path / unit['file']} shrank while loading; the trainer is now partial")
                 crc = crc if verify_first else zlib.crc32(mv, crc)
@@ -244,72 +244,3 @@ def set_rng_state(state):
     torch.set_rng_state(unb64(state["torch"]))
     if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]])
-
-
-# ----------------------------------------------------------------------------- benchmark
-def _bench(n_layer, where, rounds):
-    """Save/load GB/s of a store shaped like Llama-3.2-1B with n_layer of its 16 layers, beside plain
-    writes/reads of the same tensors to the same disk (a file per unit, each fsynced). Reads are cold:
-    the files are dropped from the page cache first (posix_fadvise DONTNEED)."""
-    import dataclasses, tempfile, time  # noqa: E401
-    from types import SimpleNamespace
-    import model
-    cfg = dataclasses.replace(model.PRESETS["1b"], n_layer=n_layer)
-    units, nbytes = model.units(cfg), 12 * model.n_params(cfg)
-    from optim import HostAdamW
-    opt = HostAdamW([(lay.numel, lay.n_decay) for lay in units], grad_store=False)
-    for u in range(len(units)):
-        for t in opt.state(u).values():
-            t.fill_(u + 0.5)
-    trainer = SimpleNamespace(cfg=cfg, units=units, opt=opt, wait=lambda: None)
-    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=where))
-    print(f"1b preset with {n_layer} layers: {model.n_params(cfg) / 1e9:.2f}B params, {nbytes / 1e9:.1f} GB "
-          f"of fp32 master + m + v; writing to {root}")
-
-    def timed(what, fn):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        print(f"  {what:34s} {nbytes / dt / 1e9:5.2f} GB/s  {dt:5.1f} s", flush=True)
-
-    def raw(mode):  # plain writes (+ fsync) or reads of the same bytes, one file per unit
-        for u in range(len(units)):
-            with open(root / f"raw-{u}.bin", mode) as f:
-                for s in STATES:
-                    (f.write if mode == "wb" else f.readinto)(_bytes(opt.state(u)[s]))
-                if mode == "wb":
-                    f.flush()
-                    os.fsync(f.fileno())
-
-    def drop_cache():
-        for p in root.rglob("*.bin"):
-            fd = os.open(p, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-    try:
-        timed("crc32 in memory", lambda: [zlib.crc32(_bytes(opt.state(u)[s])) for u in range(len(units)) for s in STATES])
-        for r in range(rounds):
-            print(f"round {r + 1}")
-            timed("raw write + fsync", lambda: raw("wb"))
-            timed("save (crc32, fsync, rename)", lambda: save(trainer, root, r, keep=1))
-            drop_cache()
-            timed("raw read, cold", lambda: raw("rb"))
-            drop_cache()
-            timed("load, cold (verify, then read)", lambda: load(trainer, latest(root)))
-            drop_cache()
-            timed("load, cold, verify_first=False", lambda: load(trainer, latest(root), verify_first=False))
-        assert all(bool((opt.state(u)[s] == u + 0.5).all()) for u in range(len(units)) for s in STATES)
-    finally:
-        shutil.rmtree(root)
-
-
-if __name__ == "__main__":
-    import argparse
-    p = argparse.ArgumentParser(description="Benchmark checkpoint save/load against the raw disk.")
-    p.add_argument("--bench", action="store_true", help="run the benchmark (writes ~24 GB, reads it back)")
-    p.add_argument("--layers", type=int, default=12, help="layers of the 1b preset (12: 0.99B params, 11.9 GB of RAM)")
-    p.add_argument("--rounds", type=int, default=2, help="repeat the measurements (shared disks vary)")
-    p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
-    args = p.parse_args()
-    _bench(args.layers, args.dir, args.rounds) if args.bench else p.print_help()

@@ -5,7 +5,7 @@ What it is
     model.safetensors.index.json) and returns (GPTConfig, weights). `weights` is a lazy Mapping: a
     tensor is read from disk and converted to fp32 only when it is accessed, and nothing is cached, so
     stream.Trainer(cfg, weights) fills its host store one tensor at a time: the extra host memory is one
-    fp32 tensor, the largest, plus a 64 MiB slice. Measured (python -m megatrain_min.hf --measure) on a
+    fp32 tensor, the largest, plus a 64 MiB slice. Measured (python bench/hf_load_memory.py) on a
     Llama-3.2-1B-shaped bf16 checkpoint, 2-core dev machine: peak RSS 0.93-1.05 GiB above the store
     over runs (the 128256 x 2048 embedding in fp32 is 0.98 GiB), both for a 0.99B-param CPU Trainer
     (14.0 GiB store) and for the fp32 masters of the full 1.24B model (4.6 GiB).
@@ -30,7 +30,7 @@ Reference
     header {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes.
 Try it
     python -m pytest tests/test_hf.py           # logits vs transformers, round trips, training, errors
-    python -m megatrain_min.hf --measure        # peak extra RSS while loading a ~1B bf16 checkpoint
+    python bench/hf_load_memory.py              # peak extra RSS while loading a ~1B bf16 checkpoint
 """
 import json
 import math
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model import HEAD, NORM, GPTConfig, units
+from model import HEAD, GPTConfig, units
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -319,72 +319,3 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-# ----------------------------------------------------------------------------- python -m megatrain_min.hf --measure
-def _rss():
-    """(resident, peak resident since the last reset) bytes of this process (Linux: VmRSS, VmHWM)."""
-    s = Path("/proc/self/status").read_text()
-    return [int(re.search(rf"{k}:\s+(\d+) kB", s)[1]) << 10 for k in ("VmRSS", "VmHWM")]
-
-
-class _Watch:
-    """weights[key] passed through. The RSS at the first access is the store (allocated and zeroed before
-    the copy loop); the peak RSS is noted at every access, so the loop's peaks are all seen (its last key is
-    a tiny norm) and what Trainer allocates after the loop (its CPU-side compute slots) is not."""
-
-    def __init__(self, weights):
-        self.w, self.base, self.peak = weights, None, 0
-
-    def __getitem__(self, key):
-        rss, peak = _rss()
-        self.base, self.peak = self.base or rss, max(self.peak, peak)
-        return self.w[key]
-
-
-def _measure(n_layer, store, tmp):
-    """Write a freshly initialised Llama-3.2-1B-shaped bf16 checkpoint with save_hf, load it into a host store, print the
-    peak RSS above the store. store: "trainer" (a CPU stream.Trainer), "master" (fp32 master buffers alone,
-    filled by Trainer.__init__'s `view.copy_(weights[key])` loop), "direct" (the same buffers filled by
-    HFWeights.read_into, no temporary). RSS also counts the safetensors pages mapped while a tensor is
-    read: clean page cache (the kernel can drop it), not allocated memory."""
-    import dataclasses
-    import time
-    from model import PRESETS, LazyInit
-    cfg = dataclasses.replace(PRESETS["1b"], n_layer=n_layer or PRESETS["1b"].n_layer)
-    d, gb, t0 = Path(tmp) / "ckpt", 2 ** 30, time.time()
-    save_hf(cfg, LazyInit(cfg), d, dtype=torch.bfloat16)           # init_weights, one unit at a time
-    print(f"wrote {sum(u.numel for u in units(cfg)) / 1e9:.2f}B params to {d}: "
-          f"{sum(f.stat().st_size for f in d.glob('*.safetensors')) / gb:.2f} GiB bf16 in {time.time() - t0:.0f}s")
-    Path("/proc/self/clear_refs").write_text("5")                   # reset VmHWM to the current RSS
-    rss0, t0 = _rss()[0], time.time()
-    cfg, weights = load_hf(d)
-    watch = _Watch(weights)
-    if store == "trainer":
-        from stream import Trainer
-        Trainer(cfg, watch, device="cpu")
-    else:
-        bufs = [torch.zeros(u.numel) for u in units(cfg)]
-        watch.base = _rss()[0]
-        for u, lay in enumerate(units(cfg)):
-            for key, view in lay.key_views(bufs[u]).items():
-                weights.read_into(key, view) if store == "direct" else view.copy_(watch[key])
-        watch[NORM]                                                 # one more look at the peak
-    largest = 4 * max(math.prod(shape) for _, shape in weights.where.values())
-    print(f"{store}: store {(watch.base - rss0) / gb:.2f} GiB filled in {time.time() - t0:.0f}s, peak RSS above "
-          f"it {(watch.peak - watch.base) / gb:.2f} GiB; largest tensor in fp32 {largest / gb:.2f} GiB")
-
-
-if __name__ == "__main__":
-    import argparse
-    import tempfile
-    p = argparse.ArgumentParser(description="Measure the host memory that load_hf needs beyond the store.")
-    p.add_argument("--measure", action="store_true", help="run it (writes a ~2.3 GiB checkpoint to --tmp)")
-    p.add_argument("--store", default="master", choices=["master", "direct", "trainer"], help="see _measure")
-    p.add_argument("--n-layer", type=int, default=0, help="layers of the 1b shape (default 16: 1.24B params)")
-    p.add_argument("--tmp", default=None, help="directory for the checkpoint (default: the system temp dir)")
-    a = p.parse_args()
-    if not a.measure:
-        p.exit(p.format_help())
-    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
-        _measure(a.n_layer, a.store, tmp)

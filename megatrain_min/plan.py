@@ -24,12 +24,16 @@ Try it
 """
 import argparse
 import json
+import math
 import os
 
 import torch
 
 import model
+import stream
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 GB = 1e9  # decimal: "1536 GB" is 1.536e12 bytes (slightly conservative against GiB-sized DIMMs)
 
 # Peaks: dense (no sparsity) TFLOP/s from NVIDIA's datasheets. frac: the share of peak a whole layer
@@ -124,37 +128,43 @@ def flops_per_token(cfg):
 
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
-         grad_clip=False, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
-         name=None):
+         grad_clip=0.0, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
+         residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, name=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
     hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
-    dtype: "bf16" or "fp32" (None: bf16 on a GPU, fp32 on the CPU, as train.py). grad_clip: True when
-    the update waits for the global gradient norm (clipping, or Trainer(skip_nonfinite=True)) -- the
-    host then keeps every fp32 gradient; otherwise each unit is updated as its gradient lands and
-    staging slabs suffice. offload_checkpoints None: offload only when they would not fit on the GPU
-    (the engine should then be given p["offload_checkpoints"]). pinned_pow2: model torch's pinned allocator,
-    which rounds every pinned buffer up to a power of two unless PYTORCH_ALLOC_CONF sets
-    pinned_max_round_threshold_mb (up to +40% on the 120b store).
+    dtype: "bf16" or "fp32" (None: stream.default_dtype of the hardware). grad_clip: the global-norm clip
+    (0 = off); with it the updates are deferred until every gradient is on the host, which keeps an fp32
+    gradient per parameter there; without it each unit is updated as its gradient lands, through staging
+    slabs (staging_slabs None: as many as hide the D2H + AdamW latency, see `slabs`). offload_checkpoints
+    None: stream.offload_needed decides (pass p["offload_checkpoints"] to stream.Trainer). residual_dtype:
+    "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard, a host wait for
+    the loss after the head when updates are not deferred. pinned_pow2: model torch's pinned allocator as it
+    is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
     """
     hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs)
     cuda = hw["gpu_mem_gb"] > 0
-    dtype = dtype or ("bf16" if cuda else "fp32")
+    dtype = dtype or DTYPE_NAMES[stream.default_dtype("cuda" if cuda else "cpu")]
     seq_len = seq_len or cfg.max_seq_len
-    if mode not in ("fast", "lean") or dtype not in ("bf16", "fp32"):
-        raise PlanError(f"mode must be fast or lean and dtype bf16 or fp32, got {mode!r} and {dtype!r}")
+    if mode not in ("fast", "lean") or dtype not in DTYPES or residual_dtype not in DTYPES:
+        raise PlanError(f"mode must be fast or lean, dtype and residual dtype bf16 or fp32; got {mode!r}, "
+                        f"{dtype!r} and {residual_dtype!r}")
+    if residual_dtype == "bf16" and dtype == "fp32":
+        raise PlanError("a bf16 residual stream needs bf16 compute (--dtype bf16); with fp32 compute drop --residual-dtype")
     if min(batch_size, seq_len, micro_batches) <= 0 or batch_size % micro_batches:
         raise PlanError(f"batch size {batch_size} must be a positive multiple of micro-batches {micro_batches}")
     name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
     units = model.units(cfg)
     layers, head = [u for u in units if u.name.startswith("layer.")], units[-1]
     lay, L, N, tied = layers[0], len(layers), sum(u.numel for u in units), cfg.tie_embeddings
-    cb = 2 if dtype == "bf16" else 4                   # bytes of the compute dtype
+    defer = grad_clip > 0                              # stream.Trainer.defer_updates
+    cb, rb = DTYPES[dtype].itemsize, DTYPES[residual_dtype].itemsize   # bytes: compute, residual stream
     shadow = mode == "fast" and dtype == "bf16"        # fast streams a bf16 shadow; lean the fp32 master
     sb = 2 if shadow else 4                            # bytes per parameter that cross H2D
-    n_slot = max(u.numel for u in layers + [head])     # a weight/grad slot holds the largest streamed unit
+    n_slot = max(lay.numel, head.numel)                # a weight/grad slot holds the largest streamed unit
     tokens = batch_size * seq_len
-    act = tokens * cfg.d_model * cb                    # one (B, T, d) activation, all micro-batches
+    act = tokens * cfg.d_model * rb                    # one (B, T, d) residual tensor, all micro-batches
+    row_b = 2 if (shadow and rb == 2) else 4           # embedding rows: from the bf16 shadow or the fp32 master
 
     # ---- GPU (stream.Trainer.__init__ and the step's working set): independent of depth
     gpu = {f"weight slots: 2 x {count(n_slot)} {dtype}": 2 * n_slot * cb,
@@ -162,45 +172,17 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     if mode == "lean" and dtype == "bf16":
         gpu["lean staging: fp32 unit, cast on GPU"] = n_slot * 4
     gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
-    gpu["residual stream x and its grad dy"] = 2 * act
-    gpu[f"recompute activations: 1 layer, {tokens // micro_batches:,} tok"] = \
-        model.block_activation_bytes(cfg, tokens // micro_batches, cb)
-    gpu[f"weight grads from autograd ({dtype}, one unit)"] = n_slot * cb
-    chunk = min(model.default_chunk_tokens(cfg), tokens // micro_batches)  # stream.Trainer.chunk
-    gpu[f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits"] = \
-        chunk * cfg.vocab_size * (12 + (2 * cb if cb == 2 else 0))  # logits, fp32 copy, log-softmax, grads
-    # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there;
-    # else they go to pinned host memory and only the current layer's and the next reload are on the GPU.
-    # (DESIGN §3: the planner decides -- pass p["offload_checkpoints"] to stream.Trainer.)
+    gpu.update(stream.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
+                                        chunk_tokens or model.default_chunk_tokens(cfg), n_slot))
+    # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there, else
+    # they go to pinned host memory through a ring of stream.RING device slots
     offload = offload_checkpoints if offload_checkpoints is not None else \
-        cuda and sum(gpu.values()) + L * act > hw["gpu_mem_gb"] * GB
-    gpu["checkpoints: 2 layers (offloaded)" if offload else f"checkpoints: {L} layers"] = \
-        2 * act if offload else L * act
+        cuda and stream.offload_needed(L * act, sum(gpu.values()), hw["gpu_mem_gb"] * GB)
+    gpu[f"checkpoints: ring of {stream.RING} layers (offloaded)" if offload else f"checkpoints: {L} layers"] = \
+        stream.RING * act if offload else L * act
     gpu_bytes = sum(gpu.values())
 
-    # ---- host (optim.HostAdamW + stream.py's pinned staging)
-    pin = (lambda b: 1 << (int(b) - 1).bit_length()) if (pinned_pow2 and cuda) else (lambda b: b)
-    per_unit = lambda bytes_per_param: sum(pin(u.numel * bytes_per_param) for u in units)  # noqa: E731
-    host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
-    if shadow:
-        host["bf16 shadow (streamed)"] = per_unit(2)
-    if grad_clip:
-        host["fp32 grad store (global norm first)"] = per_unit(4)
-    store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
-    if not grad_clip:  # D2H lands in a slab, the worker updates from it (stream.Trainer keeps 3: two rotate,
-        #                a tied head may hold the third until the embedding scatter)
-        host["fp32 grad staging: 3 slabs"] = 3 * pin(max(u.numel for u in units) * 4)
-    if offload:
-        host[f"offloaded checkpoints: {L} layers"] = L * micro_batches * pin(act // micro_batches)
-    host["staging: embedding rows, dy"] = 2 * micro_batches * pin(act // micro_batches)
-    host["runtime: Python, torch" + (", CUDA" if cuda else "")] = RUNTIME if cuda else 10**9
-    if not cuda:
-        host["device buffers (below)"] = gpu_bytes
-    host_bytes = sum(host.values())
-    host_limit = hw["host_mem_gb"] * GB * HOST_USABLE
-    fits_host, fits_gpu = host_bytes <= host_limit, (not cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
-
-    # ---- throughput: seconds per visit, then the schedule
+    # ---- throughput: seconds per visit (needed to size the staging slabs)
     F = hw[f"{dtype}_tflops"] * 1e12 * hw["frac"]     # achievable FLOP/s
     h2d, d2h, hbw = hw["h2d_gbs"] * GB, hw["d2h_gbs"] * GB, hw["host_bw_gbs"] * GB
     cast = 6 / (hw["hbm_gbs"] * GB) if not shadow and dtype == "bf16" else 0  # lean: read fp32, write bf16
@@ -211,47 +193,90 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     t = dict(fwd=tokens * (2 * lay.n_decay + attn) / F,
              bwd=3 * tokens * (2 * lay.n_decay + attn) / F,  # recompute (1x forward) + backward (2x)
              head=6 * tokens * head.n_decay / F,             # forward + backward, the head is not recomputed
-             rows=act / h2d, dy=act / d2h, scatter=tokens * cfg.d_model * 8 / hbw,
+             rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h, scatter=tokens * cfg.d_model * (4 + 8) / hbw,
              ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()})
-    step_time, busy, critical = simulate(L, t, numel, rate, deferred=grad_clip, tied=tied, offload=offload,
-                                         overlap=cuda)
+    slabs = 0 if defer else staging_slabs or stream_slabs(t, tied)
+
+    # ---- host (optim.HostAdamW + stream.py's pinned staging)
+    pin = (lambda b: 1 << (int(b) - 1).bit_length()) if (pinned_pow2 and cuda) else (lambda b: b)
+    per_unit = lambda bytes_per_param: sum(pin(u.numel * bytes_per_param) for u in units)  # noqa: E731
+    host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
+    if shadow:
+        host["bf16 shadow (streamed)"] = per_unit(2)
+    if defer:
+        host["fp32 grad store (global norm first)"] = per_unit(4)
+    store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
+    if slabs:  # D2H lands in a slab, the worker updates from it
+        host[f"fp32 grad staging: {slabs} slabs"] = slabs * pin(max(u.numel for u in units) * 4)
+    if offload:
+        host[f"offloaded checkpoints: {L} layers"] = pin(L * act)
+    host["pinned staging: embedding rows, dy, targets"] = pin(tokens * cfg.d_model * row_b) + pin(act) + \
+        pin(tokens * 8)
+    host["runtime: Python, torch" + (", CUDA" if cuda else "")] = RUNTIME if cuda else 10**9
+    if not cuda:
+        host["device buffers (below)"] = gpu_bytes
+    host_bytes = sum(host.values())
+    host_limit = hw["host_mem_gb"] * GB * HOST_USABLE
+    fits_host, fits_gpu = host_bytes <= host_limit, (not cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
+
+    # ---- the schedule
+    step_time, busy, critical = simulate(L, t, numel, rate, deferred=defer, tied=tied, offload=offload,
+                                         slabs=slabs, guard=skip_nonfinite and not defer, overlap=cuda)
     peak = hw[f"{dtype}_tflops"]
     model_tflops = flops_per_token(cfg) * tokens / step_time / 1e12
     mins = {"h2d": F * (sb / h2d + cast) / 2,          # a layer's forward (2NT FLOPs) outlasts its copy (N sb B)
             "d2h": F * 4 / (6 * d2h),                  # its recompute + backward (6NT) outlasts the fp32 grad
-            "cpu_adam": F * (adam_b + 4 * grad_clip) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
-    p = dict(config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype, batch_size=batch_size,
-             seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens, grad_clip=bool(grad_clip),
-             offload_checkpoints=bool(offload), offload_asked=offload_checkpoints, pinned_pow2=pinned_pow2, params=N,
-             host=host, host_bytes=host_bytes, host_limit_bytes=host_limit, host_bytes_per_param=store / N,
-             fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes, gpu_limit_bytes=hw["gpu_mem_gb"] * GB,
-             fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t, step_time_s=step_time,
-             tokens_per_s=tokens / step_time, model_tflops=model_tflops, mfu=model_tflops / peak,
-             utilization={k: v / step_time for k, v in busy.items()},
+            "cpu_adam": F * (adam_b + 4 * defer) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
+    p = dict(config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype, residual_dtype=residual_dtype,
+             batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens,
+             grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, skip_nonfinite=skip_nonfinite, staging_slabs=slabs,
+             staging_slabs_asked=staging_slabs, offload_checkpoints=bool(offload), offload_asked=offload_checkpoints,
+             pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
+             host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
+             gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t,
+             step_time_s=step_time, tokens_per_s=tokens / step_time, model_tflops=model_tflops,
+             mfu=model_tflops / peak, utilization={k: v / step_time for k, v in busy.items()},
              critical_path={k: v / step_time for k, v in critical.items()}, bottleneck=max(critical, key=critical.get),
              min_tokens=mins, min_tokens_per_step=max(mins.values()))
     return p
 
 
-def simulate(L, t, numel, rate, deferred, tied, offload, overlap=True, steps=3):
-    """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams)
-    and cpu_adam (the optimizer thread) -- each task starting when its lane is free and its inputs are
-    ready. Units: "embed", 0 .. L-1, "head". t: seconds of the per-step tasks; numel[kind] * rate[what]:
-    seconds to load, drain ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane, all in
-    program order. Returns the steady-state step time (between the starts of the last two steps' first
-    layer), the busy seconds per step of each lane, and each lane's seconds on the critical path of the
-    last step (walked back from its end through the task each task waited for): the bottleneck."""
+def stream_slabs(t, tied):
+    """Staging slabs that hide a gradient's trip: the slab of backward visit k is given back when update k-S
+    finished, D2H + AdamW after that visit's compute; the GPU stalls unless S-1 backward visits outlast the trip
+    (a tied head holds one more slab until the embedding scatter). At least stream.STAGING_SLABS."""
+    trip = t["grad"] + t["adam"]
+    return max(stream.STAGING_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
+
+
+def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SLABS, guard=False, overlap=True,
+             steps=3):
+    """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams) and
+    cpu_adam (the optimizer thread) -- and the host thread that issues the work. A task starts when its lane
+    is free, its inputs are ready and the host has issued it; the host issues in program order and blocks where
+    the engine blocks: a unit's update before its copy (_ready), a free staging slab before each gradient's D2H
+    (without deferral), the loss after the head (the guard), the squared norms (deferred) and the loss at the
+    end of the step. Units: "embed", 0 .. L-1, "head". t: seconds of the per-step tasks; numel[kind] *
+    rate[what]: seconds to load, drain ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane,
+    all in program order. Returns the steady-state step time (between the starts of the last two steps' first
+    layer), the busy seconds per step of each lane, and each lane's seconds on the critical path of the last
+    step (walked back from its end through the task each task waited for): the bottleneck."""
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam"), 0.0)
     busy, critical, ends = dict.fromkeys(free, 0.0), dict.fromkeys(free, 0.0), {}
+    host = [0.0]                                 # when the host thread can issue its next operation
+    last = [0.0]                                 # the start of the latest task
 
     def run(lane, after, dur):
         key = lane if overlap else "compute"
-        start = max(free[key], after)
+        start = last[0] = max(free[key], after, host[0])
         free[key] = start + dur
         busy[lane] += dur / steps
         if dur > 0:
             ends[free[key]] = (lane, start)    # whoever starts at this instant waited for this task
         return free[key]
+
+    def block(until):                            # the host waits
+        host[0] = max(host[0], until)
 
     def cost(what, u):
         return numel["layer" if isinstance(u, int) else u] * rate[what]
@@ -260,40 +285,57 @@ def simulate(L, t, numel, rate, deferred, tied, offload, overlap=True, steps=3):
     upd, starts = {}, []                         # unit -> when its latest update finished
     for _ in range(steps):
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
+        slab_back = []                           # when each staging slab taken this step is given back
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
-        loaded[0] = run("h2d", upd.get(0, 0.0), cost("load", 0))
-        x = run("h2d", upd.get(emb, 0.0), t["rows"])   # embedding rows, gathered from the updated master
+        block(upd.get(0, 0.0))
+        loaded[0] = run("h2d", 0.0, cost("load", 0))
+        block(upd.get(emb, 0.0))
+        x = run("h2d", 0.0, t["rows"])          # embedding rows, gathered from the updated master
         for i in range(L):
             if offload:
                 sent[i] = run("d2h", x, t["ckpt_d2h"])
             x = run("compute", max(loaded[i], x), t["fwd"])
             if i == 0:
-                starts.append(x - t["fwd"])
+                starts.append(last[0])
             slot_free[i % 2] = x
             nxt = i + 1 if i + 1 < L else "head"
-            loaded[nxt] = run("h2d", max(upd.get(nxt, 0.0), slot_free[1 - i % 2]), cost("load", nxt))
+            block(upd.get(nxt, 0.0))
+            loaded[nxt] = run("h2d", slot_free[1 - i % 2], cost("load", nxt))
         # head: loss forward and backward per chunk, its gradient goes down first (grad slot 0)
         x = slot_free[L % 2] = run("compute", max(loaded["head"], x), t["head"])
-        gslot_free[0] = run("d2h", x, cost("grad", "head"))
-        if not tied:
-            upd["head"] = run("cpu_adam", gslot_free[0], cost(first, "head"))
+        loss = x
+        if guard:                                # the non-finite guard: the host reads the loss first
+            block(loss)
+
+        def drain(unit, k, after):               # grad visit k: a slab (unless deferred), D2H, then the worker
+            if not deferred and len(slab_back) >= slabs - tied:
+                block(slab_back[len(slab_back) - (slabs - tied)])
+            done = run("d2h", after, cost("grad", unit))
+            gslot_free[k % 2] = done
+            if unit == emb:                      # tied: its update follows the embedding scatter
+                return done
+            upd[unit] = run("cpu_adam", done, cost(first, unit))
+            slab_back.append(upd[unit])
+            return done
+        drain("head", 0, x)
         # backward: layer L-1 is still resident; recompute from the checkpoint, grads drain as they finish
         ready = run("h2d", sent[L - 1], t["ckpt_h2d"]) if offload else 0.0
-        for i in reversed(range(L)):
+        for k, i in enumerate(reversed(range(L)), start=1):
             if i > 0:
                 loaded[i - 1] = run("h2d", slot_free[(i - 1) % 2], cost("load", i - 1))
             nxt_ready = run("h2d", sent[i - 1], t["ckpt_h2d"]) if offload and i > 0 else 0.0
-            k = (L - i) % 2                      # grad slot of this visit
-            x = slot_free[i % 2] = run("compute", max(loaded[i], ready, gslot_free[k], x), t["bwd"])
-            gslot_free[k] = run("d2h", x, cost("grad", i))
-            upd[i] = run("cpu_adam", gslot_free[k], cost(first, i))
+            x = slot_free[i % 2] = run("compute", max(loaded[i], ready, gslot_free[k % 2], x), t["bwd"])
+            drain(i, k, x)
             ready = nxt_ready
         # embedding: dy of layer 0 goes down, the worker scatters it into the rows used
+        if not deferred and not tied and len(slab_back) >= slabs:
+            block(slab_back[len(slab_back) - slabs])
         upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", x, t["dy"]), t["scatter"]), cost(first, emb))
+        block(loss)                              # the step's loss, read on the host
         if deferred:  # every norm known: updates in forward order, the next forward waits per unit
-            after = max(upd.values())
-            for u in ([] if tied else ["embed"]) + list(range(L)) + ["head"]:
-                upd[u] = run("cpu_adam", after, cost("adam", u))
+            block(max(upd.values()))
+            for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
+                upd[u] = run("cpu_adam", 0.0, cost("adam", u))
     now = starts[-1]
     while now > starts[-2] and now in ends:
         lane, start = ends[now]
@@ -304,8 +346,9 @@ def simulate(L, t, numel, rate, deferred, tied, offload, overlap=True, steps=3):
 
 def plan_json(p):
     """One JSON object: params, host_bytes, gpu_bytes, fits, step_time_s, tokens_per_s, model_tflops,
-    bottleneck, mode -- and every other field of the plan (components in bytes, times in seconds)."""
-    return json.dumps(p)
+    bottleneck, mode -- and every other field of the plan (components in bytes, times in seconds), and "fix":
+    the nearest setting that fits (train.py flags) when it does not."""
+    return json.dumps({**p, "fix": None if p["fits"] else suggest(p)})
 
 
 def count(n):
@@ -325,7 +368,8 @@ def format_plan(p):
     rows = [f"{p['config']}: {count(N)} params (L={m['n_layer']} d={m['d_model']} heads={m['n_head']}/{m['n_kv_head']}"
             f" ff={m['d_ff']} V={m['vocab_size']}) on {hw['name']} ({hw['gpu']})",
             f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = {p['tokens_per_step']:,}"
-            f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {'on' if p['grad_clip'] else 'off'},"
+            f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {p['grad_clip'] or 'off'},"
+            f" {p['residual_dtype']} residual stream,"
             f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'}", "",
             f"{'host memory' + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
@@ -339,7 +383,7 @@ def format_plan(p):
     rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
         ("H2D weights", t["load"]), ("forward: 2NT + attention", t["fwd"]),
         ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
-        ("CPU AdamW" + (" + grad-norm pass" if p["grad_clip"] else ""), t["adam"] + t["norm"] * p["grad_clip"]),
+        ("CPU AdamW" + (" + grad-norm pass" if p["defer_updates"] else ""), t["adam"] + t["norm"] * p["defer_updates"]),
         ("head: loss forward + backward, 6 V d T", t["head"]))]
     rows += ["", f"predicted: {p['step_time_s']:.3g} s/step, {p['tokens_per_s']:,.0f} tokens/s, "
                  f"{p['model_tflops']:.3g} model TFLOP/s = {p['mfu']:.0%} of the {hw[p['dtype'] + '_tflops']:g} peak "
@@ -350,13 +394,18 @@ def format_plan(p):
              ", ".join(f"{k} {v:,.0f}" for k, v in p["min_tokens"].items()) + ")",
              f"verdict on {hw['name']}: host RAM {verdict(p['fits_host'])}, GPU memory " +
              (verdict(p["fits_gpu"]) if cuda else "n/a (CPU)") + f" -> {'FITS' if p['fits'] else 'does not fit'}"]
+    if not p["fits"]:
+        fix = suggest(p)
+        rows.append(f"nearest setting that fits: {fix}" if fix else "nothing nearby fits: see the breakdown above")
     return "\n".join(rows)
 
 
 def _replan(p, **change):
     kw = dict(hardware=p["hardware"], batch_size=p["batch_size"], seq_len=p["seq_len"],
               micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
-              offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"])
+              offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
+              residual_dtype=p["residual_dtype"], staging_slabs=p["staging_slabs_asked"],
+              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     kw["seq_len"] = min(kw["seq_len"], cfg.max_seq_len)
@@ -365,20 +414,26 @@ def _replan(p, **change):
 
 def suggest(p):
     """The nearest setting that fits, as train.py flags, or None. Tried in order: the memory modes, checkpoint
-    offload, more micro-batches (smaller recompute activations), a smaller batch, then smaller presets.
+    offload, a smaller loss chunk, more micro-batches (smaller recompute activations), a smaller batch, a bf16 residual stream (it
+    trades accuracy for memory, so it comes last), then smaller presets.
     (Fewer micro-batches never helps: the slots and checkpoints do not depend on them.)"""
     tries = []
     if p["dtype"] == "bf16":  # lean saves 2 B/param of host RAM, fast saves the GPU's fp32 staging buffer
         tries.append(("--mode lean", dict(mode="lean")) if p["mode"] == "fast" else ("--mode fast", dict(mode="fast")))
-    if p["grad_clip"]:
-        tries += [("--grad-clip 0", dict(grad_clip=False)),
-                  ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=False))]
+    if p["defer_updates"]:
+        tries += [("--grad-clip 0", dict(grad_clip=0.0)),
+                  ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=0.0))]
     tries.append(("--offload-checkpoints off" if p["offload_checkpoints"] else "--offload-checkpoints on",
                   dict(offload_checkpoints=not p["offload_checkpoints"])))
+    small_chunk = (1 << 26) // p["model"]["vocab_size"]         # the loss chunk: 256 MB of fp32 logits
+    if small_chunk < (p["chunk_tokens"] or model.default_chunk_tokens(model.GPTConfig(**p["model"]))):
+        tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
     B, M = p["batch_size"], p["micro_batches"]
     tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in range(M + 1, B + 1) if B % m == 0][:4]
     tries += [(f"--batch-size {b} --micro-batches {min(M, b)}", dict(batch_size=b, micro_batches=min(M, b)))
               for b in (B // 2, B // 4, B // 8, 1) if 0 < b < B and b % min(M, b) == 0]
+    if p["dtype"] == "bf16" and p["residual_dtype"] == "fp32":  # last: it trades accuracy for memory
+        tries.append(("--residual-dtype bf16", dict(residual_dtype="bf16")))
     for flags, change in tries:
         if _replan(p, **change)["fits"]:
             return flags
@@ -398,7 +453,7 @@ def check(p):
     where = "this machine has" if hw["name"] == "local" else f"--hardware {hw['name']} has"
     if not p["fits_host"]:
         what = " + ".join(["fp32 master + Adam m, v"] + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
-                          + ["fp32 grads"] * p["grad_clip"] + ["checkpoints"] * p["offload_checkpoints"])
+                          + ["fp32 grads"] * p["defer_updates"] + ["checkpoints"] * p["offload_checkpoints"])
         mode = f" in --mode {p['mode']}" if p["dtype"] == "bf16" else ""
         msg = (f"{cfg} needs ~{size(p['host_bytes'])} of host RAM ({p['host_bytes'] / p['params']:.1f} B/param: "
                f"{what}){mode}; {where} {size(hw['host_mem_gb'] * GB)}")
@@ -427,7 +482,7 @@ if __name__ == "__main__":
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = ap.parse_args()
     kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches, mode=a.mode,
-              dtype=a.dtype, grad_clip=a.grad_clip > 0, host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw,
+              dtype=a.dtype, grad_clip=a.grad_clip, host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw,
               offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints])
     for hw_name in (list(HARDWARE) if a.hardware == "all" else [a.hardware]):
         p = plan(model.PRESETS[a.config], hw_name, **kw)

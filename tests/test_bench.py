@@ -1,4 +1,4 @@
-"""The benchmark harness (megatrain_min/bench.py) end to end in --smoke mode: tiny shapes, every case that can
+"""The GPU benchmark harness (bench/gpu.py) end to end in --smoke mode: tiny shapes, every case that can
 run on this machine (CUDA-only ones record "skipped: no CUDA"), and the three output files with their fields.
 This checks the harness, not the speed: the numbers only have to exist and be positive."""
 import json
@@ -18,7 +18,7 @@ def positive_where_measured(r):
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench"
-    p = subprocess.run([sys.executable, "-m", "megatrain_min.bench", "--smoke", "--profile", "--out", str(out)],
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--profile", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((out / "results.json").read_text())

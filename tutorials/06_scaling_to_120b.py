@@ -80,8 +80,9 @@ print(f"      boundary checkpoints at {tokens:,} tokens: {C120.n_layer} x {token
 # %% [markdown]
 # ## 3. The planner's verdict
 #
-# Now the planner, with the paper's host (1.5 TB) on both GPUs, 8 x 4096 tokens per step (lesson 5:
-# enough to hide PCIe on an H200), clipping off:
+# Now the planner, with the paper's host (1.5 TB) on both GPUs, 4 x 4096 tokens per step (lesson 5:
+# enough to hide PCIe on an H200), clipping off, and the engine's default fp32 residual stream (x, the
+# boundary checkpoints and dy in fp32: what torch.autocast computes):
 
 # %%
 rows = {}
@@ -90,8 +91,8 @@ print(f"{'model':<6}{'GPU':<7}{'mode':<6}{'host':>9}{'B/param':>9}{'GPU mem':>9}
 for name in ("100b", "120b"):
     for hw in ("h200", "gh200"):
         for mode in ("fast", "lean"):
-            p = planner.plan(model.PRESETS[name], hw, batch_size=8, seq_len=4096, mode=mode,
-                             grad_clip=False, host_mem_gb=1536)
+            p = planner.plan(model.PRESETS[name], hw, batch_size=4, seq_len=4096, mode=mode,
+                             grad_clip=0, host_mem_gb=1536)
             rows[name, hw, mode] = p
             why = "" if p["fits"] else " (host)" if not p["fits_host"] else " (GPU)"
             print(f"{name:<6}{hw:<7}{mode:<6}{p['host_bytes'] / 1e12:>8.2f}T{p['host_bytes'] / p['params']:>9.1f}"
@@ -103,10 +104,12 @@ for name in ("100b", "120b"):
 # Read the table:
 #
 # * **120b needs lean**: fast is 1.7 TB. Lean on the H200 fits at 1.46 TB with fp32 master weights and
-#   fp32 Adam states -- and runs as fast as fast would: at 32k tokens the 4-byte copies are still hidden
-#   (lesson 5's threshold doubles to ~22k tokens), the step is compute-bound.
-# * **GH200**: 96 GB of HBM cannot keep 120b's 61 GB of checkpoints next to its working set, so they are
-#   offloaded -- to the host, which then overflows. The planner's suggestion is one line away:
+#   fp32 Adam states, compute-bound: at 16k tokens the 4-byte copies of lean are nearly hidden.
+# * **Checkpoints decide the rest.** 76 layers x 4 x 4096 tokens x 12288 x 4 bytes = 61 GB of fp32 boundary
+#   checkpoints. The H200 keeps them; the GH200's 96 GB cannot keep them beside its working set, so they are
+#   offloaded -- to the host, which then overflows. Twice the tokens (8 x 4096) would push them out of the
+#   H200 too. The planner names the way out, and a bf16 residual stream (half the bytes, some accuracy:
+#   README, Numerics) is one:
 
 # %%
 p_gh = rows["120b", "gh200", "lean"]
@@ -114,11 +117,13 @@ try:
     planner.check(p_gh)
 except planner.PlanError as e:
     print("planner.check:", e)
-p_gh4 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=False, host_mem_gb=1536)
-print(f"120b lean on gh200 at 4 x 4096: {'FITS' if p_gh4['fits'] else 'no'}, host {p_gh4['host_bytes'] / 1e12:.2f} TB, "
-      f"{p_gh4['tokens_per_s']:,.0f} tokens/s ({p_gh4['bottleneck']}-bound: the C2C link needs only "
-      f"~{p_gh4['min_tokens']['h2d']:,.0f} tokens to hide)")
-p_480 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=False)
+p_gh16 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, host_mem_gb=1536,
+                      residual_dtype="bf16")
+print(f"120b lean on gh200, bf16 residual: {'FITS' if p_gh16['fits'] else 'no'}, host "
+      f"{p_gh16['host_bytes'] / 1e12:.2f} TB, GPU {p_gh16['gpu_bytes'] / 1e9:.0f} GB, {p_gh16['tokens_per_s']:,.0f} "
+      f"tokens/s ({p_gh16['bottleneck']}-bound: the C2C link needs only ~{p_gh16['min_tokens']['h2d']:,.0f} tokens "
+      f"to hide)")
+p_480 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, residual_dtype="bf16")
 print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB of LPDDR5X: "
       f"{'FITS' if p_480['fits'] else 'does not fit'}")
 
@@ -139,7 +144,7 @@ print(planner.format_plan(p120))
 # global norm, so they no longer overlap the backward:
 
 # %%
-clip = planner.plan(C120, "h200", batch_size=8, seq_len=4096, mode="lean", grad_clip=True, host_mem_gb=1536)
+clip = planner.plan(C120, "h200", batch_size=4, seq_len=4096, mode="lean", grad_clip=1.0, host_mem_gb=1536)
 print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB ({'FITS' if clip['fits'] else 'does not fit'} "
       f"in 1.5 TB), {clip['step_time_s']:.1f} s/step vs {p120['step_time_s']:.1f} without")
 
@@ -149,7 +154,8 @@ print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB ({'FITS' if cli
 # A plan is only useful if it counts what the engine allocates. On a toy model, build the real
 # `stream.Trainer` for each mode, with and without clipping (bf16 compute on the CPU gives fast mode its
 # shadow), and ask its store what it holds (`HostAdamW.nbytes()`). Without clipping the engine keeps no
-# per-unit gradient; it allocates a few unit-sized staging slabs instead, which the plan lists apart.
+# per-unit gradient; it allocates unit-sized staging slabs instead -- as many as the plan says hide a
+# gradient's trip to the optimizer (train.py passes p["staging_slabs"]), which the plan lists apart.
 
 # %%
 toy = model.PRESETS["toy"]
@@ -158,8 +164,9 @@ N = model.n_params(toy)
 store = {}
 for mode in ("fast", "lean"):
     for clip_on in (True, False):
-        t = Trainer(toy, w0, device="cpu", dtype=torch.bfloat16, mode=mode, grad_clip=1.0 if clip_on else 0.0)
-        p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=clip_on)
+        p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=1.0 if clip_on else 0.0)
+        t = Trainer(toy, w0, device="cpu", dtype=torch.bfloat16, mode=mode, grad_clip=1.0 if clip_on else 0.0,
+                    staging_slabs=p["staging_slabs"])
         slabs_engine = t.slabs.qsize()
         slabs_plan = sum(int(k.split(":")[1].split()[0]) for k in p["host"] if k.startswith("fp32 grad staging"))
         store[mode, clip_on] = (t.opt.nbytes(), p["host_bytes_per_param"] * N)
@@ -172,7 +179,7 @@ for mode in ("fast", "lean"):
 #
 # * the planner's bytes per parameter equal section 1's arithmetic for every mode;
 # * with the paper's 1.5 TB, 120b fits on an H200 in lean mode (>= 12 B/param: fp32 master + Adam) and
-#   not in fast mode; 100b fits in both;
+#   not in fast mode; 100b fits in both; on the GH200 a bf16 residual stream makes 120b fit;
 # * the plan's per-parameter store is exactly the bytes the engine's store allocates, in all four cases.
 
 # %%
@@ -182,7 +189,9 @@ assert clip["host_bytes_per_param"] == bytes_per_param("lean", True)
 assert rows["120b", "h200", "lean"]["fits"] and not rows["120b", "h200", "fast"]["fits"]
 assert rows["120b", "h200", "lean"]["host_bytes"] >= 12 * N120
 assert rows["100b", "h200", "fast"]["fits"] and rows["100b", "h200", "lean"]["fits"]
+assert not p_gh["fits"] and p_gh16["fits"]
 for (mode, clip_on), (engine, plan_bytes) in store.items():
     assert engine == plan_bytes, (mode, clip_on, engine, plan_bytes)
+    assert slabs_engine == slabs_plan
 print(f"OK  bytes/param as derived; 120b lean on h200 + 1.5 TB fits ({p120['host_bytes'] / 1e12:.2f} TB, "
       f"{p120['tokens_per_s']:,.0f} tokens/s predicted), fast does not; plan == engine store in all 4 modes")

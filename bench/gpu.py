@@ -1,4 +1,4 @@
-"""bench.py -- the GPU benchmark: streaming engine vs resident PyTorch vs FSDP2 CPU offload, one run.
+"""bench/gpu.py -- the GPU benchmark: streaming engine vs resident PyTorch vs FSDP2 CPU offload, one run.
 
 What it is
     Cases (--only picks some): pinned (H2D/D2H copy peak: 1 GB pinned buffer, CUDA events, best of 5),
@@ -17,9 +17,12 @@ What it is not
     Not a profiler (use --profile: a Chrome trace of 3 steps of the wide case), not a test: it asserts
     nothing. Weights are one initialised layer repeated (SameLayers): values do not change timings and
     the RNG would cost minutes at 7B. No resident run of the deepest 7B-wide stack (16 B/param > GPU memory).
+Fairness: every engine runs the same model, shapes and micro-batches, and none syncs the host inside a step
+    (the peers accumulate their loss on the device and read it once, as the engine does); compute_only uses
+    the engine's own per-visit functions (model.block_grad, model.head_grad) at the trainer's micro-batches.
 Run
-    python -m megatrain_min.bench [--out DIR] [--only pinned,sweep,peers,wide] [--profile]   # one GPU, ~5 min
-    python -m megatrain_min.bench --smoke --out /tmp/b   # tiny shapes, any machine, < 1 min (tests/test_bench.py)
+    python bench/gpu.py [--out DIR] [--only pinned,sweep,peers,wide] [--profile]   # one GPU, ~5 min
+    python bench/gpu.py --smoke --out /tmp/b   # tiny shapes, any machine, < 1 min (tests/test_bench.py)
 """
 import argparse, dataclasses, datetime, gc, gzip, json, math, os, re, socket, subprocess, sys, time  # noqa: E401
 from collections.abc import Mapping
@@ -30,10 +33,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-import model
-from megatrain_min import plan as planner
-from megatrain_min.reference import ReferenceTrainer
-from stream import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import model  # noqa: E402
+from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.reference import ReferenceTrainer  # noqa: E402
+from stream import Trainer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 GB = 1e9
@@ -130,7 +134,7 @@ def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
     """Add tokens/s, TFLOP/s, copy volumes and rates, overlap to a timing dict r (see the docstring)."""
     us, tok, L = model.units(cfg), B * T, cfg.n_layer
     cb = 2 if CUDA else 4                                   # bytes of the compute dtype (bf16 shadow / fp32)
-    lay, head, act = us[1], us[-1], B * T * cfg.d_model * cb
+    lay, head, act = us[1], us[-1], B * T * cfg.d_model * 4  # fp32 residual: rows, checkpoints, dy
     n_layers, n_head = L * lay.n_decay, head.n_decay
     r.update(tokens=tok, tokens_per_s=tok / r["step_s"], N=n_layers + n_head,
              model_tflops=6 * (n_layers + n_head) * tok / r["step_s"] / 1e12,
@@ -147,36 +151,31 @@ def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
 
 
 def compute_only(cfg, B, T, M, reps=3):
-    """compute_only_s (docstring): one layer's and the head's GPU work for a step, weights resident."""
+    """compute_only_s (docstring): one layer's and the head's GPU work for a step, weights resident, with the
+    engine's own functions (model.block, model.block_grad, model.head_grad), M micro-batches, as the engine
+    runs them: bf16 autocast on an fp32 residual stream."""
     dev, dt = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     us, gen = model.units(cfg), torch.Generator().manual_seed(0)
     flat = lambda u: torch.cat([t.flatten() for t in model.init_unit(cfg, u, gen).values()]).to(dev, dt)  # noqa: E731
     lay, head = us[1], us[-1]
-    w, wh = lay.views(flat(lay)), head.views(flat(head))
-    w = {k: v.requires_grad_() for k, v in w.items()}
-    wh = {k: v.requires_grad_() for k, v in wh.items()}
-    gacc = lay.views(torch.zeros(lay.numel, device=dev))
-    rope = model.rope_cache(cfg, T, dev, dt)
-    xs = [torch.randn(B // M, T, cfg.d_model, device=dev, dtype=dt) for _ in range(M)]
+    w = {k: v.requires_grad_() for k, v in lay.views(flat(lay)).items()}
+    wh = {k: v.requires_grad_() for k, v in head.views(flat(head)).items()}
+    gacc, gacc_h = lay.views(torch.zeros(lay.numel, device=dev)), head.views(torch.zeros(head.numel, device=dev))
+    rope = model.rope_cache(cfg, T, dev, torch.float32)
+    xs = [torch.randn(B // M, T, cfg.d_model, device=dev) for _ in range(M)]        # fp32 residual stream
     tgt = torch.randint(0, cfg.vocab_size, (B // M * T,), device=dev)
-    chunk = model.default_chunk_tokens(cfg)  # stream.Trainer's default chunk
+    chunk = model.default_chunk_tokens(cfg)                                         # stream.Trainer's default
+    autocast = lambda: torch.autocast(dev, dtype=dt, enabled=dt != torch.float32)  # noqa: E731
 
-    def layer():
-        with torch.no_grad():
+    def layer():  # forward (no graph), then recompute + backward with fp32 accumulation, per micro-batch
+        with autocast(), torch.no_grad():
             [model.block(cfg, x, w, rope) for x in xs]
-        for x in xs:
-            xin = x.detach().requires_grad_()
-            y = model.block(cfg, xin, w, rope)
-            _, *gw = torch.autograd.grad(y, [xin, *w.values()], x)
-            for acc, g in zip(gacc.values(), gw):
-                acc.add_(g)                                  # fp32 accumulation, as the engine does
+        with autocast():
+            [model.block_grad(cfg, x, w, rope, x, gacc) for x in xs]
 
     def head_pass():
-        for x in xs:
-            xf = x.reshape(-1, cfg.d_model)
-            for c in range(0, xf.shape[0], chunk):
-                xc = xf[c:c + chunk].detach().requires_grad_()
-                torch.autograd.grad(model.head_loss(cfg, xc, wh, tgt[c:c + chunk]), [xc, *wh.values()])
+        with autocast():
+            [model.head_grad(cfg, x.reshape(-1, cfg.d_model), wh, tgt, tgt.numel(), gacc_h, chunk) for x in xs]
 
     def timed(fn):
         fn()
@@ -220,7 +219,8 @@ class Model(nn.Module):
         rope = model.rope_cache(self.cfg, tok.shape[1], x.device, x.dtype)
         for layer in self.layers:
             x = checkpoint(layer, x, rope, use_reentrant=False)
-        return model.chunked_loss_sum(self.cfg, x, {"lm_head": self.lm_head, "norm": self.norm}, tgt, 4096)
+        return model.chunked_loss_sum(self.cfg, x, {"lm_head": self.lm_head, "norm": self.norm}, tgt,
+                                      model.default_chunk_tokens(self.cfg))
 
 
 def module_step(m, M, autocast, **adamw):
@@ -230,15 +230,15 @@ def module_step(m, M, autocast, **adamw):
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-4, **adamw)
 
     def step(tokens, targets):
-        n, total = targets.numel(), 0.0
+        n, total = targets.numel(), torch.zeros((), device=dev)
         for tok, tgt in zip(tokens.chunk(M), targets.chunk(M)):
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
-                ls = m(tok.to(dev), tgt.to(dev))
+                ls = m(tok.to(dev, non_blocking=True), tgt.to(dev, non_blocking=True))
             (ls / n).backward()
-            total += ls.item()
+            total += ls.detach()                   # no host sync per micro-batch: the engine pays none
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return total / n
+        return total.item() / n                    # one sync per step, as stream.Trainer.step
     return step
 
 
@@ -362,7 +362,7 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None):
     b2 = batch(cfg, 2 * B, T)  # twice the tokens, same trainer
     r2 = time_steps(t.step, b2, 1, max(2, S["steps"] - 1), drain=lambda: t.weights(copy=False))
     out["at_2x_tokens"] = rates(cfg, 2 * B, T, dict(r2, engine="stream", n_layer=L), peak, p["offload_checkpoints"],
-                                compute_only(cfg, 2 * B, T, 2 * M))
+                                compute_only(cfg, 2 * B, T, M))              # the trainer's M micro-batches
     gpu = torch.cuda.get_device_properties(0).total_memory if CUDA else 0
     out["resident"] = {"skipped": "not attempted: 16 B/param (fp32 weights, grads, Adam m, v) = "
                        f"{16 * out['params'] / GB:.0f} GB vs {gpu / GB:.0f} GB of GPU memory; see the peers case"}
@@ -370,7 +370,8 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None):
     if profile_dir:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])
         b = batch(cfg, B, T)
-        with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.profile(activities=acts,  # all threads: the optimizer's too (framework internal)
+                                    experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True)) as prof:
             for _ in range(3):
                 t.step(*b)
             t.weights(copy=False), sync()
@@ -395,7 +396,7 @@ def meta(args):
     return dict(device=torch.cuda.get_device_name(0) if CUDA else "cpu", driver=drv, cuda=torch.version.cuda,
                 torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                 host=socket.gethostname(), cpus=os.cpu_count(),
-                command=" ".join([sys.executable, "-m", "megatrain_min.bench", *sys.argv[1:]]),
+                command=" ".join([sys.executable, "bench/gpu.py", *sys.argv[1:]]),
                 smoke=args.smoke, host_available_gb=planner.host_available_bytes() / GB)
 
 
