@@ -261,6 +261,7 @@ class Trainer:
         B, T = tokens.shape
         if B % self.M:
             raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
+        model.check_seq_len(self.cfg, T)                   # before anything moves
         if T not in self.rope:
             self.rope[T] = model.rope_cache(self.cfg, T, self.dev, self.dtype)
         n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step

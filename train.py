@@ -119,6 +119,10 @@ for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--
         fail(f"{flag} must be positive, got {v}")
 if args.seq_len > cfg.max_seq_len:
     fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len {cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less")
+try:
+    model.check_seq_len(cfg, args.seq_len)   # a sliding window: only T <= window is computed exactly
+except ValueError as e:
+    fail(f"--seq-len {args.seq_len}: {e}")
 if args.batch_size % args.micro_batches:
     fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
 tokens_per_step = args.batch_size * args.seq_len
@@ -160,6 +164,9 @@ print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:
 # ----------------------------------------------------------------------------- data
 data_path = Path(args.data or data.DEFAULT_DATA)
 try:
+    if init_weights is not None and tokenizer is None and data_path.suffix != ".npy":
+        raise ValueError(f"{init_dir} has no tokenizer.json, and {data_path.name} needs the model's own tokenizer "
+                         f"(bytes are token ids only for the byte-vocabulary presets); add it, or pass --data tokens.npy")
     if data_path.suffix == ".jsonl":  # SFT: loss only on assistant / completion tokens, one example per row
         tok = tokenizer or data.ByteTokenizer()
         train_ex, val_ex = data.split_examples(data.load_sft_jsonl(data_path, tok, args.seq_len))
