@@ -333,6 +333,8 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copyfile(src / f, tmp / f)
+            if (src / "additional_chat_templates").is_dir():         # named chat templates beside the default
+                shutil.copytree(src / "additional_chat_templates", tmp / "additional_chat_templates")
             if (src / "config.json").is_file():
                 old = json.loads((src / "config.json").read_text())
                 config.update({k: old[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in old})

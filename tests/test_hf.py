@@ -248,8 +248,11 @@ def test_fp32_round_trip_is_exact(tmp_path, shard_size):
 def test_bf16_save_and_tokenizer_files(tmp_path):
     cfg, w = load_hf(make_hf(tmp_path / "src", FAMILIES["llama-gqa"]()))
     (tmp_path / "src" / "tokenizer.json").write_text("{}")
+    (tmp_path / "src" / "additional_chat_templates").mkdir()
+    (tmp_path / "src" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
     out = save_hf(cfg, w, tmp_path / "out", tokenizer_from=tmp_path / "src")
     assert (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     _, w2 = load_hf(out)
     assert all(torch.equal(w2[k], w[k].bfloat16().float()) for k in w)
