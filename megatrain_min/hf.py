@@ -30,7 +30,7 @@ What it is not
     one with use_sliding_window and max_window_layers 0, so transformers applies the same window.
     Qwen with use_sliding_window and max_window_layers >= num_hidden_layers has no sliding layer at all
     (transformers' layer_types rule): that is plain full attention here too.
-    Tokenizers live in data.py (HFTokenizer); save_hf only copies their files.
+    Tokenizers and chat templates live in data.py (HFTokenizer) and chat.py; save_hf only copies their files.
 Reference
     transformers' modeling_llama / mistral / qwen2 / qwen3 (model.py names its weights like them, so
     this is a rename-free copy); the safetensors format: 8-byte little-endian header length, a JSON
