@@ -44,8 +44,13 @@ class GPTConfig:
     tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
     rope_scaling: dict = None     # Llama 3.1+ "llama3" RoPE: {factor, low_freq_factor, high_freq_factor,
     #                               original_max_position_embeddings}; None = plain RoPE
+    sliding_window: int = None    # Mistral / Qwen: attention sees the last W tokens. Only T <= W is computed
+    #                               (then it equals full causal attention); longer input is refused, see check_seq_len
 
     def __post_init__(self):
+        # head_dim given (Qwen3, any HF config.json) or derived from d_model: only a derived one must divide d_model.
+        # A plain attribute, not a field: it stays out of to_dict(), ==, and the checkpoints' config comparison.
+        self.head_dim_given = self.head_dim != 0
         if self.head_dim == 0 and self.n_head > 0:
             self.head_dim = self.d_model // self.n_head
 
@@ -54,7 +59,7 @@ class GPTConfig:
         for k in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)}")
-        if self.d_model % self.n_head:
+        if self.d_model % self.n_head and not self.head_dim_given:
             raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}; "
                              f"pick n_head among the divisors of {self.d_model}")
         if self.n_head % self.n_kv_head:
@@ -62,6 +67,8 @@ class GPTConfig:
                              f"grouped-query attention shares each k/v head between n_head/n_kv_head q heads")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
         return self
 
     def to_dict(self):
@@ -209,6 +216,16 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def check_seq_len(cfg, T):
+    """Refuse (ValueError) a sequence longer than cfg.sliding_window. A causal window of W tokens is exactly
+    full causal attention for T <= W, which block() computes; beyond W it is not, and a banded mask is not
+    implemented here (a dense T x T mask would cost what the long-context path must not)."""
+    if cfg.sliding_window is not None and T > cfg.sliding_window:
+        raise ValueError(f"a sequence of {T} tokens is longer than this model's sliding window of "
+                         f"{cfg.sliding_window} (sliding_window attention is computed only for T <= "
+                         f"{cfg.sliding_window}); use sequences of at most {cfg.sliding_window} tokens")
+
+
 def block(cfg, x, w, rope):
     """One transformer layer as a pure function.
 
@@ -216,6 +233,7 @@ def block(cfg, x, w, rope):
     rope: (cos, sin) from rope_cache. Returns the layer output (B, T, d), same dtype as x.
     """
     B, T, _ = x.shape
+    check_seq_len(cfg, T)
     nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
     # attention: pre-norm, q/k/v projections (Qwen2 adds a bias), Qwen3 normalises each q/k head
     h = rms_norm(x, w["input_layernorm.weight"], eps)

@@ -341,6 +341,7 @@ class Trainer:
         B, T = tokens.shape
         if B % self.M:
             raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
+        model.check_seq_len(self.cfg, T)                       # a sliding window cannot be computed past
         n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
         tgt_host = self._staging("targets", (B, T), torch.int64)
         tgt_host.copy_(targets)

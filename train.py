@@ -70,6 +70,9 @@ for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
 p.add_argument("--init-from", default=None, help="start from a Hugging Face model directory or one of our checkpoints (weights only)")
 p.add_argument("--save-hf", default=None, help="at the end, write the weights as a Hugging Face checkpoint to this directory")
 p.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype of --save-hf")
+p.add_argument("--chat-format", default=None, choices=["native", "fixed"],
+               help="how .jsonl conversations are rendered: native = the model directory's own chat_template (the "
+                    "default when it has one), fixed = '<|role|>\\n' + content + eos per message")
 p.add_argument("--plan", action="store_true", help="print the memory and throughput plan for --hardware and exit (nothing allocated)")
 p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
 p.add_argument("--hardware", default="local", help="plan for: local (this machine), h100, h200, gh200, a100, rtx4090")
@@ -121,6 +124,10 @@ for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--
         fail(f"{flag} must be positive, got {v}")
 if args.seq_len > cfg.max_seq_len:
     fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len {cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less")
+try:
+    model.check_seq_len(cfg, args.seq_len)   # a sliding window: only T <= window is computed exactly
+except ValueError as e:
+    fail(f"--seq-len {args.seq_len}: {e}")
 if args.batch_size % args.micro_batches:
     fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
 tokens_per_step = args.batch_size * args.seq_len
@@ -163,9 +170,19 @@ print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:
 # ----------------------------------------------------------------------------- data
 data_path = Path(args.data or data.DEFAULT_DATA)
 try:
+    if init_weights is not None and tokenizer is None and data_path.suffix != ".npy":
+        raise ValueError(f"{init_dir} has no tokenizer.json, and {data_path.name} needs the model's own tokenizer "
+                         f"(bytes are token ids only for the byte-vocabulary presets); add it, or pass --data tokens.npy")
     if data_path.suffix == ".jsonl":  # SFT: loss only on assistant / completion tokens, one example per row
         tok = tokenizer or data.ByteTokenizer()
-        train_ex, val_ex = data.split_examples(data.load_sft_jsonl(data_path, tok, args.seq_len))
+        where = init_dir if tokenizer is not None else "the byte tokenizer"
+        chat_format = args.chat_format or ("native" if tok.chat_template else "fixed")
+        if chat_format == "native" and not tok.chat_template:
+            raise ValueError(f"--chat-format native: {where} has no chat_template; use --chat-format fixed")
+        print(f"chat format: native (the chat_template of {where})" if chat_format == "native" else
+              f"chat format: fixed ('<|role|>\\n' + content + {'eos' if tok.eos_id is not None else 'newline'} per "
+              f"message; {'asked for' if args.chat_format else f'{where} has no chat_template'})")
+        train_ex, val_ex = data.split_examples(data.load_sft_jsonl(data_path, tok, args.seq_len, chat_format))
         top = max(int(x.max()) for x, _ in train_ex + val_ex)
         train_batches = data.SFTBatches(train_ex, args.batch_size, args.seq_len, seed=args.seed)
         val_batches = data.SFTBatches(val_ex, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")

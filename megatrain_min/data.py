@@ -5,8 +5,10 @@ What it is
     shipped corpus (data/tinyshakespeare.txt, public domain), pre-tokenized .npy arrays (uint16,
     uint32 or int64, memory-mapped so a corpus larger than RAM works), a train/val split, and a seeded
     random batch sampler whose position can be saved and restored.
-    The SFT section at the end: a model directory's tokenizer.json (HFTokenizer), chat or
+    The SFT section at the end: a model directory's tokenizer.json and chat template (HFTokenizer), chat or
     prompt/completion .jsonl files with the loss on the answers only, and a padded batch sampler.
+    Conversations are rendered in the model's own chat_template by chat.py (chat_tokens), or in a fixed
+    format when the directory has none.
 What it is not
     No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
     package), no multi-process loading: a pretraining batch is B random windows of T+1 tokens, which
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from megatrain_min.chat import SPECIAL_NAMES, check_messages, chat_tokens, load_template  # noqa: F401 (API)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "data" / "tinyshakespeare.txt"
@@ -91,13 +95,15 @@ class Batches:
 # Loss only on what the model should learn to write: every assistant turn of a conversation (multi-turn
 # conversations supervise all of them), or the completion; the targets of everything else are IGNORE.
 #
-# Chat template (fixed, Zephyr-style): [bos] then per message "<|{role}|>\n" + content + <eos>; the
-# assistant's content and its <eos> are supervised, so the model learns to answer and to stop. A fixed
-# template keeps the loss mask exact without jinja2 (a model's chat_template is a jinja program, and few
-# templates mark which characters are the assistant's): each piece is tokenized on its own and the ids
-# concatenated, so no token straddles a mask boundary. To train on a model's native chat format,
-# render the conversation yourself into {"prompt", "completion"} lines: those are used verbatim,
-# [bos] + prompt + completion + <eos>, with the loss on completion + <eos>.
+# chat_format "native" (the default when the model directory has a chat_template): the conversation in the
+# model's own template, token for token what transformers' apply_chat_template gives, with each assistant
+# answer and its end-of-turn marker supervised (chat.py says exactly what, and how it is found).
+# chat_format "fixed" (a directory without a template, the byte tokenizer): [bos] then per message
+# "<|{role}|>\n" + content + <eos> (a newline without an eos); the assistant's content and its <eos> are
+# supervised. Each piece is tokenized on its own, so no token straddles a mask boundary.
+# A prompt/completion pair is used verbatim in both: [bos] + prompt + completion + <eos>, the loss on
+# completion + <eos>; a prompt that already starts with bos (a rendered chat template) gets no second one,
+# and a completion that already ends with eos no second eos.
 #
 # Padding, not packing: each row of a batch is one example, cut to seq_len tokens and padded after
 # its end (pad tokens have IGNORE targets, and causal attention keeps them from touching the tokens
@@ -121,6 +127,8 @@ class HFTokenizer:
     eos_id: the eos token named by tokenizer_config.json or special_tokens_map.json, else config.json's or
     generation_config.json's eos_token_id, else None. bos_id: the bos token named by those tokenizer files
     (and not switched off by add_bos_token: false), else None -- Qwen has none, Llama and Mistral do.
+    chat_template: the directory's template (chat.load_template) or None; special_tokens: the named ones
+    ({"bos_token": "<s>", ...}) that a template sees.
     """
 
     def __init__(self, model_dir):
@@ -140,6 +148,13 @@ class HFTokenizer:
                     self.eos_id = ids
                     break
         self.bos_id = self._named(files, "bos_token") if files[0].get("add_bos_token", True) else None
+        self.special_tokens = {}
+        for name in SPECIAL_NAMES:
+            tok = next((conf[name] for conf in files if conf.get(name) is not None), None)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(tok, str):
+                self.special_tokens[name] = tok
+        self.chat_template = load_template(d)
 
     def _named(self, files, field):
         for conf in files:
@@ -152,13 +167,19 @@ class HFTokenizer:
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_offsets(self, text):
+        """(ids, [(start, end)] character offsets of each token in text)."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class ByteTokenizer:
-    """encode/decode above with HFTokenizer's surface. No eos or bos: a turn ends with a newline instead."""
-    vocab_size, eos_id, bos_id = 256, None, None
+    """encode/decode above with HFTokenizer's surface. No eos or bos: a turn ends with a newline instead.
+    No chat template: conversations take the fixed format."""
+    vocab_size, eos_id, bos_id, chat_template = 256, None, None, None
 
     def encode(self, text):
         return encode(text).tolist()
@@ -167,50 +188,62 @@ class ByteTokenizer:
         return decode(ids)
 
 
-def _pieces(obj, tok):
-    """[(token ids, supervised)] of one example through the chat template; ValueError says what is wrong."""
-    end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")
-    out = [([tok.bos_id], False)] if tok.bos_id is not None else []
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
-        for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f'messages[{i}] must be an object with string "role" and "content"')
-            ours = m["role"] == "assistant"
-            out += [(tok.encode(f"<|{m['role']}|>\n"), False), (tok.encode(m["content"]), ours), (end, ours)]
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError("no assistant message: nothing to learn from this conversation")
-    elif "prompt" in obj or "completion" in obj:
-        if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str)):
-            raise ValueError('"prompt" and "completion" must both be strings')
-        out += [(tok.encode(obj["prompt"]), False), (tok.encode(obj["completion"]), True), (end, True)]
-    else:
-        raise ValueError(f'expected "messages" or "prompt"/"completion", got keys {sorted(obj)[:5]}')
+def _fixed_pieces(msgs, tok, end):
+    """[(token ids, supervised)] of a conversation in the fixed format."""
+    out = []
+    for m in msgs:
+        ours = m["role"] == "assistant"
+        out += [(tok.encode(f"<|{m['role']}|>\n"), False), (tok.encode(m["content"]), ours), (end, ours)]
     return out
 
 
-def load_sft_jsonl(path, tokenizer, seq_len):
+def example_tokens(obj, tok, chat_format="fixed"):
+    """(ids, supervised) of one .jsonl example: int64 and bool arrays of one length. ValueError says what is wrong."""
+    end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")
+    bos = [tok.bos_id] if tok.bos_id is not None else []
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        check_messages(obj["messages"])
+        if chat_format == "native":
+            return chat_tokens(tok, obj["messages"])
+        pieces = [(bos, False)] + _fixed_pieces(obj["messages"], tok, end)
+    elif "prompt" in obj or "completion" in obj:
+        if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str)):
+            raise ValueError('"prompt" and "completion" must both be strings')
+        prompt, completion = tok.encode(obj["prompt"]), tok.encode(obj["completion"])
+        if (prompt + completion)[:1] == bos:                 # already there: a rendered template starts with it
+            bos = []
+        if tok.eos_id is not None and completion[-1:] == end:
+            end = []
+        pieces = [(bos, False), (prompt, False), (completion, True), (end, True)]
+    else:
+        raise ValueError(f'expected "messages" or "prompt"/"completion", got keys {sorted(obj)[:5]}')
+    ids = np.array([t for p, _ in pieces for t in p], dtype=np.int64)
+    return ids, np.array([s for p, s in pieces for _ in p], dtype=bool)
+
+
+def load_sft_jsonl(path, tokenizer, seq_len, chat_format=None):
     """[(x, y)] per example: int32 arrays of equal length <= seq_len, y[i] = the token after x[i] where that
     token is supervised, IGNORE elsewhere. Longer examples are cut to seq_len (a warning counts them);
-    an example with no supervised target left is dropped. ValueError names the line of a malformed one."""
+    an example with no supervised target left is dropped. ValueError names the line of a malformed one.
+    chat_format: "native" (the tokenizer's chat_template), "fixed", or None: native when there is a template."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"SFT data file {path} does not exist")
+    chat_format = chat_format or ("native" if tokenizer.chat_template is not None else "fixed")
+    if chat_format == "native" and tokenizer.chat_template is None:
+        raise ValueError("chat format native: the tokenizer has no chat_template (use the fixed format)")
     examples, cut, dropped = [], 0, 0
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                pieces = _pieces(json.loads(line), tokenizer)
-            except ValueError as e:   # json.JSONDecodeError is a ValueError too
+                ids, sup = example_tokens(json.loads(line), tokenizer, chat_format)
+            except ValueError as e:   # json.JSONDecodeError and chat.ChatTemplateError are ValueErrors too
                 raise ValueError(f"{path}:{n}: {e}") from None
-            ids = np.array([t for p, _ in pieces for t in p], dtype=np.int32)
-            sup = np.array([s for p, s in pieces for _ in p], dtype=bool)
+            ids = ids.astype(np.int32)
             x, y = ids[:-1][:seq_len], np.where(sup[1:], ids[1:], IGNORE)[:seq_len].astype(np.int32)
             cut += len(ids) - 1 > seq_len
             if (y == IGNORE).all():

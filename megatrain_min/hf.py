@@ -17,13 +17,20 @@ What it is
 What it is not
     Not a general converter. Anything model.py does not compute fails with HFError naming it, never a
     silently different model: other architectures, mixture-of-experts, quantized weights, RoPE scaling
-    (llama3, yarn, linear, ...), o_proj/MLP biases, activations other than SiLU.
-    Sliding-window attention (Mistral's sliding_window, Qwen's use_sliding_window) is accepted by
-    clamping cfg.max_seq_len to the window: a causal window of W tokens equals full causal attention
-    for sequences of <= W tokens, and train.py refuses --seq-len above max_seq_len. So a Mistral-7B-v0.1
-    (window 4096) fine-tunes exactly at up to 4096 tokens, and save_hf writes it as a plain Llama with
-    max_position_embeddings = 4096.
-    Tokenizers live in data.py (HFTokenizer); save_hf only copies their files.
+    other than Llama 3.1's llama3 (yarn, linear, ...), o_proj/MLP biases, activations other than SiLU,
+    sliding-window attention in some layers only (Qwen's max_window_layers < num_hidden_layers).
+    Sliding-window attention in every layer (Mistral's sliding_window; Qwen's use_sliding_window with
+    max_window_layers 0) becomes cfg.sliding_window, and model.check_seq_len refuses any sequence longer
+    than the window, in model.block and in stream.Trainer: a causal window of W tokens equals full
+    causal attention for T <= W, which is what model.py computes. We refuse rather than implement a
+    banded mask because SDPA's fast kernels take is_causal, not a band: a band means a dense T x T mask,
+    which the long-context path (attention over the whole sequence through SDPA) cannot afford. So a
+    Mistral-7B-v0.1 (window 4096) fine-tunes exactly at up to 4096 tokens. save_hf writes the window
+    back: a Llama-shaped model with a window as MistralForCausalLM (Llama + sliding_window), a Qwen2/Qwen3
+    one with use_sliding_window and max_window_layers 0, so transformers applies the same window.
+    Qwen with use_sliding_window and max_window_layers >= num_hidden_layers has no sliding layer at all
+    (transformers' layer_types rule): that is plain full attention here too.
+    Tokenizers and chat templates live in data.py (HFTokenizer) and chat.py; save_hf only copies their files.
 Reference
     transformers' modeling_llama / mistral / qwen2 / qwen3 (model.py names its weights like them, so
     this is a rename-free copy); the safetensors format: 8-byte little-endian header length, a JSON
@@ -85,21 +92,33 @@ def config_from_hf(c, where="config.json"):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None, "llama3"):
         unsupported(f"rope scaling type {rope_type!r}")
-    llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if rope_type == "llama3" and not all(k in rope for k in llama3):
-        unsupported(f"a llama3 rope scaling without {[k for k in llama3 if k not in rope]}")
-    scaling = {k: rope[k] for k in llama3} if rope_type == "llama3" else None
+    max_len = c.get("max_position_embeddings", 4096)
+    scaling = None
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+        if missing:
+            unsupported(f"a llama3 rope scaling without {missing}")
+        # the original context defaults as in transformers' standardize_rope_params (a top-level value wins)
+        orig = c.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_len))
+        scaling = {"factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
+                   "high_freq_factor": rope["high_freq_factor"], "original_max_position_embeddings": orig}
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         unsupported("partial_rotary_factor")
-    # sliding window: exact as long as no sequence is longer than the window (see the module docstring)
-    max_len = c.get("max_position_embeddings", 4096)
+    # sliding window, by transformers' rule: Mistral slides in every layer when sliding_window is set; Qwen2/3
+    # only with use_sliding_window, and then in layer_types' layers (default: from max_window_layers on)
+    n_layer = c.get("num_hidden_layers", 0)
     layer_types = c.get("layer_types") or []
     if set(layer_types) - {"full_attention", "sliding_attention"}:
         unsupported(f"layer_types {sorted(set(layer_types))}")
-    sliding = (c.get("sliding_window") is not None if family == "mistral"
-               else c.get("use_sliding_window") or "sliding_attention" in layer_types)
-    if sliding and c.get("sliding_window"):
-        max_len = min(max_len, int(c["sliding_window"]))
+    window = c.get("sliding_window") if family == "mistral" or (family != "llama" and c.get("use_sliding_window")) else None
+    if window is not None and family != "mistral":
+        first = c.get("max_window_layers", 28)
+        slides = [t == "sliding_attention" for t in layer_types] or [i >= first for i in range(n_layer)]
+        if not any(slides):
+            window = None                    # transformers: full attention in every layer
+        elif not all(slides):
+            unsupported(f"sliding-window attention in {sum(slides)} of {len(slides)} layers only "
+                        f"(max_window_layers={first}; per-layer attention is not implemented)")
     n_head = c["num_attention_heads"]
     try:
         return GPTConfig(
@@ -108,7 +127,8 @@ def config_from_hf(c, where="config.json"):
             d_ff=c["intermediate_size"], head_dim=c.get("head_dim") or c["hidden_size"] // n_head,
             max_seq_len=max_len, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             norm_eps=c.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_scaling=scaling).check()
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_scaling=scaling,
+            sliding_window=int(window) if window is not None else None).check()
     except KeyError as e:
         raise HFError(f"{where}: missing field {e.args[0]!r}") from None
     except ValueError as e:
@@ -116,10 +136,13 @@ def config_from_hf(c, where="config.json"):
 
 
 def config_to_hf(cfg, dtype=torch.bfloat16):
-    """The config.json of a GPTConfig: Llama, Qwen2 when it has a qkv bias, Qwen3 when it has q/k norm."""
+    """The config.json of a GPTConfig: Llama, Qwen2 when it has a qkv bias, Qwen3 when it has q/k norm; Mistral
+    (= Llama + an optional sliding window) for a Llama-shaped model with a window, or with n_head * head_dim !=
+    d_model (transformers' LlamaConfig refuses a hidden size that the head count does not divide)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise HFError("no transformers family has a qkv bias AND q/k norm (Qwen3's attention_bias biases o_proj too)")
-    arch = "Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+    arch = ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else
+            "MistralForCausalLM" if cfg.sliding_window or cfg.d_model % cfg.n_head else "LlamaForCausalLM")
     rope = {"rope_type": "llama3" if cfg.rope_scaling else "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
     c = {"architectures": [arch], "model_type": ARCHS[arch], "vocab_size": cfg.vocab_size,
          "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
@@ -131,8 +154,12 @@ def config_to_hf(cfg, dtype=torch.bfloat16):
          "torch_dtype": str(dtype)[6:], "initializer_range": 0.02}
     if cfg.rope_scaling:
         c["rope_scaling"] = rope                                                  # v4's name for it
-    if arch != "LlamaForCausalLM":
-        c.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+    if arch == "MistralForCausalLM":
+        c["sliding_window"] = cfg.sliding_window                                 # None: no window
+    elif arch != "LlamaForCausalLM":   # Qwen: a window slides in the layers from max_window_layers on
+        W = cfg.sliding_window
+        c.update(use_sliding_window=W is not None, sliding_window=W, max_window_layers=0 if W else cfg.n_layer,
+                 layer_types=["sliding_attention" if W else "full_attention"] * cfg.n_layer)
     return c
 
 
@@ -306,6 +333,8 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copyfile(src / f, tmp / f)
+            if (src / "additional_chat_templates").is_dir():         # named chat templates beside the default
+                shutil.copytree(src / "additional_chat_templates", tmp / "additional_chat_templates")
             if (src / "config.json").is_file():
                 old = json.loads((src / "config.json").read_text())
                 config.update({k: old[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in old})

@@ -39,15 +39,42 @@ def update_rel(w0, wa, wb):
     return float(num / den)
 
 
-def make_bpe_tokenizer(directory, texts, vocab_size, special_tokens, tokenizer_config):
-    """A tiny byte-level BPE tokenizer trained here on `texts`, saved as directory/tokenizer.json with a
-    tokenizer_config.json (nothing is downloaded). Returns the tokenizers.Tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+SPLIT = {  # the split regexes of the published tokenizer.json files (Llama 3 groups up to 3 digits, Qwen2 none)
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def make_bpe_tokenizer(directory, texts, vocab_size, special_tokens, tokenizer_config, style="gpt2",
+                       added_tokens=()):
+    """A tiny BPE tokenizer trained here on `texts`, saved as directory/tokenizer.json with a
+    tokenizer_config.json (nothing is downloaded). Returns the tokenizers.Tokenizer.
+    style: the pipeline of a published family, so that transformers 5 (whose Qwen2Tokenizer and
+    LlamaTokenizer rebuild it rather than read it from tokenizer.json) tokenizes like the file:
+    "gpt2" byte-level; "llama3" and "qwen2" byte-level after the family's split regex (and NFC for Qwen2);
+    "sentencepiece" (Llama 2, Mistral) spaces as U+2581, one before the text, unknown characters -> the
+    first special token. added_tokens: added, not special (Qwen3's <think>)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    if style == "sentencepiece":
+        tok = Tokenizer(models.BPE(unk_token=special_tokens[0], fuse_unk=True, byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])            # as the published files
+        alphabet = sorted(set("".join(texts)))
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if style in SPLIT:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(SPLIT[style]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if style == "qwen2":
+            tok.normalizer = normalizers.NFC()
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                       initial_alphabet=alphabet))
+    tok.add_tokens(list(added_tokens))
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return tok

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,3 +74,21 @@ def test_init_from_bad_directory_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(tmp_path / "empty")],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_seq_len_above_the_sliding_window_is_refused(llama_dir, tmp_path):
+    """The same weights as a Mistral with a window of 16: --seq-len 32 would need banded attention."""
+    d = tmp_path / "mistral"
+    d.mkdir()
+    for f in llama_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    c = json.loads((d / "config.json").read_text())
+    c.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16)
+    (d / "config.json").write_text(json.dumps(c))
+    np.save(tmp_path / "t.npy", np.arange(2000, dtype=np.uint16) % 100)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(d), "--data", str(tmp_path / "t.npy"),
+                        "--seq-len", "32", "--steps", "1", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--seq-len 32: a sequence of 32 tokens is longer than this model's sliding window of 16" in r.stderr
+    assert not (tmp_path / "run").exists()

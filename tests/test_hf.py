@@ -6,6 +6,7 @@ round trip exact; 3 steps of stream.Trainer vs transformers + torch.optim.AdamW:
 <= 1e-4 relative, weight updates <= 1e-2 relative by the norm of their difference. Every relative
 difference is max|a - b| / max|b| and is printed (pytest -s).
 """
+import dataclasses
 import json
 import warnings
 
@@ -101,15 +102,93 @@ def test_rope_theta_top_level(tmp_path):
         assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
-def test_sliding_window_clamps_max_seq_len(tmp_path, kind):
-    """A window of W tokens is full causal attention for T <= W: max_seq_len becomes W and logits match."""
-    hf_cfg = (MistralConfig(**BASE, num_key_value_heads=2, sliding_window=8) if kind == "mistral" else
-              Qwen2Config(**BASE, num_key_value_heads=4, use_sliding_window=True, sliding_window=8, max_window_layers=0))
-    d = make_hf(tmp_path / "hf", hf_cfg)
+WINDOWED = {  # a window of 8 in every layer
+    "mistral": lambda: MistralConfig(**BASE, num_key_value_heads=2, sliding_window=8),
+    "qwen2": lambda: Qwen2Config(**BASE, num_key_value_heads=4, use_sliding_window=True, sliding_window=8,
+                                 max_window_layers=0),
+}
+
+
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_sliding_window_is_kept_and_longer_input_refused(tmp_path, kind):
+    """A window of W tokens is full causal attention for T <= W: logits match there, before and after save_hf
+    (which writes the window back, so transformers applies it too). T > W is refused by model.forward and by
+    both Trainer entry points, where transformers' banded attention would differ from ours."""
+    d = make_hf(tmp_path / "hf", WINDOWED[kind]())
     cfg, w = load_hf(d)
-    assert cfg.max_seq_len == 8
+    assert (cfg.sliding_window, cfg.max_seq_len) == (8, 64)           # the window, not a clamped context
     x = tokens(cfg, T=8)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
+    long = tokens(cfg, T=9)
+    with pytest.raises(ValueError, match="9 tokens is longer than this model's sliding window of 8"):
+        model.forward(cfg, w, long)
+    t = Trainer(cfg, w, device="cpu")
+    for call in (t.step, t.evaluate):
+        with pytest.raises(ValueError, match="sliding window of 8"):
+            call(long, long)
+    # the export keeps the window: same config back, and transformers slides it over the saved model
+    out = save_hf(cfg, w, tmp_path / "out", dtype=torch.float32)
+    assert load_hf(out)[0] == cfg
+    theirs = hf_model(out)
+    assert theirs.config.sliding_window == 8
+    with torch.no_grad():
+        assert rel(theirs(x).logits, model.forward(cfg, w, x)) <= 1e-5
+        x16 = tokens(cfg, T=16)
+        full = model.forward(dataclasses.replace(cfg, sliding_window=None), w, x16)   # what we would compute
+        r = rel(full, theirs(x16).logits)
+    print(f"{kind}: at T=16 full attention differs from the window of 8 by {r:.1e}")
+    assert r > 1e-3
+
+
+def test_qwen_window_in_no_layer_is_full_attention(tmp_path):
+    """use_sliding_window with max_window_layers >= num_hidden_layers: transformers slides in no layer."""
+    d = make_hf(tmp_path / "hf", Qwen2Config(**BASE, num_key_value_heads=4, use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=2))
+    cfg, w = load_hf(d)
+    assert cfg.sliding_window is None and cfg.max_seq_len == 64
+    x = tokens(cfg, T=24)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
+
+
+def test_qwen_window_in_some_layers_is_refused(tmp_path):
+    d = make_hf(tmp_path / "hf", Qwen2Config(**BASE, num_key_value_heads=4, use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=1))
+    with pytest.raises(HFError, match="sliding-window attention in 1 of 2 layers only"):
+        load_hf(d)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_explicit_head_dim_need_not_divide_hidden_size(tmp_path, family):
+    """head_dim given in config.json: 6 heads of 16 on a hidden size of 64 (q is 96 wide). transformers' Mistral
+    and Qwen3 take it (its Llama refuses it, so save_hf writes such a Llama-shaped model as a Mistral)."""
+    kw = dict(BASE, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    d = make_hf(tmp_path / "hf", MistralConfig(**kw, sliding_window=None) if family == "mistral" else Qwen3Config(**kw))
+    cfg, w = load_hf(d)
+    assert (cfg.n_head, cfg.head_dim, cfg.d_model) == (6, 16, 64)
+    x = tokens(cfg)
+    with torch.no_grad():
+        assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
+        out = save_hf(cfg, w, tmp_path / "out", dtype=torch.float32)
+        assert load_hf(out)[0] == cfg
+        assert rel(hf_model(out)(x).logits, model.forward(cfg, w, x)) <= 1e-5
+    with pytest.raises(ValueError, match="does not divide d_model"):       # a derived head_dim still must
+        model.GPTConfig(d_model=64, n_head=6, n_kv_head=2).check()
+
+
+def test_llama3_rope_without_original_context(tmp_path):
+    """llama3 RoPE scaling without original_max_position_embeddings: transformers takes max_position_embeddings."""
+    d = make_hf(tmp_path / "hf", FAMILIES["llama3.2-rope-tied"]())
+    c = json.loads((d / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        if c.get(key):
+            c[key].pop("original_max_position_embeddings", None)
+    c["rope_parameters"]["rope_theta"] = 10000.0      # with a context of 64, frequencies in all three bands
+    (d / "config.json").write_text(json.dumps(c))
+    cfg, w = load_hf(d)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 64
+    x = tokens(cfg, T=32)
     with torch.no_grad():
         assert rel(model.forward(cfg, w, x), hf_model(d)(x).logits) <= 1e-4
 
@@ -169,8 +248,11 @@ def test_fp32_round_trip_is_exact(tmp_path, shard_size):
 def test_bf16_save_and_tokenizer_files(tmp_path):
     cfg, w = load_hf(make_hf(tmp_path / "src", FAMILIES["llama-gqa"]()))
     (tmp_path / "src" / "tokenizer.json").write_text("{}")
+    (tmp_path / "src" / "additional_chat_templates").mkdir()
+    (tmp_path / "src" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
     out = save_hf(cfg, w, tmp_path / "out", tokenizer_from=tmp_path / "src")
     assert (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ tools }}"
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     _, w2 = load_hf(out)
     assert all(torch.equal(w2[k], w[k].bfloat16().float()) for k in w)

@@ -6,8 +6,10 @@
 # * that a Hugging Face Llama checkpoint *is* the project's weights dict: `model.py` names every tensor
 #   like transformers does, so `megatrain_min.hf.load_hf` is a rename-free, lazy copy into the host store;
 # * how supervised fine-tuning data is built: chat or prompt/completion lines in a `.jsonl` file, one
-#   example per row, the loss only on the answer tokens (targets `-100` elsewhere, lesson 2's `IGNORE`);
-# * how to export with `save_hf` and check the round trip in transformers itself: same logits, same loss.
+#   example per row, conversations rendered in the model's *own* chat template (the jinja program in its
+#   tokenizer_config.json), the loss only on the answer tokens (targets `-100` elsewhere, lesson 2's `IGNORE`);
+# * how to export with `save_hf` and check the round trip in transformers itself: same logits, same loss,
+#   and the prompt transformers builds at inference is exactly the start of what the model was trained on.
 #
 # Everything so far trained from random weights. Real use starts from a pretrained model: here a tiny
 # random Llama made with `transformers` stands in for it (a real one is the same files, only bigger:
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from megatrain_min import data  # noqa: E402
+from megatrain_min import chat, data  # noqa: E402
 from megatrain_min.hf import load_hf, save_hf  # noqa: E402
 from optim import lr_at  # noqa: E402
 from stream import Trainer  # noqa: E402
@@ -68,22 +70,26 @@ print(f"{sft_path.name}: {len(rows)} examples, e.g.\n  {sft_path.read_text().spl
 # ## 2. A "pretrained" checkpoint
 #
 # A real model directory holds `config.json`, `model.safetensors` (or shards + an index) and a tokenizer
-# (`tokenizer.json` + `tokenizer_config.json`). We make each one: a tiny byte-level BPE tokenizer trained
-# on the text above, and a random `LlamaForCausalLM` with grouped-query attention (4 query heads sharing
-# 2 key/value heads), saved with `save_pretrained`.
+# (`tokenizer.json` + `tokenizer_config.json`, which carries the model's **chat template**). We make each
+# one: a tiny byte-level BPE tokenizer trained on the text above, with ChatML's turn markers `<|im_start|>`
+# and `<|im_end|>` as special tokens (ChatML is the format of Qwen; Llama 3 and Mistral have their own), the
+# template as a short jinja program, and a random `LlamaForCausalLM` with grouped-query attention (4 query
+# heads sharing 2 key/value heads), saved with `save_pretrained`.
 
 # %%
 base = WORK / "base"
 base.mkdir()
-BOS, EOS = "<s>", "</s>"
+BOS, EOS, IM_START, IM_END = "<s>", "</s>", "<|im_start|>", "<|im_end|>"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 tok = Tokenizer(models.BPE())
 tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
 tok.decoder = decoders.ByteLevel()
-tok.train_from_iterator([sft_path.read_text(), "<|user|>\n<|assistant|>\n"],
-                        trainers.BpeTrainer(vocab_size=320, special_tokens=[BOS, EOS], show_progress=False,
-                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+tok.train_from_iterator([sft_path.read_text(), "user\nassistant\n"],
+                        trainers.BpeTrainer(vocab_size=320, special_tokens=[BOS, EOS, IM_START, IM_END],
+                                            show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
 tok.save(str(base / "tokenizer.json"))
-(base / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+(base / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS, "chat_template": CHATML}))
 
 hf_cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=172,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -119,18 +125,24 @@ print(f"model.forward vs transformers on the base checkpoint: max rel diff {diff
 # %% [markdown]
 # ## 4. Tokenize the data with the model's tokenizer
 #
-# `data.HFTokenizer(dir)` reads `tokenizer.json` (the `tokenizers` package, no transformers at run time)
-# and finds bos/eos. `load_sft_jsonl` renders each example through a fixed chat template
-# (`<|role|>\n content <eos>`), and marks which targets carry loss. Print one example: `.` is a token
-# without loss, its text otherwise.
+# `data.HFTokenizer(dir)` reads `tokenizer.json` (the `tokenizers` package, no transformers at run time),
+# finds bos/eos and the chat template. `data.chat_tokens(tokenizer, messages)` renders a conversation with
+# that template (jinja2, as transformers' `apply_chat_template` does: the same ids, token for token) and
+# marks the tokens to learn: each assistant answer and the end-of-turn marker after it (`<|im_end|>`, so
+# the model learns to stop), not the newline the template adds after it, not the prompt.
+# `load_sft_jsonl` does this for every line and shifts by one: `y[i]` is the target after `x[i]`.
+# A prompt/completion line is used verbatim: `<s>` + prompt + completion + `</s>`. Print one example of
+# each: `.` is a target without loss, its text otherwise.
 
 # %%
 tokenizer = data.HFTokenizer(base)
+ids, supervised = data.chat_tokens(tokenizer, rows[0]["messages"])
+print("rendered, loss on [[ ]]:", repr(chat.layout(tokenizer, ids, supervised)))
 SEQ = 32
 examples = data.load_sft_jsonl(sft_path, tokenizer, seq_len=SEQ)
-x0, y0 = examples[0]
-print("tokens :", repr(tokenizer.decode(x0)))
-print("targets:", " ".join("." if t == data.IGNORE else repr(tokenizer.decode([t])) for t in y0))
+for x0, y0 in (examples[0], examples[len(CAPITALS)]):
+    print("tokens :", repr(tokenizer.decode(x0)))
+    print("targets:", " ".join("." if t == data.IGNORE else repr(tokenizer.decode([t])) for t in y0))
 batches = data.SFTBatches(examples, batch_size=8, seq_len=SEQ, seed=0, pad_id=tokenizer.eos_id)
 
 # %% [markdown]
@@ -179,23 +191,29 @@ hf_loss = F.cross_entropy(hf_logits.reshape(-1, cfg.vocab_size), eval_y.reshape(
 print(f"transformers vs model.forward on the exported model: max rel diff {diff_tuned:.1e}")
 print(f"loss on the answers: transformers {hf_loss:.5f}, engine {after:.5f}")
 
-# greedy answers from the exported model, in transformers, prompted through the same chat template
-ids_for = lambda text: tokenizer.encode(text)  # noqa: E731
+# greedy answers from the exported model, all in transformers: its tokenizer (copied along by save_hf, with
+# the chat template) builds the prompt -- which is exactly the start of what the model was trained on
+hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+end_id = tokenizer.tok.token_to_id(IM_END)
 for country in ("France", "Peru"):
-    ids = [tokenizer.bos_id] + ids_for("<|user|>\n") + ids_for(f"Capital of {country}?") + \
-        [tokenizer.eos_id] + ids_for("<|assistant|>\n")
-    x = torch.tensor([ids])
+    question = [{"role": "user", "content": f"Capital of {country}?"}]
+    prompt = list(hf_tok.apply_chat_template(question, add_generation_prompt=True)["input_ids"])
+    trained = data.chat_tokens(tokenizer, question + [{"role": "assistant", "content": f"{CAPITALS[country]}."}])[0]
+    assert trained[:len(prompt)].tolist() == prompt, (prompt, trained)
+    x = torch.tensor([prompt])
     with torch.no_grad():
-        while x.shape[1] < len(ids) + 8 and x[0, -1] != tokenizer.eos_id:
+        while x.shape[1] < len(prompt) + 8 and x[0, -1] != end_id:
             x = torch.cat([x, hf(x).logits[:, -1:].argmax(-1)], dim=1)     # the most likely next token
-    print(f"  Capital of {country}? -> {tokenizer.decode(x[0, len(ids):].tolist())!r}")
+    print(f"  Capital of {country}? -> {tokenizer.decode(x[0, len(prompt):].tolist())!r}")
 
 # %% [markdown]
 # ## Check
 #
 # * our model maths equals transformers' on the base checkpoint and on the exported one;
 # * fine-tuning lowered the loss on the answers by more than half (it memorises them);
-# * transformers computes the same SFT loss on the exported weights as the engine did on its host store.
+# * transformers computes the same SFT loss on the exported weights as the engine did on its host store;
+# * transformers' inference prompt (`apply_chat_template(..., add_generation_prompt=True)`) is a prefix of the
+#   training rendering (asserted above for each question asked).
 
 # %%
 assert diff_base <= 1e-4, diff_base
