@@ -168,8 +168,8 @@ class Lanes:
         return queue.Queue()
 
 
-# one step's input, staged: tokens (B, T) on the host, targets M x (B/M, T) on the device once targets_ready fired
-Batch = namedtuple("Batch", "tokens targets targets_ready n_tok rope offload")
+# one step's input, staged: tokens (B, T) on the host, targets M x (B/M, T) on the device (see _prepare)
+Batch = namedtuple("Batch", "tokens targets n_tok rope offload")
 
 
 class Trainer:
@@ -304,7 +304,7 @@ class Trainer:
                 return self.loss_host.item()
             self._drain(self.head, 0)
             self._backward(dy, ckpt, b)
-            dy_host, dy_ready = self._to_host("dy", dy)       # dy of layer 0: the embedding's gradient (B, T, d)
+            dy_host, dy_ready = self._dy_to_host(dy)          # dy of layer 0: the embedding's gradient (B, T, d)
         self._host_grad(self.embed)                            # the tied head already holds one
         self.pending[self.embed] = self.lanes.submit(self._scatter_embedding, b.tokens, dy_host, dy_ready, self.lr)
 
@@ -345,11 +345,11 @@ class Trainer:
         n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
         tgt_host = self._staging("targets", (B, T), torch.int64)
         tgt_host.copy_(targets)
-        with self.h2d():
+        with self.comp():                        # allocated on its reader's lane: no keep needed when it is freed
             tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)
+        with self.h2d():  # no event of its own: it is the step's first H2D, and compute waits for layer 0's
+            #               weight copy (slot_loaded), queued behind it, before any layer runs
             tgt.copy_(tgt_host, non_blocking=True)
-            tgt_ready = self.h2d.record()
-        self.comp.keep(tgt)
         with self.comp():
             if T not in self.rope:               # on the compute lane: its only reader
                 self.rope[T] = model.rope_cache(self.cfg, T, self.dev, self.residual_dtype)
@@ -358,7 +358,7 @@ class Trainer:
             if self.offload_checkpoints is None:  # decided once, at the first step
                 self.offload_checkpoints = self._decide_offload(B, T)
             offload = self.offload_checkpoints
-        return Batch(tokens, tgt.chunk(self.M), tgt_ready, n_tok, self.rope[T], offload)
+        return Batch(tokens, tgt.chunk(self.M), n_tok, self.rope[T], offload)
 
     def _decide_offload(self, B, T):
         free = self.lanes.free_memory()
@@ -428,11 +428,11 @@ class Trainer:
         table, d = self._table(src), self.cfg.d_model
         rows = self._staging("rows", (*b.tokens.shape, d), table.dtype)                 # (B, T, d) pinned
         torch.index_select(table, 0, b.tokens.reshape(-1), out=rows.view(-1, d))
-        with self.h2d():
+        with self.comp():                                                     # allocated on its reader's lane
             x = torch.empty(rows.shape, dtype=rows.dtype, device=self.dev)
+        with self.h2d():
             x.copy_(rows, non_blocking=True)
             ready = self.h2d.record()
-        self.comp.keep(x)
         self.comp.wait(ready)
         x = x.to(self.residual_dtype)                                         # lean + bf16 residual: cast here
         return list(x.chunk(self.M))
@@ -455,7 +455,7 @@ class Trainer:
     @torch.no_grad()
     def _forward(self, b, keep):
         """Embedding + all layers, layer-major, no autograd graph. Returns (x, ckpt): x is M x (B/M, T, d) on the
-        compute lane; ckpt[i] = the inputs of layer i (on the device, or offloaded: then the ring slot index)."""
+        compute lane; ckpt[i] = the inputs of layer i: on the device, or (offloaded) their pinned host copy."""
         cfg, L = self.cfg, len(self.layers)
         self.resident = {}                              # last step's slots hold stale weights
         self._load(self.layers[0], 0)
@@ -480,7 +480,6 @@ class Trainer:
         s = self.resident[self.head]
         self._prefetch(self.layers[-1], s)              # resident already: the last layer stays in its slot
         self.comp.wait(self.slot_loaded[s])
-        self.comp.wait(b.targets_ready)
         w = self.wviews[s]["head"]
         if backward:
             gs = self._grad_slot(self.head, 0)
@@ -509,13 +508,13 @@ class Trainer:
         for i in reversed(range(L)):
             u = self.layers[i]
             s = self.resident[u]
-            if i > 0:
-                self._prefetch(self.layers[i - 1], s)
             if b.offload:                               # the next layer's inputs come back while this one computes
                 (xs, r), nxt = nxt, (self._reload(i - 1, ckpt) if i > 0 else None)
                 self.comp.wait(self.ring_ready[r])
             else:
                 xs = ckpt[i]
+            if i > 0:
+                self._prefetch(self.layers[i - 1], s)
             self.comp.wait(self.slot_loaded[s])
             gs = self._grad_slot(u, L - i)
             w, acc = self.wviews[s]["layer"], self.gviews[gs]["layer"]
@@ -547,28 +546,28 @@ class Trainer:
         with self.d2h():
             self.d2h.wait(self.ring_ready[r])
             host.copy_(slot, non_blocking=True)
-            self.ring_free[r] = sent = self.d2h.record()
-        return host, sent
+            self.ring_free[r] = self.d2h.record()
+        return host
 
     def _reload(self, i, ckpt):
-        """H2D of layer i's offloaded checkpoint into its ring slot, once compute is done with the slot and the
-        D2H has landed. Returns (M x (B/M, T, d) views of the slot, ring index)."""
-        host, sent = ckpt[i]
+        """H2D of layer i's offloaded checkpoint into its ring slot once the slot's last reader is done: compute,
+        in the backward; for the first two reloads, the forward's D2H of this very checkpoint -- so its host copy
+        has landed too (the later ones' D2Hs ran before those, on the same lane). Returns (M x (B/M, T, d) views
+        of the slot, ring index)."""
+        host = ckpt[i]
         r, slot = self._ring_slot(i, tuple(host.shape))
         with self.h2d():
             self.h2d.wait(self.ring_free[r])
-            self.h2d.wait(sent)
             slot.copy_(host, non_blocking=True)
             self.ring_ready[r] = self.h2d.record()
         return slot.chunk(self.M), r
 
-    def _to_host(self, name, xs):
-        """D2H of M x (B/M, T, d) device tensors into one pinned (B, T, d) buffer; returns (buffer, event)."""
-        host = self._staging(name, (self.M * xs[0].shape[0], *xs[0].shape[1:]), xs[0].dtype)
-        ev = self.comp.record()
+    def _dy_to_host(self, dy):
+        """D2H of dy, M x (B/M, T, d), into one pinned (B, T, d) buffer; returns (buffer, event). No event of its
+        own: it is queued on D2H right behind layer 0's gradient, whose copy waited for the compute that made dy."""
+        host = self._staging("dy", (self.M * dy[0].shape[0], *dy[0].shape[1:]), dy[0].dtype)
         with self.d2h():
-            self.d2h.wait(ev)
-            for dst, x in zip(host.chunk(self.M), xs):
+            for dst, x in zip(host.chunk(self.M), dy):
                 self.d2h.keep(x)
                 dst.copy_(x, non_blocking=True)
             done = self.d2h.record()

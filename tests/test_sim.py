@@ -1,0 +1,123 @@
+"""The stream checker (megatrain_min/sim.py + race.py) over the real engine, on the CPU.
+
+- The engine is clean: 2 steps with an evaluate() between them (at another length), over a pairwise covering of
+  {toy, GQA + qkv-bias + qk-norm + tied} x M {1, 4} x clipping x checkpoint offload x fast/lean x the guard.
+- Seeded defects are reported, naming the right buffer: each of the engine's event waits deleted in turn (every
+  one is needed: none is implied by another), the one record_stream (Lane.keep), a grad slot zeroed on the
+  legacy default stream, the loss read before its event.
+- The CLI: `check --config toy --micro-batches 2` exits 0, lists the host syncs per step and counts the weight
+  copies the schedule makes (every layer twice but the last, the head once).
+"""
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import model
+from conftest import ROOT, SPECIAL
+from megatrain_min import race, sim
+
+STREAM = (ROOT / "stream.py").read_text()
+TOY = model.PRESETS["toy"]
+
+
+def between(t, tok):  # an evaluation between the steps, at another sequence length (a new RoPE cache)
+    t.evaluate(tok[:, :8], tok[:, 1:9])
+
+
+def checked(cfg=TOY, trainer_cls=None, **kw):
+    checker = race.Checker()
+    sim.run(cfg, [checker], 2, trainer_cls=trainer_cls, batch=(4, 16), between=between, **kw)
+    return checker
+
+
+# pairwise covering of (model, M, clip, offload, lean, guard): every pair of values appears in some row
+COVER = [(0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 1, 1), (0, 0, 1, 1, 1, 0), (1, 1, 0, 0, 0, 1), (0, 1, 0, 1, 1, 1),
+         (1, 0, 1, 0, 0, 0), (0, 0, 0, 0, 1, 1), (0, 1, 0, 1, 0, 0)]
+
+
+@pytest.mark.parametrize("row", COVER, ids=lambda r: "".join(map(str, r)))
+def test_engine_is_race_free(row):
+    cfg, M, clip, offload, lean, guard = row
+    lean_kw = dict(mode="lean", dtype=torch.bfloat16) if lean else {}   # lean streams fp32, casts on the device
+    c = checked([TOY, SPECIAL][cfg], micro_batches=[1, 4][M], grad_clip=[0.0, 1.0][clip],
+                offload_checkpoints=bool(offload), skip_nonfinite=bool(guard), **lean_kw)
+    assert not c.races, c.summary()
+    assert len(c.steps) == 3 and all(s["copies"] for s in c.steps[:2])
+
+
+def mutant(old, new=None, nth=0):
+    """stream.py with the nth line containing `old` replaced (by `pass`, keeping the indent), as a module."""
+    lines = STREAM.splitlines(keepends=True)
+    i = [i for i, line in enumerate(lines) if old in line][nth]
+    lines[i] = new if new is not None else re.match(r"\s*", lines[i]).group(0) + "pass  # deleted by the test\n"
+    mod = types.ModuleType("stream_mutant")
+    exec(compile("".join(lines), str(ROOT / "stream.py"), "exec"), mod.__dict__)
+    return mod
+
+
+CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_checkpoints=True),
+           dict(micro_batches=1, grad_clip=1.0, offload_checkpoints=True),
+           dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16)]
+
+
+def races_of(mod):
+    """The races a mutant engine shows in the first of CONFIGS that shows any."""
+    for kw in CONFIGS:
+        c = checked(trainer_cls=mod.Trainer, **kw)
+        if c.races:
+            return c.races
+    return []
+
+
+WAITS = [line.strip() for line in STREAM.splitlines()
+         if re.search(r"\.wait\(self|\.wait\(ready|host_wait\(", line) and "def " not in line]
+
+
+def test_every_event_wait_is_needed_and_caught():
+    """Delete each event wait of stream.py in turn: the checker must report a race (exit 1) naming a buffer."""
+    assert len(WAITS) >= 12, WAITS
+    missed = []
+    for line in WAITS:
+        found = races_of(mutant(line))
+        print(f"{line:<50} -> {sorted({r['buffer'][:40] for r in found})[:3]}")
+        if not found:
+            missed.append(line)
+    assert not missed, f"deleting these waits went unnoticed: {missed}"
+
+
+@pytest.mark.parametrize("old,nth,new,buffer,what", [
+    ("self.h2d.wait(self.slot_free[slot])", 0, None, "wslot", "write on h2d"),   # refill a slot still in use
+    ("self.comp.wait(self.slot_loaded[s])", 0, None, "wslot", "read on compute"),  # compute on half-copied weights
+    ("self.comp.wait(self.gslot_free[gs])", 0, None, "gslot", "on compute"),     # zero a slot before its D2H read it
+    ("self.lanes.host_wait(done)", 0, None, "grad[", "on worker"),               # AdamW before the gradient landed
+    ("self.h2d.wait(self.ring_free[r])", 0, None, "checkpoints", "on h2d"),      # reload before the offload landed
+    ("self.d2h.keep(x)", 0, None, "block_grad", "freed on the host while d2h"),  # a record_stream dropped (dy)
+    ("with self.comp():", 0, "        if True:\n", "gslot", "made outside any lane"),  # __init__'s slots zeroed on the default stream
+    ("self.lanes.host_wait(loss_ready)", 0, None, "loss_host", "on main"),       # the loss read before its event
+])
+def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
+    assert old in STREAM, f"the engine changed: {old!r} is gone; update this seeded defect"
+    found = races_of(mutant(old, new, nth))
+    assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
+
+
+def test_cli_clean_run_lists_syncs_and_counts_copies():
+    r = subprocess.run([sys.executable, "-m", "megatrain_min.sim", "check", "--config", "toy", "--micro-batches", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "races: 0" in r.stdout and "host syncs on the main thread" in r.stdout
+    L = TOY.n_layer
+    copies = ", ".join([f"layer.{i} x2" for i in range(L - 1)] + [f"layer.{L - 1} x1", "head x1"])
+    assert r.stdout.count(f"weight copies: {copies}") == 2, "every layer twice but the last, the head once, per step"
+    assert "main   1 x host_wait(event) at stream.py" in r.stdout   # the step's one host sync: its loss
+
+
+def test_cli_exit_code_and_bad_input():
+    r = subprocess.run([sys.executable, "-m", "megatrain_min.sim", "check", "--config", "nope"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown preset" in r.stderr and "Traceback" not in r.stderr
