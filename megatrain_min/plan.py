@@ -31,6 +31,7 @@ import torch
 
 import model
 import stream
+from megatrain_min import cost
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -190,9 +191,16 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
     rate = dict(load=sb / h2d + cast, grad=4 / d2h, adam=adam_b / hbw, norm=4 / hbw)  # seconds per parameter
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
-    t = dict(fwd=tokens * (2 * lay.n_decay + attn) / F,
-             bwd=3 * tokens * (2 * lay.n_decay + attn) / F,  # recompute (1x forward) + backward (2x)
-             head=6 * tokens * head.n_decay / F,             # forward + backward, the head is not recomputed
+    # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
+    # HBM: their bytes per token and per call, measured on the model's own functions (cost.elementwise_bytes)
+    ew, hbm = cost.elementwise_bytes(cfg, DTYPES[dtype], DTYPES[residual_dtype]), hw["hbm_gbs"] * GB
+    calls = dict(fwd=micro_batches, bwd=micro_batches,   # block_grad per micro-batch; head_grad per loss chunk
+                 head=micro_batches * math.ceil(tokens // micro_batches / (chunk_tokens or model.default_chunk_tokens(cfg))))
+    hbm_s = {k: (tokens * ew[k][0] + calls[k] * ew[k][1]) / hbm for k in ew}
+    t = dict(fwd=tokens * (2 * lay.n_decay + attn) / F + hbm_s["fwd"],
+             # recompute (1x forward) + backward (2x the matmuls, 2.5x attention: flash's 5 matmuls); zero the slot
+             bwd=tokens * (6 * lay.n_decay + 3.5 * attn) / F + hbm_s["bwd"] + lay.numel * 4 / hbm,
+             head=6 * tokens * head.n_decay / F + hbm_s["head"] + head.numel * 4 / hbm,  # not recomputed
              rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h, scatter=tokens * cfg.d_model * (4 + 8) / hbw,
              ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()})
     slabs = 0 if defer else staging_slabs or stream_slabs(t, tied)

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 import model
 import stream
+from megatrain_min import cost
 from megatrain_min import plan as planner
 
 aten = torch.ops.aten
@@ -45,13 +45,6 @@ LANES = ("h2d", "compute", "d2h", "default")      # CUDA streams (default: the l
 THREADS = ("main", "worker")                       # host threads
 ROOT = Path(__file__).resolve().parent.parent
 OURS = {str(ROOT / f) for f in ("stream.py", "model.py", "optim.py")}   # source lines are reported from these
-COPIES = {aten.copy_.default, aten._to_copy.default}
-EMPTY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
-         aten.new_empty_strided.default, aten.empty_permuted.default}   # allocate, write nothing
-SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default: 1,          # forward: 4 T^2 hd per head
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}  # backward: 10 T^2 hd
-
-
 @dataclasses.dataclass(eq=False)
 class Storage:
     """One storage while it lives: where it is, who made it, who touched it."""
@@ -63,6 +56,7 @@ class Storage:
     made_by: str        # "aten.op at file:line"
     name: str = None    # the engine's name for it (wslot[0], shadow[layer.3], ...), when it has one
     kept: set = dataclasses.field(default_factory=set)   # lanes that record_stream'ed it (Lane.keep)
+    new: bool = False   # made by the op being noted (else an op returned an existing storage: an unmarked view)
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,8 +68,9 @@ class Op:
     writes: list
     src: str            # file:line in stream.py / model.py / optim.py
     kind: str           # compute, h2d, d2h, dd (device->device copy), host
-    nbytes: int = 0     # bytes read + written
+    nbytes: int = 0     # bytes read + written (costs=True)
     flops: float = 0.0
+    low_precision: bool = False   # some operand is bf16 (the GPU's bf16 peak applies)
     blocking: bool = False   # a host<->device copy the host waits for (non_blocking=False or pageable memory)
     fresh: list = ()    # storages this op allocated
 
@@ -233,6 +228,7 @@ class Recorder(TorchDispatchMode):
 
     # ---- storages
     def storage_of(self, t, create=True, where="host", made_on="main", made_by="?"):
+        """The Storage of tensor t; with create, a new one when t's storage is new (then .new is True)."""
         s = t.untyped_storage()
         st = self.live.get(s._cdata)
         if st is not None and st.ref.expired():  # the address of a freed storage, reused
@@ -241,9 +237,12 @@ class Recorder(TorchDispatchMode):
         if st is None and create:
             self.n_sid += 1
             st = Storage(self.n_sid, StorageWeakRef(s), s.nbytes(), where, made_on, made_by)
+            st.new = True
             self.live[s._cdata] = st
             if where == "device":
                 self.device[s._cdata] = st
+        elif st is not None:
+            st.new = False
         return st
 
     def free(self, st):
@@ -291,16 +290,7 @@ class Recorder(TorchDispatchMode):
         return out
 
     def note(self, func, args, kwargs, out, pinned):
-        schema = func._schema
-        given = list(zip(schema.arguments, args)) + [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
-        old_reads, old_writes = [], []                 # tensors that existed before the op
-        for arg, val in given:
-            if arg.alias_info is not None and not arg.alias_info.is_write:
-                continue                               # a view of its input: no data access
-            for t in tensors(val):
-                (old_writes if arg.alias_info is not None else old_reads).append(t)
-        fresh = [t for r, val in zip(schema.returns, out if isinstance(out, (tuple, list)) else [out])
-                 if r.alias_info is None for t in tensors(val)]
+        old_reads, old_writes, fresh = cost.accesses(func, args, kwargs, out)   # old: existed before the op
         touched = [self.storage_of(t) for t in old_reads + old_writes]
         device = any(st.where == "device" for st in touched)
         if self.thread != "main":
@@ -311,11 +301,13 @@ class Recorder(TorchDispatchMode):
             actor = "main"
         src = self.source()
         where = "pinned" if pinned else "device" if actor in LANES else "host"
-        new = [self.storage_of(t, where=where, made_on=actor, made_by=f"{func} at {src}") for t in fresh]
+        made = [(t, self.storage_of(t, where=where, made_on=actor, made_by=f"{func} at {src}")) for t in fresh]
+        fresh = [t for t, st in made if st.new]        # an output on an existing storage is an unmarked view
+        new = [st for t, st in made if st.new]
         if new:
             self.sweep()
         kind, blocking = "host" if actor in THREADS else "compute", False
-        if actor in LANES and func in COPIES:
+        if actor in LANES and func in cost.COPIES:
             dst_dev = (touched[len(old_reads)] if old_writes else new[0]).where == "device"
             src_st = touched[0] if old_reads else None
             src_dev = src_st is None or src_st.where == "device"
@@ -325,20 +317,13 @@ class Recorder(TorchDispatchMode):
                                           or (host_side is not None and host_side.where == "host"))
         op = Op(actor, str(func), [span(st, t) for st, t in zip(touched, old_reads)],
                 [span(st, t) for st, t in zip(touched[len(old_reads):], old_writes)] +
-                ([] if func in EMPTY else [span(st, t) for st, t in zip(new, fresh)]), src, kind,
+                ([] if func in cost.EMPTY else [span(st, t) for st, t in zip(new, fresh)]), src, kind,
                 blocking=blocking, fresh=new)
         if self.costs:
-            op.nbytes = sum(t.numel() * t.element_size() for t in old_reads + old_writes + fresh)
-            op.flops = flops(func, args, kwargs, out)
+            op.nbytes = cost.traffic(func, old_reads, old_writes, fresh, kwargs)
+            op.flops = cost.flops(func, args, kwargs, out)
+            op.low_precision = any(t.dtype == torch.bfloat16 for t in old_reads + old_writes)
         self.emit("op", op=op)
-
-
-def tensors(val):
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
 
 
 def span(st, t):
@@ -346,14 +331,6 @@ def span(st, t):
     es, lo = t.element_size(), t.storage_offset() * t.element_size()
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
     return st, lo, lo + extent * es
-
-
-def flops(func, args, kwargs, out):
-    if func in SDPA:      # causal: half the T x T work of the formula (the flash kernels skip masked blocks)
-        q, k = args[0], args[1]
-        return SDPA[func] * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3] * 2 * 0.5
-    fn = flop_registry.get(func._overloadpacket)
-    return float(fn(*args, **kwargs, out_val=out)) if fn else 0.0
 
 
 def buffer_names(t):

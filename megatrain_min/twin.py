@@ -1,0 +1,226 @@
+"""twin.py -- the timeline twin: the real engine's op stream at full size, replayed on a hardware profile.
+
+What it is
+    Twin consumes megatrain_min.sim.Recorder's stream of a stream.Trainer run under FakeTensorMode (shapes, no
+    data: 120B in seconds and a few hundred MB) and replays it as the hardware would run it:
+      lanes      each CUDA stream runs its ops in issue order; an op starts when its lane is free, the host has
+                 issued it, and the events its lane waits for have fired;
+      compute    an op takes max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth) (roofline; attention at the
+                 causal half of its matmuls, as flash kernels do);
+      copies     H2D and D2H at the profile's link bandwidth per direction, concurrently;
+      host       the main thread issues every op in program order (the issue cost per op, see HOST_ISSUE_S) and
+                 blocks where the engine blocks (host waits, a future's result, a staging slab); its own host
+                 work (the embedding gather) runs at DRAM bandwidth; the optimizer thread's AdamW too.
+    Memory: a device allocation is live from its issue until the GPU passes its free -- at once for its own lane,
+    after the kept lanes' work issued before the free (record_stream), as the caching allocator does.
+    Out: step time, tokens/s, model TFLOP/s, overlap (compute busy / step), busy share and critical-path share
+    per lane, the bottleneck (the lane with the most time on the critical path), peak device memory, and a
+    Chrome/Perfetto trace. Everything is a prediction.
+What it is not
+    Not a GPU simulator: no kernel launch latency beyond the host issue cost, no contention between DMA and
+    AdamW for DRAM, no L2 effects. plan.py models the same schedule analytically; tests/test_twin.py holds the
+    two to 10% of each other on the big presets.
+Try it
+    python -m megatrain_min.sim timeline --config 7b --hardware h100 --batch-size 4 --seq-len 4096
+    python -m megatrain_min.sim timeline --config 120b --hardware h200 --host-mem 1536 --mode lean --grad-clip 0 \\
+        --batch-size 8 --seq-len 4096 --json
+"""
+import collections
+import dataclasses
+import json
+
+import torch
+
+from megatrain_min import plan as planner
+from megatrain_min import sim
+
+GB = 1e9
+HOST_ISSUE_S = 0.0   # seconds of host time to issue one op (issue 18 calibrates this; 0 = an infinitely fast host)
+ACTORS = ("host", "h2d", "compute", "d2h", "default", "cpu_adam")
+NAME = {"main": "host", "worker": "cpu_adam"}   # the recorder's threads, as lanes of the replay
+
+
+@dataclasses.dataclass(eq=False)
+class Span:
+    actor: str
+    start: float
+    end: float
+    pred: "Span" = None      # what it waited for last (the critical path walks back through these)
+    label: str = ""
+
+
+class Twin:
+    def __init__(self, hw, host_speed=1.0):
+        self.hw, self.issue = hw, HOST_ISSUE_S / host_speed
+        self.hbm, self.host_bw = hw["hbm_gbs"] * GB, hw["host_bw_gbs"] * GB
+        self.link = {"h2d": hw["h2d_gbs"] * GB, "d2h": hw["d2h_gbs"] * GB}
+        self.flops = {torch.bfloat16: hw["bf16_tflops"] * 1e12 * hw["frac"],
+                      torch.float32: hw["fp32_tflops"] * 1e12 * hw["frac"]}
+        zero = Span("host", 0.0, 0.0)
+        self.last = {a: zero for a in ACTORS}        # the latest span of each actor (lane FIFO / thread program order)
+        self.events, self.task_ends, self.puts = {}, {}, {}
+        self.spans, self.step_starts, self.first_compute = [], [], []
+        self.mem, self.live = [], {}                 # [(t, issue order, +/-bytes)]; Storage -> bytes
+        self.alloc_t = {}
+
+    # ---- time of an actor: its latest span's end
+    def t(self, actor):
+        return self.last[actor].end
+
+    def advance(self, actor, start_after, dur, pred, label=""):
+        """A span on actor: after its previous one and after `start_after` (caused by pred)."""
+        prev = self.last[actor]
+        start = max(prev.end, start_after)
+        s = Span(actor, start, start + dur, pred if start_after > prev.end else prev, label)
+        self.last[actor] = s
+        self.spans.append(s)
+        return s
+
+    def block(self, thread, span):
+        """A host thread waits for span's end."""
+        a = NAME[thread]
+        if span.end > self.t(a):
+            self.advance(a, span.end, 0.0, span, "wait")
+
+    # ---- the recorder's events
+    def step(self, k):
+        self.step_starts.append(self.t("host"))
+        self.first_compute.append(None)
+
+    def record(self, lane, event):
+        self.events[event.eid] = self.last[lane]
+
+    def wait(self, lane, event):
+        ev = self.events[event.eid]
+        if ev.end > self.t(lane):                     # the lane idles until the event fires
+            self.advance(lane, ev.end, 0.0, ev, "wait")
+
+    def host_wait(self, thread, event, src):
+        self.block(thread, self.events[event.eid])
+
+    def synchronize(self, thread, src):
+        for lane in ("h2d", "compute", "d2h", "default"):
+            self.block(thread, self.last[lane])
+
+    def submit(self, thread, task):
+        self.submitted = self.last[NAME[thread]]
+
+    def task_start(self, task):                       # FIFO worker: after its previous task and the submit
+        if self.submitted.end > self.t("cpu_adam"):
+            self.advance("cpu_adam", self.submitted.end, 0.0, self.submitted, "task")
+
+    def task_end(self, task):
+        self.task_ends[task] = self.last["cpu_adam"]
+
+    def result(self, thread, task):
+        self.block(thread, self.task_ends[task])
+
+    def put(self, thread, item):
+        self.puts[item] = self.last[NAME[thread]]
+
+    def get(self, thread, item, src):
+        self.block(thread, self.puts[item])
+
+    def keep(self, **_):
+        pass
+
+    def free(self, storage):
+        t = self.t("host")                             # freed by the host now; kept lanes: when they pass it
+        for lane in storage.kept:
+            t = max(t, self.t(lane))
+        if storage in self.live:
+            self.mem.append((t, len(self.mem), -self.live.pop(storage)))
+
+    def op(self, op):
+        actor = NAME.get(op.actor, op.actor)
+        if op.actor == "worker":
+            self.advance(actor, 0.0, op.nbytes / self.host_bw, None, op.name)
+            return
+        issued = self.advance("host", 0.0, self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),
+                              None, op.name)
+        for st in op.fresh:
+            if st.where == "device":
+                self.live[st] = st.nbytes
+                self.mem.append((issued.end, len(self.mem), st.nbytes))
+        if actor == "host":
+            return
+        written = sum(hi - lo for _, lo, hi in op.writes)
+        if op.kind in self.link:
+            dur = written / self.link[op.kind]
+        elif op.kind == "dd":
+            dur = 2 * written / self.hbm
+        else:
+            dur = max(op.flops / self.flops[torch.bfloat16 if op.low_precision else torch.float32],
+                      op.nbytes / self.hbm)
+        s = self.advance(actor, issued.end, dur, issued, op.name)
+        if actor == "compute" and self.first_compute and self.first_compute[-1] is None:
+            self.first_compute[-1] = s
+        if op.blocking:
+            self.block("main", s)
+
+    # ---- the result
+    def result_of(self, cfg, tokens):
+        """The steady state: between the starts of the first compute op of the last two recorded steps."""
+        a, b = self.first_compute[-3], self.first_compute[-2]   # the list ends with the after-last-step mark
+        t0, t1 = a.start, b.start
+        step = t1 - t0
+        busy = collections.Counter()
+        for s in self.spans:
+            if s.label != "wait" and s.end > t0 and s.start < t1:
+                busy[s.actor] += min(s.end, t1) - max(s.start, t0)
+        crit, s = collections.Counter(), b
+        while s is not None and s.end > t0:            # walk back from the last step's start
+            if s.label != "wait":
+                crit[s.actor] += max(0.0, s.end - max(s.start, t0))
+            s = s.pred
+        total = sum(crit.values()) or 1.0
+        level, peak = 0, 0
+        for _, _, delta in sorted(self.mem):          # in time; at one host instant, in issue order
+            level += delta
+            peak = max(peak, level)
+        return dict(prediction=True, step_time_s=step, tokens_per_s=tokens / step,
+                    model_tflops=planner.flops_per_token(cfg) * tokens / step / 1e12,
+                    overlap=busy["compute"] / step, busy={k: busy[k] / step for k in ACTORS},
+                    critical_path={k: crit[k] / total for k in ACTORS},
+                    bottleneck=max(ACTORS, key=lambda k: crit[k]), peak_gpu_bytes=peak)
+
+    def trace(self, path):
+        """A Chrome/Perfetto trace of every span (one row per lane and thread), in microseconds."""
+        tid = {a: i for i, a in enumerate(ACTORS)}
+        events = [dict(name="thread_name", ph="M", pid=0, tid=i, args=dict(name=a)) for a, i in tid.items()]
+        events += [dict(name=s.label, ph="X", pid=0, tid=tid[s.actor], ts=s.start * 1e6, dur=(s.end - s.start) * 1e6)
+                   for s in self.spans if s.end > s.start]
+        with open(path, "w") as f:
+            json.dump(dict(traceEvents=events, displayTimeUnit="ms"), f)
+
+
+def main(a):
+    cfg = sim.config_of(a)
+    p = sim.plan_of(a, cfg)
+    hw = p["hardware"]
+    dtype = planner.DTYPES[p["dtype"]]
+    twin = Twin(hw, host_speed=a.host_speed)
+    kw = dict(dtype=dtype, residual_dtype=planner.DTYPES[a.residual_dtype], grad_clip=a.grad_clip,
+              micro_batches=a.micro_batches, mode=a.mode, staging_slabs=p["staging_slabs"],
+              skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
+              offload_checkpoints=p["offload_checkpoints"])
+    sim.run(cfg, [twin], a.steps or 3, fake=True, sources=False, costs=True, batch=(a.batch_size, a.seq_len), **kw)
+    r = twin.result_of(cfg, a.batch_size * a.seq_len)
+    r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
+             host_speed=a.host_speed, host_issue_s=twin.issue)
+    if a.trace:
+        twin.trace(a.trace)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items() if v)  # noqa: E731
+    print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} tokens, "
+          f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}")
+    print(f"  step {r['step_time_s']:.3g} s (plan.py: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
+          f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
+    print(f"  busy: {pct(r['busy'])}")
+    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (plan.py: {p['bottleneck']})")
+    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (plan.py: {p['gpu_bytes'] / GB:.1f} GB)")
+    if a.trace:
+        print(f"  trace: {a.trace} (open in https://ui.perfetto.dev)")
+    return 0
