@@ -26,6 +26,8 @@ COPIES = {aten.copy_.default, aten._to_copy.default}
 EMPTY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
          aten.new_empty_strided.default, aten.empty_permuted.default}          # allocate, write nothing
 SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+WRITE_ONLY = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor}           # write, read nothing
+INDEXED = {aten.index_select.default, aten.index_select.out, aten.index_add_.default}
 UNMARKED_VIEWS = {aten._unsafe_view.default, aten.alias.default}               # views the schema does not mark
 SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,          # forward: 4 Tq Tk hd per head
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 10,  # backward: 5 matmuls
@@ -65,10 +67,16 @@ def traffic(func, reads, writes, fresh, kwargs):
     """Bytes an op moves: its inputs, its outputs, and what it updates in place read AND written -- except a
     copy's or an out= op's destination (written only), an empty tensor (nothing), and fused AdamW's gradients
     (read; written back only with a grad_scale). AdamW: read p, g, m, v, write p, m, v = 28 B/param."""
-    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    def nb(ts):  # the same view twice (dot(g, g)) is read once
+        seen = {(t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride())): t for t in ts}
+        return sum(t.numel() * t.element_size() for t in seen.values())
     if func in EMPTY:
         return 0
-    if func in COPIES or func._overloadname.startswith("out"):
+    if func in INDEXED:   # only the rows named by the index: read and written (add) or written (select)
+        rows = nb(fresh) if func is aten.index_select.default else nb(writes if "out" in func._overloadname else
+                                                                       [t for t in reads if t.dtype.is_floating_point])
+        return nb([t for t in reads if not t.dtype.is_floating_point]) + 3 * rows
+    if func in COPIES or func in WRITE_ONLY or func._overloadname.startswith("out"):
         rmw = 0
     elif func is aten._fused_adamw_.default:
         rmw = nb(writes) - (0 if kwargs.get("grad_scale") is not None else nb(writes) // 4)  # g: 1 of p, g, m, v

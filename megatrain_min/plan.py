@@ -187,7 +187,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     F = hw[f"{dtype}_tflops"] * 1e12 * hw["frac"]     # achievable FLOP/s
     h2d, d2h, hbw = hw["h2d_gbs"] * GB, hw["d2h_gbs"] * GB, hw["host_bw_gbs"] * GB
     cast = 6 / (hw["hbm_gbs"] * GB) if not shadow and dtype == "bf16" else 0  # lean: read fp32, write bf16
-    adam_b = 28 + (6 if shadow else 0)  # read p, g, m, v; write p, m, v; fast: read p again, write the shadow
+    # read p, g, m, v; write p, m, v; clipped: the kernel writes the scaled g back; fast: read p, write the shadow
+    adam_b = 28 + (4 if defer else 0) + (6 if shadow else 0)
     attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
     rate = dict(load=sb / h2d + cast, grad=4 / d2h, adam=adam_b / hbw, norm=4 / hbw)  # seconds per parameter
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
@@ -201,7 +202,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              # recompute (1x forward) + backward (2x the matmuls, 2.5x attention: flash's 5 matmuls); zero the slot
              bwd=tokens * (6 * lay.n_decay + 3.5 * attn) / F + hbm_s["bwd"] + lay.numel * 4 / hbm,
              head=6 * tokens * head.n_decay / F + hbm_s["head"] + head.numel * 4 / hbm,  # not recomputed
-             rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h, scatter=tokens * cfg.d_model * (4 + 8) / hbw,
+             # the scatter: zero an untied embedding's gradient, then add dy's rows (read 4, read+write 8)
+             rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h,
+             scatter=(tokens * cfg.d_model * (4 + 8) + (0 if tied else units[0].numel * 4)) / hbw,
              ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()})
     slabs = 0 if defer else staging_slabs or stream_slabs(t, tied)
 
