@@ -328,8 +328,7 @@ def block_grad(cfg, x, w, rope, dy, acc):
     with torch.enable_grad():
         y = block(cfg, xin, w, rope)
         dx, *gw = torch.autograd.grad(y, [xin, *w.values()], dy)
-    for a, g in zip(acc.values(), gw):
-        a.add_(g)
+    torch._foreach_add_(list(acc.values()), gw)   # one call for every weight (torch.optim's foreach kernels)
     return dx
 
 
@@ -343,8 +342,7 @@ def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
         with torch.enable_grad():
             lc = head_loss(cfg, xc, w, targets[c:c + chunk_tokens]) / n_tok
             dx[c:c + chunk_tokens], *gw = torch.autograd.grad(lc, [xc, *w.values()])
-        for a, g in zip(acc.values(), gw):
-            a.add_(g)
+        torch._foreach_add_(list(acc.values()), gw)
         total += lc.detach()
     return total, dx
 

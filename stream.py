@@ -168,7 +168,7 @@ class Lanes:
         return queue.Queue()
 
 
-# one step's input, staged: tokens (B, T) on the host, targets M x (B/M, T) on the device (see _prepare)
+# one step's input, staged: tokens (B, T) on the host, targets (B, T) on the device (see _prepare)
 Batch = namedtuple("Batch", "tokens targets n_tok rope offload")
 
 
@@ -245,6 +245,7 @@ class Trainer:
         self.staging = {}                      # pinned per-step buffers, one per (name, shape, dtype): _staging
         self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=self.lanes.pin)
         self.pending = {}                      # unit -> Future of its update (or of its squared grad norm)
+        self.failed = []                       # exceptions raised on the optimizer thread (see _submit)
 
         # ---- GPU: two weight slots (ping-pong), two fp32 grad slots. Independent of depth. Allocated and
         # zeroed on the compute lane, which uses them first: the pool streams do not wait for the default one.
@@ -303,10 +304,10 @@ class Trainer:
                 self.skipped = True
                 return self.loss_host.item()
             self._drain(self.head, 0)
-            self._backward(dy, ckpt, b)
+            dy = self._backward(dy, ckpt, b)
             dy_host, dy_ready = self._dy_to_host(dy)          # dy of layer 0: the embedding's gradient (B, T, d)
         self._host_grad(self.embed)                            # the tied head already holds one
-        self.pending[self.embed] = self.lanes.submit(self._scatter_embedding, b.tokens, dy_host, dy_ready, self.lr)
+        self._submit(self.embed, self._scatter_embedding, b.tokens, dy_host, dy_ready, self.lr)
 
         self.lanes.host_wait(loss_ready)
         loss = self.loss_host.item()
@@ -317,7 +318,7 @@ class Trainer:
                 return loss
             coef = clip_coef(self.grad_norm, self.grad_clip)
             for u in [self.embed] + [u for u in range(len(self.units)) if u != self.embed]:
-                self.pending[u] = self.lanes.submit(self.opt.step, u, self.lr, coef)
+                self._submit(u, self.opt.step, u, self.lr, coef)
         return loss
 
     @torch.no_grad()
@@ -358,7 +359,7 @@ class Trainer:
             if self.offload_checkpoints is None:  # decided once, at the first step
                 self.offload_checkpoints = self._decide_offload(B, T)
             offload = self.offload_checkpoints
-        return Batch(tokens, tgt.chunk(self.M), n_tok, self.rope[T], offload)
+        return Batch(tokens, tgt, n_tok, self.rope[T], offload)
 
     def _decide_offload(self, B, T):
         free = self.lanes.free_memory()
@@ -420,7 +421,7 @@ class Trainer:
     def _embed_rows(self, b):
         """x for the step: the embedding rows of its tokens, gathered on the host by one index_select into a
         pinned buffer (only B x T x d cross PCIe, never the table), from the fp32 master -- or the bf16 shadow
-        when the residual stream is bf16. Returns M x (B/M, T, d) in the residual dtype, on the compute lane."""
+        when the residual stream is bf16. Returns (B, T, d) in the residual dtype, on the compute lane."""
         self._ready(self.embed)
         src = self.opt.master[self.embed]
         if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
@@ -434,8 +435,7 @@ class Trainer:
             x.copy_(rows, non_blocking=True)
             ready = self.h2d.record()
         self.comp.wait(ready)
-        x = x.to(self.residual_dtype)                                         # lean + bf16 residual: cast here
-        return list(x.chunk(self.M))
+        return x.to(self.residual_dtype)                                      # lean + bf16 residual: cast here
 
     def _scatter_embedding(self, tokens, dy_host, dy_ready, lr):
         """Worker: add dy of layer 0 into the embedding rows that were used (index_add on the host)."""
@@ -454,8 +454,9 @@ class Trainer:
     # ------------------------------------------------------------------ forward, head, backward
     @torch.no_grad()
     def _forward(self, b, keep):
-        """Embedding + all layers, layer-major, no autograd graph. Returns (x, ckpt): x is M x (B/M, T, d) on the
-        compute lane; ckpt[i] = the inputs of layer i: on the device, or (offloaded) their pinned host copy."""
+        """Embedding + all layers, layer-major, no autograd graph, the whole batch at once (micro-batches bound
+        what the backward saves; a no-grad forward saves nothing). Returns (x, ckpt): x is (B, T, d) on the compute
+        lane; ckpt[i] = the input of layer i: on the device, or (offloaded) its pinned host copy."""
         cfg, L = self.cfg, len(self.layers)
         self.resident = {}                              # last step's slots hold stale weights
         self._load(self.layers[0], 0)
@@ -467,15 +468,15 @@ class Trainer:
             w = self.wviews[s]["layer"]                 # views into weight slot s, compute dtype
             if keep:                                    # boundary checkpoint: the input of layer i
                 ckpt.append(self._offload(i, x) if b.offload else x)
-            x = [model.block(cfg, x_j, w, b.rope) for x_j in x]                 # (B/M, T, d) each
+            x = model.block(cfg, x, w, b.rope)                                  # (B, T, d)
             self.slot_free[s] = self.comp.record()
             self._prefetch(self.layers[i + 1] if i + 1 < L else self.head, s)
         return x, ckpt
 
     def _head(self, x, b, backward):
-        """Final norm + LM head + loss per micro-batch, chunked (model.head_grad). With backward the head's
-        gradient is accumulated into grad slot 0 and dy (M x (B/M, T, d)) is returned for the last layer.
-        Returns (dy, loss_ready): the loss is in self.loss_host once the host waited for loss_ready."""
+        """Final norm + LM head + loss per micro-batch in token chunks (model.head_grad: no (B*T, V) logits). With
+        backward the head's gradient is accumulated into grad slot 0 and dy (M x (B/M, T, d)) is returned for the
+        last layer. Returns (dy, loss_ready): the loss is in self.loss_host once the host waited for loss_ready."""
         cfg = self.cfg
         s = self.resident[self.head]
         self._prefetch(self.layers[-1], s)              # resident already: the last layer stays in its slot
@@ -484,8 +485,8 @@ class Trainer:
         if backward:
             gs = self._grad_slot(self.head, 0)
         loss, dy = torch.zeros((), dtype=torch.float32, device=self.dev), []
-        for x_j, tgt in zip(x, b.targets):
-            xf, tgt = x_j.reshape(-1, cfg.d_model), tgt.reshape(-1)             # (B/M*T, d), (B/M*T,)
+        for x_j, tgt in zip(x.chunk(self.M), b.targets.chunk(self.M)):  # per micro-batch: where the head's bf16
+            xf, tgt = x_j.reshape(-1, cfg.d_model), tgt.reshape(-1)         # gradient is rounded, as the oracle does
             if backward:
                 lj, dx = model.head_grad(cfg, xf, w, tgt, b.n_tok, self.gviews[gs]["head"], self.chunk)
                 dy.append(dx.view_as(x_j))
@@ -501,8 +502,9 @@ class Trainer:
         return math.isfinite(self.loss_host.item())
 
     def _backward(self, dy, ckpt, b):
-        """Layers L-1..0: recompute from the boundary checkpoint with grad (model.block_grad), fp32 accumulation
-        over micro-batches, then the gradient drains to the host. dy becomes the gradient w.r.t. layer 0's input."""
+        """Layers L-1..0: recompute from the boundary checkpoint with grad (model.block_grad), one micro-batch at a
+        time (what autograd saves is one micro-batch's), fp32 accumulation over them, then the gradient drains to
+        the host. Returns the gradient w.r.t. layer 0's input, M x (B/M, T, d)."""
         L = len(self.layers)
         nxt = self._reload(L - 1, ckpt) if b.offload else None
         for i in reversed(range(L)):
@@ -512,7 +514,7 @@ class Trainer:
                 (xs, r), nxt = nxt, (self._reload(i - 1, ckpt) if i > 0 else None)
                 self.comp.wait(self.ring_ready[r])
             else:
-                xs = ckpt[i]
+                xs = ckpt[i].chunk(self.M)
             if i > 0:
                 self._prefetch(self.layers[i - 1], s)
             self.comp.wait(self.slot_loaded[s])
@@ -524,6 +526,7 @@ class Trainer:
                 self.ring_free[r] = self.comp.record()
             ckpt[i] = xs = None
             self._drain(u, gs)
+        return dy
 
     # ------------------------------------------------------------------ activations to and from the host
     def _ring_slot(self, i, shape):
@@ -537,10 +540,9 @@ class Trainer:
     def _offload(self, i, x):
         """Layer i's input to host memory through a ring slot: compute copies x into the slot once its previous
         D2H finished, D2H copies the slot out. The ring bounds the device memory whatever the host's lead."""
-        r, slot = self._ring_slot(i, (self.M * x[0].shape[0], *x[0].shape[1:]))
+        r, slot = self._ring_slot(i, tuple(x.shape))
         self.comp.wait(self.ring_free[r])
-        for dst, x_j in zip(slot.chunk(self.M), x):
-            dst.copy_(x_j)
+        slot.copy_(x)
         self.ring_ready[r] = self.comp.record()
         host = self._staging("checkpoints", (len(self.layers), *slot.shape), self.residual_dtype)[i]
         with self.d2h():
@@ -591,7 +593,7 @@ class Trainer:
             self.opt.grad[u].copy_(self.gslot[gs][:n], non_blocking=True)
             self.gslot_free[gs] = done = self.d2h.record()
         if u != self.embed:  # tied: the head is handed over after the embedding scatter
-            self.pending[u] = self.lanes.submit(self._grad_landed, u, done, self.lr)
+            self._submit(u, self._grad_landed, u, done, self.lr)
 
     def _host_grad(self, u):
         """Point opt.grad[u] at a free staging slab, unless the store keeps a gradient per unit (deferred) or
@@ -599,11 +601,20 @@ class Trainer:
         if self.defer_updates or self.opt.grad[u] is not None:
             return
         self.held[u] = self.slabs.get()      # the worker puts slabs back even when an update fails
-        for v, fut in list(self.pending.items()):
-            if fut.done() and fut.exception() is not None:
-                self.pending.pop(v)
-                raise fut.exception()
+        if self.failed:                      # ... and notes the failure (_submit): raise it here, not later
+            raise self.failed[0]
         self.opt.grad[u] = self.held[u][:self.units[u].numel]
+
+    def _submit(self, u, fn, *args):
+        """Hand fn(*args) to the optimizer thread as unit u's pending work. A failure is noted at once, so that
+        the main thread raises it at its next slab (_host_grad) instead of running on without that update."""
+        fut = self.lanes.submit(fn, *args)
+        fut.add_done_callback(self._note_failure)
+        self.pending[u] = fut
+
+    def _note_failure(self, fut):
+        if fut.exception() is not None:
+            self.failed.append(fut.exception())
 
     def _release(self, u):
         if not self.defer_updates:

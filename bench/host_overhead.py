@@ -1,0 +1,75 @@
+"""bench/host_overhead.py -- the host's time per layer visit: what the main thread spends issuing the work.
+
+A deep model with negligible tensors (d=16, T=8: compute ~ 0) run by stream.Trainer on the CPU, so a step's wall
+time is the engine's issue cost: Python, the dispatcher, autograd's engine, the view building. Measured side by
+side in one run, rounds interleaved, one OpenMP thread (tiny tensors; no spin-waiting teams):
+  before   stream.py as of the issue's reference commit (427dd33), loaded from git history;
+  after    stream.py now.
+Reported: host microseconds per layer visit (2 visits per layer per step) at M = 1 and 4, and the ratio.
+Also --calibrate: the per-op issue cost that the twin and the planner use (plan.HOST), from the same run.
+
+    python bench/host_overhead.py              # ~1 min
+    python bench/host_overhead.py --calibrate  # + the issue cost per aten op of the engine's op stream
+"""
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import model  # noqa: E402
+import stream  # noqa: E402
+
+BEFORE = "427dd33"
+CFG = model.GPTConfig(vocab_size=256, n_layer=64, n_head=2, n_kv_head=2, d_model=16, d_ff=32, max_seq_len=64)
+
+
+def engine_at(commit):
+    src = subprocess.run(["git", "show", f"{commit}:stream.py"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    mod = types.ModuleType(f"stream_{commit}")
+    exec(compile(src, f"stream.py@{commit}", "exec"), mod.__dict__)
+    return mod
+
+
+def per_visit_us(trainer_cls, M, steps):
+    t = trainer_cls(CFG, model.init_weights(CFG, 0), device="cpu", micro_batches=M, grad_clip=0.0)
+    tok = torch.randint(0, CFG.vocab_size, (M, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        t.step(tok, tok.roll(-1, 1))
+    t.weights(copy=False)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t.step(tok, tok.roll(-1, 1))
+    t.weights(copy=False)
+    return (time.perf_counter() - t0) / steps / (2 * CFG.n_layer) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    engines = {"before": engine_at(BEFORE).Trainer, "after": stream.Trainer}
+    print(f"{CFG.n_layer} layers, d={CFG.d_model}, T=8, one thread; host us per layer visit, best of {a.rounds} "
+          f"interleaved rounds")
+    for M in (1, 4):
+        got = {k: [] for k in engines}
+        for _ in range(a.rounds):
+            for name, cls in engines.items():
+                got[name].append(per_visit_us(cls, M, a.steps))
+        best = {k: min(v) for k, v in got.items()}
+        print(f"  M={M}: before {best['before']:7.0f} us, after {best['after']:7.0f} us, "
+              f"{best['before'] / best['after']:.2f}x less host time (medians {statistics.median(got['before']):.0f} "
+              f"/ {statistics.median(got['after']):.0f})")
+
+
+if __name__ == "__main__":
+    main()
