@@ -1,5 +1,7 @@
-"""Make the repository root importable (model.py, stream.py, optim.py live there) and share helpers."""
+"""Make the repository root importable (model.py, stream.py, optim.py live there) and share helpers: random
+batches, tiny tokenizers, a fast runner of train.py (TrainCLI) and the "nothing lost" check (assert_refused)."""
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,3 +58,103 @@ def make_bpe_tokenizer(directory, texts, vocab_size, special_tokens, tokenizer_c
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+# ----------------------------------------------------------------------------- train.py as a user runs it, fast
+# Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag. TrainCLI pays it
+# once: a helper process imports train.py's dependencies (and computes nothing, so forking it is safe: no
+# OpenMP team exists yet), then forks one fresh child per run. The child runs train.py as __main__ in its own
+# process -- own pid, cwd, stdout/stderr files, exit code, signals, file locks -- and ends the way the
+# interpreter ends a script: SystemExit's code, or the traceback of an uncaught exception and exit code 1.
+ZYGOTE = r"""
+import json, os, resource, runpy, signal, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import numpy, torch, tqdm, model, optim, stream  # noqa: the imports train.py would pay for on every run
+from megatrain_min import checkpoint, data, hf, plan, reference  # noqa
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(req["cwd"])
+            for fd, path in ((0, os.devnull), (1, req["stdout"]), (2, req["stderr"])):
+                os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), fd)
+            if req["fsize"] is not None:                  # `ulimit -f`: a write past it fails with EFBIG
+                resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+            if req["uid"] is not None:                    # drop root, so that file modes apply
+                os.setgid(req["uid"]), os.setuid(req["uid"])
+            signal.alarm(req["timeout"])                  # a hung run is killed
+            sys.argv = [os.path.join(sys.argv[1], "train.py"), *req["argv"]]
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1]
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+"""
+
+
+class TrainCLI:
+    """cli(*args, cwd=..., fsize=None, uid=None, on_start=None) -> subprocess.CompletedProcess of train.py.
+    fsize: RLIMIT_FSIZE in bytes; uid: run as this user; on_start(pid): called once the child runs."""
+
+    def __init__(self, tmp):
+        self.tmp, self.n = tmp, 0
+        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(ROOT)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, *args, cwd, fsize=None, uid=None, timeout=120, on_start=None):
+        self.n += 1
+        out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
+        req = dict(argv=[str(a) for a in args], cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize,
+                   uid=uid, timeout=timeout)
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self.proc.stdout.readline())["pid"]
+        if on_start is not None:
+            on_start(pid)
+        rc = json.loads(self.proc.stdout.readline())["rc"]
+        return subprocess.CompletedProcess(["train.py", *req["argv"]], rc, out.read_text(), err.read_text())
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def cli(tmp_path_factory):
+    runner = TrainCLI(tmp_path_factory.mktemp("cli"))
+    yield runner
+    runner.close()
+
+
+# ----------------------------------------------------------------------------- "nothing lost"
+def files_under(*roots):
+    """{path: bytes} of every file under the given directories (or files): what 'nothing lost' compares."""
+    found = {}
+    for root in map(Path, roots):
+        for p in [root] if root.is_file() else sorted(root.rglob("*")) if root.is_dir() else []:
+            if p.is_file():
+                found[p] = p.read_bytes()
+    return found
+
+
+def lost(before):
+    """The files of `before` (files_under's result) that are gone or changed now; [] = nothing lost."""
+    return [str(p) for p, b in before.items() if not p.is_file() or p.read_bytes() != b]
+
+
+def assert_refused(r, before, code=2, words=()):
+    """train.py refused or stopped as documented: exit `code`, one line on stderr holding `words`, no
+    traceback, and every file that existed before the run is still there byte for byte."""
+    err = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == code, f"exit {r.returncode}, expected {code}\n{r.stderr}"
+    assert len(err) == 1 and all(w in err[0] for w in words), r.stderr
+    assert not lost(before), lost(before)
