@@ -53,7 +53,7 @@ import model
 FORMAT, VERSION = "megatrain-min checkpoint", 1
 STATES = ("master", "m", "v")   # the fp32 tensors of every unit, in the order they sit in its file
 CHUNK = 16 << 20                # bytes per CRC/write call: big enough that Python's per-call cost vanishes
-LOCK = ".lock"                  # the run lock in an output directory (holds the PID of the run that holds it)
+LOCK = ".lock"                  # the run lock of an output directory (an empty file; see lock())
 
 
 class CheckpointError(ValueError):
@@ -90,21 +90,33 @@ def latest(out_dir):
 def lock(out_dir):
     """Take the run lock of out_dir (made if missing): an exclusive flock on out_dir/.lock, held until the
     returned file is closed or the process ends -- the kernel drops it even after a SIGKILL, so no stale lock
-    survives a crash. The file holds the holder's PID. Raises LockError naming that PID when another process
-    holds it. The file itself stays (deleting it would let two runs lock two different files)."""
+    survives a crash. Raises LockError naming the PID that holds it (from /proc/locks: the file itself is never
+    written, so a refused run changes no byte in the directory). The file stays: deleting it would let two
+    runs lock two different files."""
     path = Path(out_dir) / LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")   # no truncation before the lock is ours
+    f = open(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644))
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = f.read().strip() or "unknown"
+        holder = _lock_holder(f)
         f.close()
-        raise LockError(f"{path.parent} is in use by another run (pid {holder} holds {path})") from None
-    f.truncate(0)
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+        raise LockError(f"{path.parent} is in use by another run (pid {holder}, holding {path})") from None
     return f
+
+
+def _lock_holder(f):
+    """The PID holding a flock on the open file f, read from /proc/locks (Linux), or "unknown"."""
+    st = os.fstat(f.fileno())
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:   # "1: FLOCK  ADVISORY  WRITE 13995 fe:00:2146902 0 EOF"
+            for fields in map(str.split, locks):
+                if ident in fields and "->" not in fields:   # "->": a process waiting for the lock, not holding it
+                    return fields[fields.index(ident) - 1]
+    except OSError:
+        pass
+    return "unknown"
 
 
 # ----------------------------------------------------------------------------- save
@@ -315,6 +327,23 @@ def verify_files(path, doc, crc=True, layouts=None):
             raise CheckpointError(f"{path}: the master weights of {what} hold a NaN or an infinity; refusing them")
 
 
+def check_model(path, doc, cfg):
+    """CheckpointError unless checkpoint `path` (doc: its read_meta) holds model cfg: same byte order, same
+    config, same parameter layout. Reads nothing but meta.json: train.py asks before allocating a trainer."""
+    if doc["byteorder"] != sys.byteorder:
+        raise CheckpointError(f"{path} was written on a {doc['byteorder']}-endian machine; this one is {sys.byteorder}")
+    here, there = cfg.to_dict(), doc["config"]
+    for k in list(here) + [k for k in there if k not in here]:
+        if there.get(k) != here.get(k):
+            raise CheckpointError(f"{path} is for another model: {k}={there.get(k)!r} in the checkpoint, "
+                                  f"{here.get(k)!r} in this run (first differing config field)")
+    ours = [(lay.name, lay.numel) for lay in model.units(cfg)]
+    theirs = [(u["name"], u["numel"]) for u in doc["units"]]
+    if ours != theirs:
+        a, b = next((a, b) for a, b in zip(theirs + [None], ours + [None]) if a != b)
+        raise CheckpointError(f"{path} has another parameter layout: unit {a} in the checkpoint, {b} in this model")
+
+
 def load(trainer, path, verify_first=True):
     """Load checkpoint `path` into trainer; return the meta dict given to save() plus "step".
     Raises CheckpointError, with the trainer untouched, for anything that does not match or check out.
@@ -323,18 +352,7 @@ def load(trainer, path, verify_first=True):
     partial state -- fine for a fresh trainer that is thrown away on error (train.py --resume)."""
     path = Path(path)
     doc = read_meta(path)
-    if doc["byteorder"] != sys.byteorder:
-        raise CheckpointError(f"{path} was written on a {doc['byteorder']}-endian machine; this one is {sys.byteorder}")
-    here, there = trainer.cfg.to_dict(), doc["config"]
-    for k in list(here) + [k for k in there if k not in here]:
-        if there.get(k) != here.get(k):
-            raise CheckpointError(f"{path} is for another model: {k}={there.get(k)!r} in the checkpoint, "
-                                  f"{here.get(k)!r} in this run (first differing config field)")
-    ours = [(lay.name, lay.numel) for lay in trainer.units]
-    theirs = [(u["name"], u["numel"]) for u in doc["units"]]
-    if ours != theirs:
-        a, b = next((a, b) for a, b in zip(theirs + [None], ours + [None]) if a != b)
-        raise CheckpointError(f"{path} has another parameter layout: unit {a} in the checkpoint, {b} in this model")
+    check_model(path, doc, trainer.cfg)
     verify_files(path, doc, crc=verify_first, layouts=trainer.units)    # nothing has been touched so far
     trainer.wait()
     opt = trainer.opt

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model import HEAD, NORM, GPTConfig, units
+from model import HEAD, NORM, GPTConfig, check_finite, units
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -269,6 +269,10 @@ def _write_safetensors(path, entries, weights, dtype):
             t = weights[key]
             if tuple(t.shape) != tuple(shape):
                 raise HFError(f"{key} has shape {list(t.shape)}, the config implies {list(shape)}")
+            try:
+                check_finite({key: t})                                # a NaN is never exported
+            except ValueError as e:
+                raise HFError(f"not exporting: {e}") from None
             t = t.detach().to("cpu", dtype).contiguous()              # one tensor in the target dtype
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
         f.flush()

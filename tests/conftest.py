@@ -3,7 +3,9 @@ batches, tiny tokenizers, a fast runner of train.py (TrainCLI) and the "nothing 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,6 +75,9 @@ import numpy, torch, tqdm, model, optim, stream  # noqa: the imports train.py wo
 from megatrain_min import checkpoint, data, hf, plan, reference  # noqa
 for line in sys.stdin:
     req = json.loads(line)
+    if "wait" in req:
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(os.waitpid(req["wait"], 0)[1])}), flush=True)
+        continue
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -82,8 +87,14 @@ for line in sys.stdin:
                 os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), fd)
             if req["fsize"] is not None:                  # `ulimit -f`: a write past it fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
-            if req["uid"] is not None:                    # drop root, so that file modes apply
-                os.setgid(req["uid"]), os.setuid(req["uid"])
+            if req["modes"]:                              # root ignores file modes: drop CAP_DAC_OVERRIDE and
+                import ctypes                             # CAP_DAC_READ_SEARCH (capability bits 1, 2) so they apply
+                libc = ctypes.CDLL(None, use_errno=True)
+                hdr, caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # v3 header, 2 x (eff, prm, inh)
+                libc.capget(hdr, caps)
+                caps[0] &= ~0b110
+                if libc.capset(hdr, caps):
+                    raise OSError(ctypes.get_errno(), "capset")
             signal.alarm(req["timeout"])                  # a hung run is killed
             sys.argv = [os.path.join(sys.argv[1], "train.py"), *req["argv"]]
             runpy.run_path(sys.argv[0], run_name="__main__")
@@ -96,31 +107,38 @@ for line in sys.stdin:
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(code)
     print(json.dumps({"pid": pid}), flush=True)
-    print(json.dumps({"rc": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
 """
 
 
 class TrainCLI:
-    """cli(*args, cwd=..., fsize=None, uid=None, on_start=None) -> subprocess.CompletedProcess of train.py.
-    fsize: RLIMIT_FSIZE in bytes; uid: run as this user; on_start(pid): called once the child runs."""
+    """cli(*args, cwd=...) -> subprocess.CompletedProcess of `python train.py *args`; cli.start(...) -> a Run
+    with .pid, whose result cli.wait(run) gives (runs may overlap: the lock and signal tests).
+    fsize: RLIMIT_FSIZE in bytes; modes: file modes apply even to root (the tests run as root in containers)."""
 
     def __init__(self, tmp):
         self.tmp, self.n = tmp, 0
         self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(ROOT)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 
-    def __call__(self, *args, cwd, fsize=None, uid=None, timeout=120, on_start=None):
-        self.n += 1
-        out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
-        req = dict(argv=[str(a) for a in args], cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize,
-                   uid=uid, timeout=timeout)
+    def _ask(self, req):
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self.proc.stdout.readline())["pid"]
-        if on_start is not None:
-            on_start(pid)
-        rc = json.loads(self.proc.stdout.readline())["rc"]
-        return subprocess.CompletedProcess(["train.py", *req["argv"]], rc, out.read_text(), err.read_text())
+        return json.loads(self.proc.stdout.readline())
+
+    def start(self, *args, cwd, fsize=None, modes=False, timeout=120):
+        self.n += 1
+        out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
+        argv = [str(a) for a in args]
+        pid = self._ask(dict(argv=argv, cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize, modes=modes,
+                             timeout=timeout))["pid"]
+        return SimpleNamespace(pid=pid, argv=argv, out=out, err=err)
+
+    def wait(self, run):
+        rc = self._ask({"wait": run.pid})["rc"]
+        return subprocess.CompletedProcess(["train.py", *run.argv], rc, run.out.read_text(), run.err.read_text())
+
+    def __call__(self, *args, **kw):
+        return self.wait(self.start(*args, **kw))
 
     def close(self):
         self.proc.stdin.close()
@@ -132,6 +150,14 @@ def cli(tmp_path_factory):
     runner = TrainCLI(tmp_path_factory.mktemp("cli"))
     yield runner
     runner.close()
+
+
+def wait_for_training(out, timeout=120):
+    """Block until the run writing to `out` has logged its first step."""
+    deadline = time.time() + timeout
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size):
+        assert time.time() < deadline, f"no step logged in {out} after {timeout} s"
+        time.sleep(0.02)
 
 
 # ----------------------------------------------------------------------------- "nothing lost"

@@ -104,7 +104,7 @@ def _init_from_config(**kv):
     def setup(t, w):
         d = copy(w / "hf", t / "hf")
         edit_json(d / "config.json", **kv)
-        return ["--init-from", d, "--data", w / "chat.jsonl", "--out", t / "o"], 2, ["config.json"], []
+        return ["--init-from", d, "--data", w / "chat.jsonl", "--seq-len", "64", "--out", t / "o"], 2, ["config.json"], []
     return setup
 
 
@@ -112,7 +112,7 @@ def _truncated_safetensors(t, w):
     d = copy(w / "hf", t / "hf")
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-4096])
-    return ["--init-from", d, "--data", w / "chat.jsonl", "--out", t / "o"], 2, ["model.safetensors"], []
+    return ["--init-from", d, "--data", w / "chat.jsonl", "--seq-len", "64", "--out", t / "o"], 2, ["model.safetensors"], []
 
 
 def _reference_run_dir(t, w):
@@ -153,8 +153,8 @@ CLI = {
     "save-hf-empty-string": lambda t, w: (["--save-hf", ""], 2, ["--save-hf"], []),
     "save-hf-is-a-file": lambda t, w: (["--save-hf", _file(t)], 2, ["--save-hf"], []),
     "save-hf-non-model-dir": lambda t, w: (["--save-hf", copy(w / "run", t / "run")], 2, ["--save-hf"], []),
-    "save-hf-is-init-from": lambda t, w: (["--init-from", copy(w / "hf", t / "hf"), "--data", w / "chat.jsonl",
-                                           "--save-hf", t / "hf", "--out", t / "o"], 2, ["--save-hf"], []),
+    "save-hf-is-init-from": lambda t, w: (["--init-from", copy(w / "hf", t / "hf"), "--data", w / "chat.jsonl", "--seq-len",
+                                           "64", "--save-hf", t / "hf", "--out", t / "o"], 2, ["--save-hf"], []),
     "save-hf-holds-out": lambda t, w: (["--out", t / "exp" / "run", "--save-hf", t / "exp"], 2, ["--save-hf"], []),
     "save-hf-export-with-user-file": _save_hf_into_user_dir,
     # --resume and --init-from directories
