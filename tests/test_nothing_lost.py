@@ -481,3 +481,16 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
     rel = update_rel(w1, wa, wb)
     print(f"all-ignored step: weights moved (sum of max |change| {moved:.2e}); stream vs torch AdamW update rel diff {rel:.1e}")
     assert moved > 0 and rel <= 1e-3
+
+
+def test_readme_and_train_py_name_the_same_exit_codes():
+    """README Troubleshooting has a row per exit code, train.py's docstring names each, and train.py uses no other."""
+    import re
+    from conftest import ROOT
+    readme = (ROOT / "README.md").read_text().split("## Troubleshooting")[1]
+    table = {int(c) for c in re.findall(r"^\| (\d+) \|", readme, re.M)}
+    src = (ROOT / "train.py").read_text()
+    doc = src.split('"""')[1].split("Exit codes")[1]
+    used = {2} | {int(c) for c in re.findall(r"(?:, |exit\(|SystemExit\()(\d+)\)", src)}
+    assert table == used == {0, 2, 3, 4, 130}, (table, used)
+    assert all(re.search(rf"\b{c} ", doc) for c in table), doc
