@@ -1,4 +1,4 @@
-"""train.py -- the script: flags -> config -> plan check -> data -> weights -> engine -> loop -> checkpoints -> sample.
+"""train.py -- the script: flags -> config -> plan check -> data -> outputs -> weights -> engine -> loop -> checkpoints -> sample.
 
 What it is
     The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset on
@@ -14,7 +14,7 @@ Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (
 Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input, refused before
 anything is trained, nothing lost; 3 training diverged (non-finite steps in a row, or non-finite weights that
 are never saved); 4 an output could not be written (disk full, file too large, no permission), every earlier
-checkpoint whole; 130 a second Ctrl-C, out at once without a save.
+checkpoint whole; 130 Ctrl-C before the first step or a second one while training: out at once, no save.
 """
 import argparse
 import dataclasses
@@ -87,12 +87,13 @@ p.add_argument("--profile", action="store_true", help="write OUT/trace.json (tor
 p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end (0 = none)")
 p.error = fail  # argparse's own complaints: one line and exit code 2 too
 warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line each, like the errors
+signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was trained", 130))
 args = p.parse_args()
 
 # ----------------------------------------------------------------------------- flags that cannot be right
-for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
-                ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches), ("--eval-every", args.eval_every),
-                ("--keep", args.keep), ("--max-skips", args.max_skips)):
+for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                ("--eval-batches", args.eval_batches), ("--eval-every", args.eval_every), ("--keep", args.keep),
+                ("--max-skips", args.max_skips)):
     if v <= 0:
         fail(f"{flag} must be positive, got {v}")
 for flag, v in (("--warmup", args.warmup), ("--save-every", args.save_every), ("--sample-tokens", args.sample_tokens),

@@ -281,22 +281,23 @@ def read_meta(path):
 def _check_fields(path, doc):
     """The fields load() and train.py rely on, with their types: a meta.json edited by hand, with its CRC
     recomputed, fails here with one line instead of deep inside."""
+    def bad(problem):
+        raise CheckpointError(f"{path}/meta.json: {problem}; the checkpoint was edited or is damaged")
+
     count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
-    units = doc.get("units")
-    problem = ("step is not a step count" if not count(doc.get("step")) else
-               "config is not an object" if not isinstance(doc.get("config"), dict) else
-               "meta is not an object" if not isinstance(doc.get("meta"), dict) else
-               "dtype, states or byteorder are not this format's" if (doc.get("dtype"), doc.get("states")) != (
-                   "float32", list(STATES)) or doc.get("byteorder") not in ("little", "big") else
-               "units is not a list" if not isinstance(units, list) else None)
-    for u in units if problem is None else []:
+    if not count(doc.get("step")):
+        bad(f"step {doc.get('step')!r} is not a step count")
+    if not (isinstance(doc.get("config"), dict) and isinstance(doc.get("meta"), dict)):
+        bad("config or meta is not an object")
+    if (doc.get("dtype"), doc.get("states")) != ("float32", list(STATES)) or doc.get("byteorder") not in ("little", "big"):
+        bad("dtype, states or byteorder are not this format's")
+    if not isinstance(doc.get("units"), list):
+        bad("units is not a list")
+    for u in doc["units"]:   # a unit file is its name + .bin, inside the checkpoint: no path goes elsewhere
         if not (isinstance(u, dict) and isinstance(u.get("name"), str) and re.fullmatch(r"\w[\w.]*", u["name"])
                 and u.get("file") == u["name"] + ".bin" and all(count(u.get(k)) for k in ("numel", "step", "bytes", "crc32"))
                 and u["bytes"] == 4 * len(STATES) * u["numel"]):
-            problem = f"the unit entry {json.dumps(u)[:80]} is malformed"
-            break
-    if problem:
-        raise CheckpointError(f"{path}/meta.json: {problem}; the checkpoint was edited or is damaged")
+            bad(f"the unit entry {json.dumps(u)[:80]} is malformed")
 
 
 def verify_files(path, doc, crc=True, layouts=None):
