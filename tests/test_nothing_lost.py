@@ -127,11 +127,14 @@ def test_new_run_into_a_used_out_is_refused(cli, tmp_path, finished):
 
 
 def test_pruning_touches_only_the_same_runs_checkpoints(tmp_path):
-    """#2: keep=K deletes only this run's older checkpoints (meta["run"]); another run's stay, and a step saved
-    again replaces only its own run's checkpoint."""
+    """#2, #3: keep=K deletes only this run's older checkpoints (meta["run"]); another run's stay, a step saved
+    again replaces only its own run's checkpoint, and the temporary directory of a live process is left alone."""
     t = Trainer(CFG, model.init_weights(CFG), device="cpu")
     for step in (1, 2):
         checkpoint.save(t, tmp_path, step, {"run": "a"})
+    live = tmp_path / f".tmp-ckpt-00000009-{os.getppid()}"    # a save still being written by a live process
+    live.mkdir()
+    (live / "head.bin").write_bytes(b"half of it")
     before = files_under(tmp_path)
     for step in (3, 4, 5):
         checkpoint.save(t, tmp_path, step, {"run": "b"}, keep=1)
