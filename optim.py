@@ -7,7 +7,7 @@ What it is
     buffers are pinned when CUDA is present, so copies to and from the GPU are DMA, not staged.
     step(u) updates one unit with torch's fused CPU AdamW kernel, so a worker thread can update
     layer i while the GPU is still busy with layer i-1. Also here: global grad-norm clipping and the
-    warmup + cosine learning-rate schedule.
+    warmup + cosine learning-rate schedule, and check_hyper: the one home of what a hyper-parameter may be.
 What it is not
     Not a torch.optim.Optimizer (no param groups, no state_dict of dicts): units are flat buffers and a
     unit's [matrices | vectors] layout makes "decay" and "no decay" two contiguous regions, so a step
@@ -22,8 +22,40 @@ first, and so do we. Its grad_scale argument divides the gradient inside the ker
 1/clip_coef there, which applies clipping without an extra pass over the gradients.
 """
 import math
+import numbers
 
 import torch
+
+
+class HyperParameterError(ValueError):
+    """A hyper-parameter no step can use; .name is the argument's name (train.py turns it into a flag)."""
+
+    def __init__(self, name, msg):
+        super().__init__(msg)
+        self.name = name
+
+
+def check_hyper(**hp):
+    """Raise HyperParameterError naming the first of the given hyper-parameters that cannot train. Only those
+    given are checked (set_lr checks lr alone). lr, weight_decay, grad_clip (0 = off): finite and >= 0 (a
+    negative lr is gradient ascent, a negative grad_clip would silently turn clipping off); eps: finite and
+    > 0 (with eps = 0 a gradient that is exactly zero, an unused embedding row, gives 0/0 = NaN); betas: two
+    numbers in [0, 1) (beta2 = 1 divides by 1 - beta2**t = 0); micro_batches: a positive integer."""
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    for name, v in hp.items():
+        if name in ("lr", "weight_decay", "grad_clip"):
+            ok, want = real(v) and v >= 0, "a finite number >= 0"
+        elif name == "eps":
+            ok, want = real(v) and v > 0, "a finite number > 0"
+        elif name == "betas":
+            ok, want = isinstance(v, (tuple, list)) and len(v) == 2 and all(real(b) and 0 <= b < 1 for b in v), \
+                "two numbers in [0, 1)"
+        elif name == "micro_batches":
+            ok, want = isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"
+        else:
+            raise TypeError(f"check_hyper() got an unknown hyper-parameter {name!r}")
+        if not ok:
+            raise HyperParameterError(name, f"{name} must be {want}, got {v!r}")
 
 
 class HostAdamW:
@@ -72,12 +104,19 @@ class HostAdamW:
         if self.shadow is not None:
             self.shadow[u].copy_(self.master[u])
 
-    def step(self, u, lr=None, clip_coef=1.0):
+    def step(self, u, lr=None, clip_coef=1.0, finite_only=False):
         """AdamW on unit u with the gradient in self.grad[u] multiplied by clip_coef. The kernel writes the
-        scaled gradient back: after a clipped step, grad[u] holds the clipped gradient."""
+        scaled gradient back: after a clipped step, grad[u] holds the clipped gradient.
+        finite_only: first check the gradient (one read pass, a sum: finite whenever every value is; only a
+        non-finite sum is looked at element by element) and, when it holds a NaN or an infinity, change
+        nothing -- master, m, v, step count -- and return False. With finite gradients and hyper-parameters
+        (check_hyper) the update is finite: m/(sqrt(v)+eps) is bounded (short of gradients near the fp32 limit,
+        where m itself overflows; checkpoint.save refuses non-finite master weights whatever the cause)."""
         lr = self.lr if lr is None else lr
         n, n_decay = self.sizes[u]
         p, g, m, v = self.master[u], self.grad[u], self.m[u], self.v[u]
+        if finite_only and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
+            return False
         step = self.steps[u]
         step += 1
         scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
@@ -87,6 +126,7 @@ class HostAdamW:
                                     lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd,
                                     eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
         self.refresh_shadow(u)
+        return True
 
     def grad_sq(self, u):
         """Squared L2 norm of unit u's gradient (fp32); the global norm is sqrt of the sum over units."""

@@ -64,7 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import model
-from optim import HostAdamW, clip_coef
+from optim import HostAdamW, check_hyper, clip_coef
 
 # Pinned fp32 staging slabs for gradients on their way to the optimizer (when updates are not deferred): two
 # rotate, and a tied head may hold a third until the embedding scatter. With fewer free slabs than units in
@@ -190,7 +190,9 @@ class Trainer:
         residual_dtype  the residual stream's dtype (x, checkpoints, dy): fp32 by default, as under autocast;
                     torch.bfloat16 halves those bytes at some accuracy (README: Numerics).
         staging_slabs  pinned gradient slabs without deferral (STAGING_SLABS; plan.py gives the count to use).
-        skip_nonfinite  a step with a non-finite loss (or, deferred, gradient norm) updates nothing.
+        skip_nonfinite  a step with a non-finite loss (or, deferred, gradient norm) updates nothing. Without
+                    deferral a unit whose gradient is not finite keeps its weights while the others update; its
+                    name is in self.skipped_units, complete once the step's updates are done (wait()).
         sync        synchronise after every operation (debug). lanes: the hardware backend (default Lanes).
         """
         if mode not in ("fast", "lean"):
@@ -202,8 +204,10 @@ class Trainer:
                                                                            and dtype == torch.float32):
             raise ValueError(f"residual_dtype must be torch.float32, or torch.bfloat16 with bf16 compute; "
                              f"got {residual_dtype} with compute dtype {dtype}")
-        self.cfg = cfg.check()
-        self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip, micro_batches=micro_batches)
+        model.check_weights(cfg, weights, tensors=False)  # the keys; each tensor is checked as the loop below reads it
+        self.cfg = cfg
+        self.dev = model.check_device(device)
         self.lanes = lanes or Lanes(self.dev, sync)
         self.h2d, self.comp, self.d2h = self.lanes.h2d, self.lanes.comp, self.lanes.d2h
         self.dtype = dtype or default_dtype(self.dev.type)
@@ -214,6 +218,7 @@ class Trainer:
         self.defer_updates = bool(grad_clip)   # the update of any unit waits for the global gradient norm
         self.skip_nonfinite = skip_nonfinite
         self.skipped = False                   # did the last step skip its update (non-finite)?
+        self.skipped_units = []                # names of the units whose update the last step skipped (no deferral)
         self.grad_norm = None                  # the last step's global gradient norm (deferred updates only)
         self.chunk = chunk_tokens or model.default_chunk_tokens(cfg)
         self.offload_checkpoints = offload_checkpoints
@@ -233,7 +238,8 @@ class Trainer:
         read_into = getattr(weights, "read_into", None)  # hf.load_hf's lazy weights fill a view in place
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
-                read_into(key, view) if read_into else view.copy_(weights[key])
+                read_into(key, view) if read_into else view.copy_(model.check_tensor(key, weights[key], view.shape))
+            model.check_finite(lay.key_views(self.opt.master[u]))
             self.opt.refresh_shadow(u)
         # Without deferral a unit's gradient lives on the host only until its update: staging slabs suffice.
         self.slabs = self.lanes.slab_pool()    # the free slabs; the worker puts a slab back after each update
@@ -269,6 +275,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the surface beyond step()
     def set_lr(self, lr):
+        check_hyper(lr=lr)
         self.lr = lr
 
     def wait(self):
@@ -295,7 +302,7 @@ class Trainer:
         """tokens, targets: (B, T) int64 CPU tensors, targets == -100 ignored. Returns the step's mean
         loss (before the update). Updates may still be running on the worker when this returns."""
         b = self._prepare(tokens, targets, train=True)
-        self.skipped = False
+        self.skipped, self.skipped_units = False, []
         with self.comp(), self._autocast():
             x, ckpt = self._forward(b, keep=True)
             dy, loss_ready = self._head(x, b, backward=True)  # the head's gradient waits in grad slot 0
@@ -339,6 +346,7 @@ class Trainer:
     def _prepare(self, tokens, targets, train):
         """Check the batch and stage it: the targets go to the device on the H2D lane now, from a pinned buffer;
         the tokens stay on the host, where the embedding rows are gathered."""
+        model.check_batch(self.cfg, tokens, targets)
         B, T = tokens.shape
         if B % self.M:
             raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
@@ -628,6 +636,7 @@ class Trainer:
             self.lanes.host_wait(done)
             if self.defer_updates:
                 return self.opt.grad_sq(u)
-            self.opt.step(u, lr)
+            if not self.opt.step(u, lr, finite_only=self.skip_nonfinite):
+                self.skipped_units.append(self.units[u].name)      # a non-finite gradient: this unit keeps its weights
         finally:
             self._release(u)

@@ -1,4 +1,4 @@
-"""train.py -- the script: flags -> config -> plan check -> data -> weights -> engine -> loop -> checkpoints -> sample.
+"""train.py -- the script: flags -> config -> plan check -> data -> outputs -> weights -> engine -> loop -> checkpoints -> sample.
 
 What it is
     The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset on
@@ -11,15 +11,22 @@ Try it
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
     python train.py --config 70b --plan              # memory and speed plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per step).
+Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input, refused before
+anything is trained, nothing lost; 3 training diverged (non-finite steps in a row, or non-finite weights that
+are never saved); 4 an output could not be written (disk full, file too large, no permission), every earlier
+checkpoint whole; 130 Ctrl-C before the first step or a second one while training: out at once, no save.
 """
 import argparse
 import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
+import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,20 +37,20 @@ import model
 from megatrain_min import checkpoint, data, hf
 from megatrain_min import plan as planner
 from megatrain_min.reference import ReferenceTrainer
-from optim import lr_at
+from optim import HyperParameterError, check_hyper, lr_at
 from stream import Trainer, default_dtype
 
 
-def fail(msg):
-    """Bad input: one line on stderr, exit code 2, nothing half-written."""
+def fail(msg, code=2):
+    """One line on stderr and an exit code: 2 = bad input, refused before training, nothing half-written."""
     print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 # ----------------------------------------------------------------------------- flags
 p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host memory.",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-p.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
+p.add_argument("--config", default=None, help=f"preset: {', '.join(model.PRESETS)} (default toy)")
 p.add_argument("--steps", type=int, default=400, help="total optimizer steps (a resumed run continues to this)")
 p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
 p.add_argument("--micro-batches", type=int, default=1, help="split each step into this many micro-batches")
@@ -79,29 +86,60 @@ p.add_argument("--hardware", default="local", help="plan for: local (this machin
 p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB for the plan (default: the hardware's)")
 p.add_argument("--host-bw", type=float, default=None, help="host DRAM bandwidth in GB/s for the plan")
 p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0 = only at the end)")
-p.add_argument("--keep", type=int, default=2, help="keep the last K checkpoints")
+p.add_argument("--keep", type=int, default=2, help="keep the last K checkpoints of this run (K >= 1)")
 p.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the latest checkpoint in --out (or the given one)")
 p.add_argument("--max-skips", type=int, default=10, help="stop after this many consecutive non-finite steps")
 p.add_argument("--profile", action="store_true", help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
 p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end (0 = none)")
+p.error = fail  # argparse's own complaints: one line and exit code 2 too
+warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line each, like the errors
+signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was trained", 130))
 args = p.parse_args()
 
+# ----------------------------------------------------------------------------- flags that cannot be right
+for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                ("--eval-batches", args.eval_batches), ("--eval-every", args.eval_every), ("--keep", args.keep),
+                ("--max-skips", args.max_skips)):
+    if v <= 0:
+        fail(f"{flag} must be positive, got {v}")
+for flag, v in (("--warmup", args.warmup), ("--save-every", args.save_every), ("--sample-tokens", args.sample_tokens),
+                ("--seed", args.seed)):
+    if v < 0:
+        fail(f"{flag} must be >= 0, got {v}")
+for flag, v in (("--host-mem", args.host_mem), ("--host-bw", args.host_bw)):
+    if v is not None and not (math.isfinite(v) and v > 0):
+        fail(f"{flag} must be a finite number > 0, got {v}")
+try:  # the one home of what a hyper-parameter may be (the engines check the same)
+    check_hyper(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
+except HyperParameterError as e:
+    fail(f"--{e.name.replace('_', '-')}: {e}")
+for flag, v in (("--out", args.out), ("--save-hf", args.save_hf), ("--init-from", args.init_from), ("--data", args.data)):
+    if v == "":
+        fail(f"{flag} is an empty path")
+if args.hardware != "local" and not (args.plan or args.json):
+    fail(f"--hardware {args.hardware} applies to --plan (a run is always checked against this machine); add --plan")
+if args.init_from and args.config:
+    fail(f"--config {args.config} and --init-from both give the model; drop --config (the shape comes from {args.init_from})")
+
 # ----------------------------------------------------------------------------- config
+args.config = args.config or "toy"
 if args.config not in model.PRESETS and not args.init_from:
     fail(f"unknown preset --config {args.config!r}; choose one of: {', '.join(model.PRESETS)}")
-overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(args, f)}
+overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(args, f) is not None}
 init_dir, init_weights, tokenizer = Path(args.init_from) if args.init_from else None, None, None
 if init_dir is not None:  # the model comes from the directory: --config and shape flags do not apply
     if overrides:
         fail(f"--init-from takes the model shape from {init_dir}; drop --{next(iter(overrides)).replace('_', '-')}")
     try:
         if (init_dir / "meta.json").is_file():                                  # one of our checkpoints
+            if args.engine != "stream":
+                fail("--init-from a checkpoint needs --engine stream")
             init_cfg = model.GPTConfig(**checkpoint.read_meta(init_dir)["config"])
         else:                                                                   # a transformers directory
             init_cfg, init_weights = hf.load_hf(init_dir)
             tokenizer = data.HFTokenizer(init_dir) if (init_dir / "tokenizer.json").is_file() else None
-    except ValueError as e:  # HFError, CheckpointError: one line
-        fail(str(e))
+    except (ValueError, TypeError) as e:  # HFError, CheckpointError, a config with fields GPTConfig lacks
+        fail(f"--init-from {init_dir}: {e}" if isinstance(e, TypeError) else str(e))
 if init_dir is not None:
     cfg, args.config = init_cfg, init_dir.name
 else:
@@ -113,15 +151,12 @@ try:
     cfg.check()
 except ValueError as e:
     fail(str(e))
-device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-if device.type == "cuda" and not torch.cuda.is_available():
-    fail("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+try:
+    device = model.check_device(args.device)
+except ValueError as e:
+    fail(f"--device: {e}")
 dtype = planner.DTYPES[args.dtype] if args.dtype else default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else "default on CPU: bf16 matmuls are slow there")
-for flag, v in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--micro-batches", args.micro_batches),
-                ("--seq-len", args.seq_len), ("--eval-batches", args.eval_batches)):
-    if v <= 0:
-        fail(f"{flag} must be positive, got {v}")
 if args.seq_len > cfg.max_seq_len:
     fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len {cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less")
 try:
@@ -183,7 +218,7 @@ try:
               f"chat format: fixed ('<|role|>\\n' + content + {'eos' if tok.eos_id is not None else 'newline'} per "
               f"message; {'asked for' if args.chat_format else f'{where} has no chat_template'})")
         train_ex, val_ex = data.split_examples(data.load_sft_jsonl(data_path, tok, args.seq_len, chat_format))
-        top = max(int(x.max()) for x, _ in train_ex + val_ex)
+        model.check_token_ids(np.concatenate([x for x, _ in train_ex + val_ex]), cfg.vocab_size, f"data {data_path}")
         train_batches = data.SFTBatches(train_ex, args.batch_size, args.seq_len, seed=args.seed)
         val_batches = data.SFTBatches(val_ex, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")
         sizes = f"{len(train_ex):,} train / {len(val_ex):,} val examples"
@@ -194,37 +229,138 @@ try:
             tokens = np.array(tokenizer.encode(data_path.read_text(encoding="utf-8", errors="replace")), dtype=np.int64)
         else:
             tokens = data.load_tokens(data_path)
-        top = int(tokens.max()) if len(tokens) else 0
+        model.check_token_ids(tokens, cfg.vocab_size, f"data {data_path}")     # one pass each for min and max
         train_tok, val_tok = data.split(tokens)
         train_batches = data.Batches(train_tok, args.batch_size, args.seq_len, seed=args.seed)
         val_batches = data.Batches(val_tok, args.batch_size, args.seq_len, seed=10_000 + args.seed, name="val")
         sizes = f"{len(train_tok):,} train / {len(val_tok):,} val tokens"
-    if top >= cfg.vocab_size:
-        raise ValueError(f"data has token id {top} >= vocab_size {cfg.vocab_size} of {args.config}")
 except ValueError as e:
     fail(str(e))
 print(f"data {data_path}: {sizes}")
 
+# ----------------------------------------------------------------------------- outputs: checked before anything is allocated
+# Nothing lost: a new run never writes into a directory that holds another run, --save-hf replaces only an earlier
+# export of save_hf's, one run at a time holds --out (a lock), and every place this run writes to is checked first.
+out = Path(args.out)
+hf_dir = Path(args.save_hf) if args.save_hf else None
+
+
+def writable(path, flag):
+    """The nearest existing directory at or above `path`; fail unless this process may create files there."""
+    base = path
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        fail(f"{flag} {path}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: {base} is not writable by this user")
+    return base
+
+
+def write_atomically(path, text):
+    """Replace path by a file holding text: a new file, fsynced, renamed over it (a crash leaves old or new)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+out_base = writable(out, "--out")
+run_id, start_step, val_loss, n_skips, resume_from = uuid.uuid4().hex[:12], 0, None, 0, None
+SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data")
+if args.resume:  # its meta.json now (cheap); its weights once the engine exists
+    if args.engine != "stream":
+        fail("--resume needs --engine stream (the reference engine keeps no host store to checkpoint)")
+    resume_from = checkpoint.latest(out) if args.resume == "latest" else Path(args.resume)
+    if resume_from is None:
+        fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
+    try:
+        doc = checkpoint.read_meta(resume_from)
+        checkpoint.check_model(resume_from, doc, cfg)
+        ck = doc["meta"]
+        changed = [k for k in SAME_RUN if ck["args"].get(k) != vars(args)[k]]
+        if changed:
+            fail(f"--resume: {resume_from.name} was made with other settings ({', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)}); "
+                 f"pass the same flags to continue bit-exactly")
+        run_id, start_step, val_loss, n_skips = ck.get("run"), doc["step"], ck["val_loss"], int(ck["skips"])
+        train_batches.load_state_dict(ck["data"])
+        checkpoint.set_rng_state(ck["rng"])
+    except checkpoint.CheckpointError as e:
+        fail(str(e))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:  # edited, CRC recomputed
+        fail(f"--resume: {resume_from}/meta.json does not hold what train.py saves ({type(e).__name__}: {e})")
+    if start_step >= args.steps:
+        fail(f"--resume: {resume_from.name} is at step {start_step}, already >= --steps {args.steps}; raise --steps to train on")
+if hf_dir is not None:
+    try:
+        hf.check_export_dir(hf_dir)
+    except hf.HFError as e:
+        fail(f"--save-hf: {e}")
+    if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
+        fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole directory: put it beside the run")
+    if init_dir is not None and hf_dir.resolve() == init_dir.resolve():
+        fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace the model this run starts from")
+    hf_base = writable(hf_dir.parent, "--save-hf")
+need = {}  # free disk space per filesystem: one checkpoint (older ones go only after it is whole), the export
+for base, n in ((out_base, 12 * n_params if args.engine == "stream" else 0),
+                (hf_base if hf_dir else None, n_params * {"bf16": 2, "fp32": 4}[args.save_hf_dtype] if hf_dir else 0)):
+    if n:
+        dev_base, had = need.get(os.stat(base).st_dev, (base, 0))
+        need[os.stat(base).st_dev] = (dev_base, had + n)
+for base, n in need.values():
+    if (free := shutil.disk_usage(base).free) < n:
+        fail(f"{base} has {free / 1e9:.2f} GB free; this run writes {n / 1e9:.2f} GB there (a checkpoint is "
+             f"12 B/param, --save-hf 2 or 4). Free some space, or write elsewhere")
+try:
+    run_lock = checkpoint.lock(out)            # held until this process ends: the kernel drops it even on SIGKILL
+    probe = out / f".probe-{os.getpid()}"      # the lock file may exist already: can we still create files?
+    probe.touch()
+    probe.unlink()
+except checkpoint.LockError as e:
+    fail(f"{e}; wait for it to finish, or pass another --out")
+except OSError as e:
+    fail(f"--out {out}: cannot write there ({e.strerror})")
+held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + [p for _, p in checkpoint.checkpoints(out)]
+for p in held:  # under the lock: nobody else writes here now
+    try:
+        owner = (json.loads(p.read_text()).get("run") if p.name == "config.json" else
+                 checkpoint.read_meta(p)["meta"].get("run") if p.name.startswith("ckpt-") else run_id)
+    except (OSError, ValueError, AttributeError):
+        owner = "unknown"
+    if not args.resume or owner != run_id:
+        fail(f"--out {out} holds {'another' if args.resume else 'a'} run ({p.name}); continue it with --resume, or "
+             f"pass a fresh --out (nothing here is overwritten)")
+
 # ----------------------------------------------------------------------------- weights and engine
 weights = init_weights if init_weights is not None else model.LazyInit(cfg, seed=args.seed)  # read unit by unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
-if args.engine == "stream":
-    trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
-                      residual_dtype=planner.DTYPES[args.residual_dtype], chunk_tokens=args.chunk_tokens or None,
-                      staging_slabs=pl["staging_slabs"], skip_nonfinite=True, **hyper)
-else:
-    trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
+try:  # a tensor of --init-from that is not finite, say: one line naming it
+    if args.engine == "stream":
+        trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
+                          residual_dtype=planner.DTYPES[args.residual_dtype], chunk_tokens=args.chunk_tokens or None,
+                          staging_slabs=pl["staging_slabs"], skip_nonfinite=True, **hyper)
+    else:
+        trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
+except (ValueError, TypeError) as e:
+    fail(f"{init_dir or 'weights'}: {e}")
 del weights  # the engine holds its own copy (the host store)
-if init_dir is not None and init_weights is None:  # our checkpoint: its weights, a fresh optimizer
-    if args.engine != "stream":
-        fail("--init-from a checkpoint needs --engine stream")
-    try:
-        checkpoint.load(trainer, init_dir)
-    except checkpoint.CheckpointError as e:
-        fail(str(e))
-    trainer.reset_optimizer()  # weights only: Adam starts fresh (--resume continues a run)
+for path, fresh in ((init_dir, True), (resume_from, False)):
+    if path is not None and (path / "meta.json").is_file():  # our checkpoint: its weights (and, resuming, its optimizer)
+        try:
+            checkpoint.load(trainer, path)
+        except checkpoint.CheckpointError as e:
+            fail(str(e))
+        if fresh:
+            trainer.reset_optimizer()  # --init-from: weights only, Adam starts fresh (--resume continues a run)
 if init_dir is not None:
     print(f"initialised from {init_dir}")
+if resume_from is not None:
+    print(f"resumed from {resume_from} at step {start_step}")
 
 
 def evaluate():
@@ -237,45 +373,32 @@ def evaluate():
     return sum(losses) / len(losses)
 
 
-# ----------------------------------------------------------------------------- resume
-out = Path(args.out)
-start_step, val_loss, n_skips = 0, None, 0
-SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data")
-if args.resume:
-    if args.engine != "stream":
-        fail("--resume needs --engine stream (the reference engine keeps no host store to checkpoint)")
-    path = checkpoint.latest(out) if args.resume == "latest" else Path(args.resume)
-    if path is None:
-        fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
-    try:
-        ck = checkpoint.load(trainer, path)
-    except checkpoint.CheckpointError as e:
-        fail(str(e))
-    changed = [k for k in SAME_RUN if ck["args"].get(k) != vars(args)[k]]
-    if changed:
-        fail(f"--resume: {path.name} was made with other settings ({', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)}); "
-             f"pass the same flags to continue bit-exactly")
-    start_step, val_loss, n_skips = ck["step"], ck["val_loss"], ck["skips"]
-    train_batches.load_state_dict(ck["data"])
-    checkpoint.set_rng_state(ck["rng"])
-    print(f"resumed from {path} at step {start_step}")
-    if start_step >= args.steps:
-        fail(f"--resume: {path.name} is at step {start_step}, already >= --steps {args.steps}; raise --steps to train on")
-
-# ----------------------------------------------------------------------------- the loop
-out.mkdir(parents=True, exist_ok=True)
-(out / "config.json").write_text(json.dumps({"args": vars(args), "model": cfg.to_dict(), "params": n_params,
-                                             "device": str(device), "dtype": str(dtype)}, indent=2) + "\n")
-old = (out / "metrics.jsonl").read_text().splitlines() if args.resume and (out / "metrics.jsonl").exists() else []
-metrics = open(out / "metrics.jsonl", "w")  # on resume: keep the records up to the checkpoint, drop the rest
-metrics.writelines(line + "\n" for line in old if json.loads(line)["step"] <= start_step)
+# ----------------------------------------------------------------------------- the record: config.json, metrics.jsonl
+try:
+    write_atomically(out / "config.json", json.dumps({"args": vars(args), "run": run_id, "model": cfg.to_dict(),
+                                                      "params": n_params, "device": str(device), "dtype": str(dtype)},
+                                                     indent=2) + "\n")
+    if args.resume and (out / "metrics.jsonl").exists():  # keep the records up to the checkpoint, drop the rest
+        kept = []
+        for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
+            try:
+                if json.loads(line)["step"] <= start_step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                pass
+        write_atomically(out / "metrics.jsonl", "".join(kept))
+    metrics = open(out / "metrics.jsonl", "a")            # one flushed line per step
+except OSError as e:
+    fail(f"could not write the run record in {out} ({e.strerror}: {e.filename})", 4)
 
 stop = []  # SIGTERM / first Ctrl-C: finish the step, save, exit cleanly (a second Ctrl-C interrupts at once)
 
 
 def request_stop(signum, frame):
     if stop and signum == signal.SIGINT:
-        raise KeyboardInterrupt
+        print(f"error: interrupted twice: exiting now without a save; the last checkpoint is "
+              f"{checkpoint.latest(out) or 'none'}", file=sys.stderr)
+        raise SystemExit(130)          # raised where the main thread is: an unfinished save cleans up after itself
     stop.append(signum)
     tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of this step, then exiting")
 
@@ -287,9 +410,14 @@ signal.signal(signal.SIGINT, request_stop)
 def save(step_done):
     if args.engine != "stream":
         return None
-    return checkpoint.save(trainer, out, step_done, {"data": train_batches.state_dict(), "rng": checkpoint.rng_state(),
-                                                      "args": vars(args), "skips": n_skips, "val_loss": val_loss},
-                           keep=args.keep)
+    try:
+        return checkpoint.save(trainer, out, step_done, {"run": run_id, "data": train_batches.state_dict(),
+                                                         "rng": checkpoint.rng_state(), "args": vars(args),
+                                                         "skips": n_skips, "val_loss": val_loss}, keep=args.keep)
+    except checkpoint.NonFiniteError as e:
+        fail(f"{e}; the last good checkpoint is {checkpoint.latest(out) or 'none'}. Try a lower --lr", 3)
+    except checkpoint.SaveError as e:
+        fail(f"{e}. Free space (or fix the permission), then continue with --resume", 4)
 
 
 t_start = time.time()
@@ -310,25 +438,33 @@ for step in bar:
     x, y = train_batches.next()
     t0 = time.time()
     loss = trainer.step(x, y)
+    if args.engine == "stream" and not trainer.defer_updates:
+        trainer.wait()  # updates run as gradients land: a unit's non-finite gradient is known once they are done
     dt = time.time() - t0
     rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt}
-    n_skips = n_skips + 1 if trainer.skipped else 0
-    if n_skips:
+    n_skips = n_skips + 1 if trainer.skipped or trainer.skipped_units else 0
+    if trainer.skipped:
         rec["skipped"] = True
-        tqdm.write(f"step {step + 1}: non-finite loss or gradient (loss {loss}), step skipped, weights untouched")
+        tqdm.write(f"step {step + 1}: non-finite loss or gradient norm (loss {loss}): step skipped, weights untouched")
+    elif trainer.skipped_units:
+        rec["skipped"] = trainer.skipped_units
+        tqdm.write(f"step {step + 1}: non-finite gradient in {', '.join(trainer.skipped_units)}: those units kept "
+                   f"their weights, the other units were updated")
     if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
         val_loss = rec["val_loss"] = evaluate()
         tqdm.write(f"step {step + 1}: train loss {loss:.4f}  val loss {val_loss:.4f}")
-    metrics.write(json.dumps(rec) + "\n")
-    metrics.flush()
+    try:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+    except OSError as e:
+        fail(f"could not write {out / 'metrics.jsonl'} ({e.strerror}); the last checkpoint is "
+             f"{checkpoint.latest(out) or 'none'}", 4)
     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
     if prof is not None:
         prof.step()
     if n_skips >= args.max_skips:
-        kept = checkpoint.latest(out)
-        print(f"error: {n_skips} consecutive steps had a non-finite loss or gradient; stopping. "
-              f"Last good checkpoint: {kept or 'none'}. Try a lower --lr or --grad-clip 1.0.", file=sys.stderr)
-        sys.exit(3)
+        fail(f"{n_skips} consecutive steps had a non-finite loss or gradient; stopping. Last good checkpoint: "
+             f"{checkpoint.latest(out) or 'none'}. Try a lower --lr or --grad-clip 1.0.", 3)
     if stop or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
         path = save(step + 1)
         if stop:
@@ -344,10 +480,16 @@ print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f
       f"checkpoint {checkpoint.latest(out) if args.engine == 'stream' else 'none (reference engine)'}")
 
 # ----------------------------------------------------------------------------- export and sample
-if args.save_hf:
-    hf.save_hf(cfg, trainer.weights(copy=False) if args.engine == "stream" else trainer.weights(), args.save_hf,
-               dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.save_hf_dtype], tokenizer_from=init_dir)
-    print(f"saved a Hugging Face checkpoint to {args.save_hf} ({args.save_hf_dtype})")
+if hf_dir is not None:
+    try:
+        hf.save_hf(cfg, trainer.weights(copy=False) if args.engine == "stream" else trainer.weights(), hf_dir,
+                   dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.save_hf_dtype], tokenizer_from=init_dir)
+    except hf.HFError as e:  # the directory changed during the run
+        fail(f"--save-hf: {e}; the run's checkpoint is {checkpoint.latest(out) or 'none'}")
+    except OSError as e:
+        fail(f"--save-hf {hf_dir}: could not write the export ({e.strerror}); nothing there was replaced, the run's "
+             f"checkpoint is {checkpoint.latest(out) or 'none'}", 4)
+    print(f"saved a Hugging Face checkpoint to {hf_dir} ({args.save_hf_dtype})")
 if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
     final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)

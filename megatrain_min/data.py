@@ -136,7 +136,10 @@ class HFTokenizer:
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"{d}: no tokenizer.json (a model directory's fast tokenizer is needed to tokenize text)")
         from tokenizers import Tokenizer
-        self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        try:
+            self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own exception type
+            raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
         self.vocab_size = self.tok.get_vocab_size()
         files = [_read_json(d / "tokenizer_config.json"), _read_json(d / "special_tokens_map.json")]
         self.eos_id = self._named(files, "eos_token")
@@ -235,8 +238,12 @@ def load_sft_jsonl(path, tokenizer, seq_len, chat_format=None):
     if chat_format == "native" and tokenizer.chat_template is None:
         raise ValueError("chat format native: the tokenizer has no chat_template (use the fixed format)")
     examples, cut, dropped = [], 0, 0
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:

@@ -13,7 +13,9 @@ What it is
     Every file header, key, shape and dtype is checked against config.json before a byte of data is
     read: a bad checkpoint fails before the store is allocated.
     save_hf(cfg, weights, dir) writes bf16 or fp32 safetensors shards (one tensor in memory at a time),
-    the index, config.json and the tokenizer files, into a temporary directory renamed into place.
+    the index, config.json and the tokenizer files, into a temporary directory renamed into place, with a
+    marker (EXPORT_MARKER) listing what it wrote: an existing dir is replaced only when it is empty or
+    provably one of these exports and nothing more (check_export_dir; train.py asks before training).
 What it is not
     Not a general converter. Anything model.py does not compute fails with HFError naming it, never a
     silently different model: other architectures, mixture-of-experts, quantized weights, RoPE scaling
@@ -50,13 +52,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model import HEAD, GPTConfig, units
+from model import HEAD, GPTConfig, check_finite, units
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 ST_NAME = {v: k for k, v in DTYPES.items()}
 CHUNK = 64 << 20   # bytes of fp32 per converted slice: bounds what a read makes beside its destination
+EXPORT_MARKER = "megatrain-min-export.json"   # {"format", "files"}: what save_hf wrote into the directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -241,10 +244,17 @@ def load_hf(model_dir):
         c = json.loads((d / "config.json").read_text())
     except ValueError as e:
         raise HFError(f"{d / 'config.json'}: not valid JSON ({_first_line(e)})") from None
+    if not isinstance(c, dict):
+        raise HFError(f"{d / 'config.json'}: expected a JSON object, got {type(c).__name__}")
     found = _headers(d)
     if c.get("tie_word_embeddings") is None:   # some configs leave it out: the files then tell
         c["tie_word_embeddings"] = HEAD not in found
-    cfg = config_from_hf(c, d / "config.json")
+    try:
+        cfg = config_from_hf(c, d / "config.json")
+    except HFError:
+        raise
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:   # a field of the wrong type
+        raise HFError(f"{d / 'config.json'}: a field has the wrong type or value ({_first_line(e)})") from None
     expected = {key: shape for u in units(cfg) for _, key, shape, _ in u.entries}
     for key, shape in expected.items():
         if key not in found:
@@ -286,6 +296,10 @@ def _write_safetensors(path, entries, weights, dtype):
             t = weights[key]
             if tuple(t.shape) != tuple(shape):
                 raise HFError(f"{key} has shape {list(t.shape)}, the config implies {list(shape)}")
+            try:
+                check_finite({key: t})                                # a NaN is never exported
+            except ValueError as e:
+                raise HFError(f"not exporting: {e}") from None
             t = t.detach().to("cpu", dtype).contiguous()              # one tensor in the target dtype
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
@@ -298,13 +312,11 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
     dtype: torch.bfloat16 or torch.float32 (an fp32 round trip is exact). Shards hold at most
     shard_size bytes (one tensor may exceed it). tokenizer_from: a directory whose tokenizer files
     (and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
-    An existing model_dir is replaced only when it holds a config.json (a previous export).
+    An existing model_dir is replaced only when check_export_dir allows it (empty, or an earlier export).
     """
     if dtype not in ST_NAME:
         raise HFError(f"save dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
-    out, limit, esize = Path(model_dir), _parse_size(shard_size), torch.finfo(dtype).bits // 8
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
-        raise HFError(f"{out} exists and is not a model directory; pick a new --save-hf path")
+    out, limit, esize = check_export_dir(model_dir), _parse_size(shard_size), torch.finfo(dtype).bits // 8
     config = config_to_hf(cfg, dtype)
     entries = [(key, shape) for u in units(cfg) for _, key, shape, _ in u.entries]  # forward order
     shards, size = [[]], 0
@@ -339,6 +351,8 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
                 old = json.loads((src / "config.json").read_text())
                 config.update({k: old[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in old})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        written = sorted(p.name for p in tmp.iterdir())
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"format": "megatrain-min save_hf", "files": written}) + "\n")
         old_dir = out.parent / f".old-{out.name}-{os.getpid()}"
         if out.exists():
             out.rename(old_dir)
@@ -348,3 +362,30 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_export_dir(model_dir):
+    """model_dir as a Path if save_hf may write it: it does not exist, is an empty directory, or is one of
+    save_hf's exports (EXPORT_MARKER there, and no file the marker does not list). Anything else -- a file,
+    another model's directory, a run's output, an export with a file added since -- raises HFError: save_hf
+    replaces the whole directory, and nothing that is not provably its own may go with it."""
+    d = Path(model_dir)
+    if not d.exists():
+        return d
+    if not d.is_dir():
+        raise HFError(f"{d} exists and is not a directory; pick a new or empty directory for the export")
+    names = sorted(p.name for p in d.iterdir())
+    if not names:
+        return d
+    try:
+        listed = json.loads((d / EXPORT_MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if not isinstance(listed, list):
+        raise HFError(f"{d} exists and is not a model directory written by save_hf (no {EXPORT_MARKER}); "
+                      f"pick a new or empty directory, nothing there is replaced")
+    added = [n for n in names if n not in listed and n != EXPORT_MARKER]
+    if added:
+        raise HFError(f"{d} holds {added[0]!r}, which its export did not write ({len(added)} such files); "
+                      f"pick a new or empty directory, nothing there is replaced")
+    return d

@@ -187,8 +187,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     F = hw[f"{dtype}_tflops"] * 1e12 * hw["frac"]     # achievable FLOP/s
     h2d, d2h, hbw = hw["h2d_gbs"] * GB, hw["d2h_gbs"] * GB, hw["host_bw_gbs"] * GB
     cast = 6 / (hw["hbm_gbs"] * GB) if not shadow and dtype == "bf16" else 0  # lean: read fp32, write bf16
-    # read p, g, m, v; write p, m, v; clipped: the kernel writes the scaled g back; fast: read p, write the shadow
-    adam_b = 28 + (4 if defer else 0) + (6 if shadow else 0)
+    # read p, g, m, v; write p, m, v; clipped: the kernel writes the scaled g back; the guard without deferral
+    # reads g once more (HostAdamW.step(finite_only)); fast: read p again, write the shadow
+    adam_b = 28 + (4 if defer else 0) + (4 if skip_nonfinite and not defer else 0) + (6 if shadow else 0)
     attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
     rate = dict(load=sb / h2d + cast, grad=4 / d2h, adam=adam_b / hbw, norm=4 / hbw)  # seconds per parameter
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -389,15 +390,20 @@ def plan_of(a, cfg):
                         skip_nonfinite=bool(a.skip_nonfinite))
 
 
-class ZeroWeights(dict):
-    """weights for the twin: any key reads as zeros of its shape (under FakeTensorMode: nothing allocated)."""
+class ZeroWeights(Mapping):
+    """weights for the twin: every key reads as zeros of its shape (under FakeTensorMode: nothing allocated)."""
 
     def __init__(self, cfg):
-        super().__init__()
         self.shapes = {key: shape for u in model.units(cfg) for _, key, shape, _ in u.entries}
 
     def __getitem__(self, key):
         return torch.zeros(self.shapes[key])
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self):
+        return len(self.shapes)
 
 
 def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False, device_bytes=None,

@@ -192,7 +192,9 @@ def test_one_pass_load_checks_crcs_on_the_way(tmp_path):
 
 def test_keep_last_k(tmp_path):
     t = trained(1)
-    (tmp_path / ".tmp-ckpt-00000009-123").mkdir()          # debris of an earlier crash
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                             # a PID that no process has any more
+    (tmp_path / f".tmp-ckpt-00000009-{gone.pid}").mkdir()   # debris of an earlier crash
     for step in range(1, 6):
         checkpoint.save(t, tmp_path, step, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000004", "ckpt-00000005"]
