@@ -383,9 +383,10 @@ if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
     final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
+    window = min(cfg.max_seq_len, 1024)  # the sample's context: the plain in-memory forward stays small at any --max-seq-len
     with torch.no_grad():
         for _ in range(args.sample_tokens):
-            logits = model.forward(cfg, final, ctx[:, -cfg.max_seq_len:])[0, -1]
+            logits = model.forward(cfg, final, ctx[:, -window:])[0, -1]
             nxt = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=gen)
             ctx = torch.cat([ctx, nxt[None]], dim=1)
     print("-" * 40 + " sample (temperature 0.8)\n" + data.decode(ctx[0, 1:].tolist()) + "\n" + "-" * 40)

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -182,3 +183,21 @@ def test_plan_7b_at_512k_on_a_gh200_fits():
             "--batch-size", "1")
     assert r.returncode == 0, r.stderr
     assert "-> FITS" in r.stdout and "layer in tiles of 8,192 tokens" in r.stdout and "--max-seq-len 524288" in r.stdout
+
+
+def test_samplers_give_long_windows(tmp_path):
+    """Long context needs long windows from both samplers: a memory-mapped .npy (uint32) and a text file's bytes
+    give (B, T) int64 windows of T = 300,000 consecutive tokens, the targets shifted by one."""
+    from megatrain_min import data
+    raw = np.random.default_rng(0).integers(0, 256, 400_000, dtype=np.uint8).tobytes()
+    (tmp_path / "t.txt").write_bytes(raw)
+    np.save(tmp_path / "t.npy", np.arange(400_000, dtype=np.uint32))       # token i at position i
+    T = 300_000
+    for name in ("t.npy", "t.txt"):
+        tokens = data.load_tokens(tmp_path / name)
+        x, y = data.Batches(tokens, 2, T, seed=0).next()
+        assert x.shape == y.shape == (2, T) and x.dtype == y.dtype == torch.int64
+        for row_x, row_y in zip(x, y):
+            s = int(row_x[0]) if name == "t.npy" else raw.find(bytes(row_x[:32].tolist()))   # where it starts
+            assert torch.equal(row_x, torch.from_numpy(np.asarray(tokens[s:s + T], dtype=np.int64)))
+            assert torch.equal(row_y[:-1], row_x[1:]) and int(row_y[-1]) == int(tokens[s + T])
