@@ -3,14 +3,17 @@
 What it is
     GPTConfig and PRESETS (toy ... 120b); the parameter layout of every "unit" (the embedding, each
     transformer layer, the head) as ONE flat buffer laid out [2-D matrices | 1-D vectors]; the layer
-    as a pure function block(cfg, x, w, rope) of its input and views into such a buffer; init_weights;
-    a plain in-memory reference forward; a chunked cross-entropy head.
+    as a pure function block(cfg, x, w, rope, tile_tokens) of its input and views into such a buffer,
+    its token-local parts optionally run a tile of tokens at a time (sequence tiling, for long context);
+    the per-unit gradients the engine runs (block_grad, head_grad); init_weights; a plain in-memory
+    reference forward; a chunked cross-entropy head.
 What it is not
     No nn.Module, no optimizer, no device logic. stream.py decides where buffers live and when they
     move; this file only says what the numbers are and how they combine.
 Reference
     Hugging Face LlamaForCausalLM / Qwen2 / Qwen3 (the names of the weights follow their checkpoints,
-    so load_hf/save_hf are a rename-free copy), nanoGPT and llm.c for the shape of the code.
+    so load_hf/save_hf are a rename-free copy), nanoGPT and llm.c for the shape of the code; sequence
+    tiling after Arctic Long Sequence Training's TiledMLP (arXiv 2506.13996).
 Try it
     python model.py            # prints the presets with parameter counts and the toy layer layout
     python -m pytest tests/test_model.py

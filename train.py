@@ -174,14 +174,14 @@ if plan_only:
     if args.max_context:  # the longest --seq-len with these settings, and its plan
         longest, pl = planner.max_context(pl)
         if not longest:
-            fail(f"--max-context: not even {args.batch_size} x 1024 tokens fit {args.config} on --hardware {args.hardware}; "
-                 f"--plan without --max-context shows why")
+            fail(f"--max-context: not even {args.batch_size} x 1024 tokens fit {args.config} on --hardware "
+                 f"{args.hardware}; --plan without --max-context shows why")
     print(planner.plan_json(pl) if args.json else planner.format_plan(pl))
     if args.max_context and not args.json:
         print(f"longest context that fits: --seq-len {longest} ({longest:,} tokens) at --batch-size {args.batch_size} "
-              f"on {pl['hardware']['name']}, layer {'in tiles of ' + format(pl['tile_tokens'], ',') + ' tokens' if pl['tile_tokens'] else 'untiled'}; "
-              f"GPU {pl['gpu_bytes'] / 1e9:.1f} of {pl['gpu_limit_bytes'] / 1e9:.0f} GB, host {pl['host_bytes'] / 1e9:.0f} of "
-              f"{pl['host_limit_bytes'] / 1e9:.0f} GB usable")
+              f"on {pl['hardware']['name']}, layer {planner.tiling(pl)}; GPU {pl['gpu_bytes'] / 1e9:.1f} of "
+              f"{pl['gpu_limit_bytes'] / 1e9:.0f} GB, host {pl['host_bytes'] / 1e9:.0f} of {pl['host_limit_bytes'] / 1e9:.0f} "
+              f"GB usable" + (f"; training at it needs --max-seq-len {longest}" if longest > cfg.max_seq_len else ""))
     sys.exit(0)
 pl = make_plan("local")
 if args.engine == "stream":  # refuse before anything is allocated
@@ -194,8 +194,8 @@ print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}"
 print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual stream | engine {args.engine} | "
       f"{tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
 print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:.1f} B/param in the store), "
-      f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}, layer "
-      f"{'in tiles of ' + format(pl['tile_tokens'], ',') + ' tokens' if pl['tile_tokens'] else 'untiled'}; "
+      f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}, "
+      f"layer {planner.tiling(pl)}; "
       f"predicted {pl['tokens_per_s']:,.0f} tokens/s, bound by {pl['bottleneck']} (--plan for the breakdown)")
 
 # ----------------------------------------------------------------------------- data
@@ -383,7 +383,7 @@ if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
     final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
-    window = min(cfg.max_seq_len, 1024)  # the sample's context: the plain in-memory forward stays small at any --max-seq-len
+    window = min(cfg.max_seq_len, 1024)  # the sample's context: bounded at any --max-seq-len (plain forward)
     with torch.no_grad():
         for _ in range(args.sample_tokens):
             logits = model.forward(cfg, final, ctx[:, -window:])[0, -1]

@@ -9,7 +9,10 @@ What it is
     each layer visit (H2D, compute, D2H, CPU AdamW), and stream.py's schedule replayed layer by layer on
     four lanes for three steps: step time, tokens/s, model TFLOP/s, the busiest lane (the bottleneck) and
     the tokens per step that hide the transfers (DESIGN.md §4: T >= F_eff * bytes_per_param / (2 * BW)).
-    check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits.
+    check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits (and,
+    at long context, the longest --seq-len that does). max_context(p): that longest sequence. At long T the
+    layer is tiled (model.block's tile_tokens, chosen by tile_for) and the GPU side is O(T): x and dy, the
+    checkpoint ring, the whole sequence's attention tensors (flash-attention kernels assumed: bf16 compute).
 What it is not
     Not a profiler: bandwidths and the achievable fraction of peak are the assumptions stated in HARDWARE
     until bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
@@ -20,6 +23,7 @@ Reference
 Try it
     python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0
     python -m megatrain_min.plan --config 70b --hardware all       # one verdict line per profile
+    python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # long context
     python -m pytest tests/test_plan.py
 """
 import argparse
@@ -383,6 +387,11 @@ def plan_json(p):
     return json.dumps({**p, "fix": None if p["fits"] else suggest(p)})
 
 
+def tiling(p):
+    """How the plan runs a layer, in words: 'untiled' or 'in tiles of 8,192 tokens'."""
+    return f"in tiles of {p['tile_tokens']:,} tokens" if p["tile_tokens"] else "untiled"
+
+
 def count(n):
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -403,7 +412,7 @@ def format_plan(p):
             f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {p['grad_clip'] or 'off'},"
             f" {p['residual_dtype']} residual stream,"
             f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'},"
-            f" layer {'in tiles of ' + format(p['tile_tokens'], ',') + ' tokens' if p['tile_tokens'] else 'untiled'}", "",
+            f" layer {tiling(p)}", "",
             f"{'host memory' + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
     rows += [f"  {'total':<48}{p['host_bytes'] / GB:10.2f}{p['host_bytes'] / N:10.2f}   {verdict(p['fits_host'])}"
@@ -508,7 +517,8 @@ def check(p):
     where = "this machine has" if hw["name"] == "local" else f"--hardware {hw['name']} has"
     if not p["fits_host"]:
         what = " + ".join(["fp32 master + Adam m, v"] + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
-                          + ["fp32 grads"] * p["defer_updates"] + ["checkpoints"] * p["offload_checkpoints"])
+                          + ["fp32 grads"] * p["defer_updates"] + ["checkpoints"] * p["offload_checkpoints"]
+                          + ["the step's activations (device buffers, on the CPU)"] * ("device buffers (below)" in p["host"]))
         mode = f" in --mode {p['mode']}" if p["dtype"] == "bf16" else ""
         msg = (f"{cfg} needs ~{size(p['host_bytes'])} of host RAM ({p['host_bytes'] / p['params']:.1f} B/param: "
                f"{what}){mode}; {where} {size(hw['host_mem_gb'] * GB)}")
