@@ -3,8 +3,10 @@
 What it is
     GPTConfig and PRESETS (toy ... 120b); the parameter layout of every "unit" (the embedding, each
     transformer layer, the head) as ONE flat buffer laid out [2-D matrices | 1-D vectors]; the layer
-    as a pure function block(cfg, x, w, rope) of its input and views into such a buffer; init_weights;
-    a plain in-memory reference forward; a chunked cross-entropy head.
+    as a pure function block(cfg, x, w, rope, tile_tokens) of its input and views into such a buffer,
+    its token-local parts optionally run a tile of tokens at a time (sequence tiling, for long context);
+    the per-unit gradients the engine runs (block_grad, head_grad); init_weights; a plain in-memory
+    reference forward; a chunked cross-entropy head.
     The checks of what the public surface is given -- check_config, check_weights (+ check_tensor,
     check_finite), check_batch, check_token_ids, check_device -- one home each, used by both trainers
     and train.py: TypeError/ValueError with a one-line message naming the argument.
@@ -13,7 +15,8 @@ What it is not
     move; this file only says what the numbers are and how they combine.
 Reference
     Hugging Face LlamaForCausalLM / Qwen2 / Qwen3 (the names of the weights follow their checkpoints,
-    so load_hf/save_hf are a rename-free copy), nanoGPT and llm.c for the shape of the code.
+    so load_hf/save_hf are a rename-free copy), nanoGPT and llm.c for the shape of the code; sequence
+    tiling after Arctic Long Sequence Training's TiledMLP (arXiv 2506.13996).
 Try it
     python model.py            # prints the presets with parameter counts and the toy layer layout
     python -m pytest tests/test_model.py
@@ -240,7 +243,8 @@ def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, origina
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, h, T, hd). Rotate the two halves of each head (the Llama / NeoX convention)."""
+    """x: (..., hd), cos, sin broadcastable to it (block: x (B, T, h, hd), cos (T, 1, hd)). Rotate the two halves
+    of each head (the Llama / NeoX convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -255,31 +259,80 @@ def check_seq_len(cfg, T):
                          f"{cfg.sliding_window}); use sequences of at most {cfg.sliding_window} tokens")
 
 
-def block(cfg, x, w, rope):
+# A layer is token-local part A (norm, q/k/v, RoPE), attention over the whole sequence, and token-local part C
+# (o_proj + residual, norm, MLP + residual). Sequence tiling (ALST's TiledMLP, generalised to both token-local
+# parts): A and C run on `tile_tokens` tokens at a time, so no (T, d_ff) tensor ever exists; attention sees all
+# T tokens at once through SDPA (flash / efficient kernels: O(T) memory). Every token's arithmetic is the same
+# tiled or not; only the weight gradients are summed in another order (tile by tile, in fp32: block_grad).
+def tiles(T, tile_tokens):
+    """The token tiles of a sequence: slices of tile_tokens positions (the last one shorter when tile_tokens does
+    not divide T); tile_tokens 0 = one tile, the whole sequence."""
+    n = tile_tokens or T
+    return [slice(s, min(s + n, T)) for s in range(0, T, n)]
+
+
+def over_tiles(fn, T, tile_tokens, into=None):
+    """THE tile loop. fn(s) returns a tuple of (B, len(s), ...) tensors for token tile s; they are assembled along
+    the token axis (dim 1) into (B, T, ...) tensors -- new ones, or, when `into` is given, added into those (a
+    gradient w.r.t. a tensor that feeds both token-local parts). One tile and no `into`: fn's own results
+    (autograd then sees plain ops: the untiled layer)."""
+    for s in tiles(T, tile_tokens):
+        res = fn(s)
+        if into is None:
+            if s.stop - s.start == T:
+                return res
+            into = [r.new_zeros((r.shape[0], T, *r.shape[2:])) for r in res]
+        for o, r in zip(into, res):
+            o[:, s] += r
+    return into
+
+
+def attn_in(cfg, x, w, cos, sin):
+    """Part A, token-local. x: (B, t, d) a tile of the layer input; cos, sin: (t, hd) its positions' RoPE.
+    Returns q (B, t, nh, hd), k and v (B, t, nkv, hd), in the dtype SDPA computes in."""
+    B, t, _ = x.shape
+    nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+    # pre-norm, q/k/v projections (Qwen2 adds a bias), Qwen3 normalises each q/k head
+    h = rms_norm(x, w["input_layernorm.weight"], eps)
+    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(B, t, nh, hd)
+    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(B, t, nkv, hd)
+    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(B, t, nkv, hd)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["self_attn.q_norm.weight"], eps), rms_norm(k, w["self_attn.k_norm.weight"], eps)
+    cos, sin = cos[:, None], sin[:, None]                                   # (t, 1, hd): the same for every head
+    # RoPE in the rope tables' dtype (fp32 under autocast), then v's dtype: what autocast's SDPA would cast to
+    return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
+
+
+def attention(cfg, q, k, v):
+    """Causal attention over the whole sequence. q: (B, T, nh, hd), k, v: (B, T, nkv, hd) -> (B, T, nh, hd),
+    a view of SDPA's (B, nh, T, hd) output."""
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=cfg.n_kv_head != cfg.n_head)          # (B, nh, T, hd)
+    return y.transpose(1, 2)
+
+
+def attn_out_mlp(cfg, x, y, w):
+    """Part C, token-local. x: (B, t, d) a tile of the layer input, y: (B, t, nh, hd) its attention output.
+    Returns the layer output (B, t, d): x + o_proj(y), then + SwiGLU MLP."""
+    x = x + F.linear(y.flatten(2), w["self_attn.o_proj.weight"])
+    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.norm_eps)
+    h = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])  # (B, t, ff)
+    return x + F.linear(h, w["mlp.down_proj.weight"])
+
+
+def block(cfg, x, w, rope, tile_tokens=0):
     """One transformer layer as a pure function.
 
     x: (B, T, d) layer input; w: {short name: tensor} (views into the layer's flat buffer);
-    rope: (cos, sin) from rope_cache. Returns the layer output (B, T, d), same dtype as x.
+    rope: (cos, sin) from rope_cache; tile_tokens: run the token-local parts that many tokens at a time
+    (0 = the whole sequence at once). Returns the layer output (B, T, d), same dtype as x.
     """
-    B, T, _ = x.shape
+    T, (cos, sin) = x.shape[1], rope
     check_seq_len(cfg, T)
-    nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
-    # attention: pre-norm, q/k/v projections (Qwen2 adds a bias), Qwen3 normalises each q/k head
-    h = rms_norm(x, w["input_layernorm.weight"], eps)
-    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(B, T, nh, hd)
-    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(B, T, nkv, hd)
-    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(B, T, nkv, hd)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, w["self_attn.q_norm.weight"], eps), rms_norm(k, w["self_attn.k_norm.weight"], eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, h, T, hd)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)  # (B, nh, T, hd)
-    x = x + F.linear(y.transpose(1, 2).reshape(B, T, nh * hd), w["self_attn.o_proj.weight"])
-    # SwiGLU MLP
-    h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
-    h = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])  # (B, T, ff)
-    return x + F.linear(h, w["mlp.down_proj.weight"])
+    q, k, v = over_tiles(lambda s: attn_in(cfg, x[:, s], w, cos[s], sin[s]), T, tile_tokens)
+    y = attention(cfg, q, k, v)                                                # (B, T, nh, hd)
+    return over_tiles(lambda s: (attn_out_mlp(cfg, x[:, s], y[:, s], w),), T, tile_tokens)[0]
 
 
 def head_loss(cfg, x, w, targets):
@@ -350,15 +403,49 @@ def loss(cfg, weights, tokens, targets, chunk_tokens=None):
 # ----------------------------------------------------------------------------- gradients, one unit at a time
 # What the streaming engine (and bench/) runs per layer visit: no graph across layers, the weight gradients
 # added into fp32 buffers (acc: views keyed like w) -- accumulation over micro-batches and chunks in fp32.
-def block_grad(cfg, x, w, rope, dy, acc):
-    """Recompute block(x) with grad and backpropagate dy through it. w: leaf tensors (requires_grad) keyed
-    like block's weights. Adds each weight's gradient into acc[k]; returns dx, the gradient w.r.t. x."""
-    xin = x.detach().requires_grad_()
+def block_grad(cfg, x, w, rope, dy, acc, tile_tokens=0):
+    """Recompute block(x) with grad and backpropagate dy through it. w: leaf tensors (requires_grad) keyed like
+    block's weights. Adds each weight's gradient into acc[k]; returns dx, the gradient w.r.t. x.
+
+    tile_tokens 0: one autograd graph through the whole layer (the untiled oracle). Otherwise the layer's
+    backward in three phases, so that only one tile's token-local activations exist at a time:
+      C  per tile: recompute x + o_proj(y) + MLP from (x, y) with grad; dy -> dx (part), dy_att, dW_C
+      attention  : SDPA's backward on the whole sequence, dy_att -> dq, dk, dv
+      A  per tile: recompute q, k, v from x with grad; (dq, dk, dv) -> dx (added), dW_A
+    Each tile's weight gradients are added into acc (fp32) as they come: autograd never sums them in bf16."""
+    if not tile_tokens:
+        xin = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = block(cfg, xin, w, rope)
+            dx, *gw = torch.autograd.grad(y, [xin, *w.values()], dy)
+        torch._foreach_add_(list(acc.values()), gw)   # one call for every weight (torch.optim's foreach kernels)
+        return dx
+    T, (cos, sin) = x.shape[1], rope
+    check_seq_len(cfg, T)
+    part_a = lambda s, x_s: attn_in(cfg, x_s, w, cos[s], sin[s])                            # noqa: E731
+    part_c = lambda s, x_s, y_s: (attn_out_mlp(cfg, x_s, y_s, w),)                          # noqa: E731
+    with torch.no_grad():                       # q, k, v of the whole sequence, a tile at a time, no graph
+        q, k, v = (t.requires_grad_() for t in over_tiles(lambda s: part_a(s, x[:, s]), T, tile_tokens))
     with torch.enable_grad():
-        y = block(cfg, xin, w, rope)
-        dx, *gw = torch.autograd.grad(y, [xin, *w.values()], dy)
-    torch._foreach_add_(list(acc.values()), gw)   # one call for every weight (torch.optim's foreach kernels)
-    return dx
+        y = attention(cfg, q, k, v)             # (B, T, nh, hd); SDPA saves q, k, v, its output and lse
+    dx, dy_att = tile_grad(part_c, T, tile_tokens, [x, y.detach()], [dy], w, acc)   # (B, T, d), (B, T, nh, hd)
+    dqkv = torch.autograd.grad(y, [q, k, v], dy_att)                                # the whole sequence
+    del q, k, v, y, dy_att                      # SDPA's saved tensors go with its graph
+    return tile_grad(part_a, T, tile_tokens, [x], dqkv, w, acc, into=[dx])[0]
+
+
+def tile_grad(fn, T, tile_tokens, xs, grads, w, acc, into=None):
+    """The backward of a token-local part, tile by tile: for each token tile s, recompute fn(s, *xs' tiles) with
+    grad and backpropagate the tiles of grads (one per output of fn). The weights' gradients are added into acc
+    (fp32); returns the gradients w.r.t. xs as (B, T, ...) tensors (added into `into` when given)."""
+    def one(s):
+        x_s = [x[:, s].detach().requires_grad_() for x in xs]
+        with torch.enable_grad():
+            g = torch.autograd.grad(fn(s, *x_s), [*x_s, *w.values()], [g[:, s] for g in grads], allow_unused=True)
+        used = [(a, g_w) for a, g_w in zip(acc.values(), g[len(xs):]) if g_w is not None]  # part A's weights
+        torch._foreach_add_([a for a, _ in used], [g_w for _, g_w in used])                 # get none from C
+        return g[:len(xs)]
+    return over_tiles(one, T, tile_tokens, into)
 
 
 def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
@@ -376,13 +463,22 @@ def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
     return total, dx
 
 
-def block_activation_bytes(cfg, n_tok, cb, rb=None):
-    """Bytes of one layer's backward for n_tok tokens (one micro-batch): what autograd saves when block() is
-    recomputed with grad, plus the backward's largest transients. cb: bytes of the compute dtype, rb: of the
-    residual stream (default cb; 4 with 2 is bf16 autocast on an fp32 residual, the engine's default). An
-    estimate from the ops (flash/efficient SDPA: no T x T scores), checked against autograd in tests/test_plan.py;
-    the layer input itself is the boundary checkpoint, counted apart."""
+def block_activation_bytes(cfg, n_tok, cb, rb=None, tile_tokens=0, seq_len=None):
+    """Bytes of one layer's backward for n_tok tokens (one micro-batch, in sequences of seq_len tokens; default:
+    one sequence). cb: bytes of the compute dtype, rb: of the residual stream (default cb; 4 with 2 is bf16
+    autocast on an fp32 residual, the engine's default). The layer input is the boundary checkpoint, and dy / dx
+    are the residual stream's gradient: both counted apart (stream.step_device_bytes).
+
+    Untiled: what autograd saves when block() is recomputed with grad, plus the backward's largest transients --
+    an estimate from the ops (flash/efficient SDPA: no T x T scores), checked against autograd in
+    tests/test_plan.py. Tiled (block_grad's three phases): the whole sequence's attention (attention_bytes) plus
+    the untiled estimate for one tile of n_tok / seq_len rows x tile_tokens tokens, which bounds part A or part C
+    of one tile with its gradients."""
     rb = rb or cb
+    if tile_tokens:
+        seq_len = seq_len or n_tok
+        tile = n_tok // seq_len * min(tile_tokens, seq_len)
+        return attention_bytes(cfg, n_tok, cb) + block_activation_bytes(cfg, tile, cb, rb)
     d, ff = cfg.d_model, cfg.d_ff
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     # 2 rms_norms: fp32 normalised x (+ the fp32 copy of a bf16 x), the 2nd one's input; the linears' inputs:
@@ -394,6 +490,19 @@ def block_activation_bytes(cfg, n_tok, cb, rb=None):
     mlp = 4 * cb * ff                            # gate (silu's input), silu(gate), up, their product
     transient = 2 * cb * ff + 8 * d              # two (n, ff) grads alive at once, fp32 norm grads
     return n_tok * (norms + attn + mlp + transient)
+
+
+def attention_bytes(cfg, n_tok, cb):
+    """Bytes the whole-sequence attention holds at the peak of the tiled backward (SDPA's backward), n_tok tokens:
+    what SDPA saves (q, k, v, its output, the fp32 log-sum-exp per head), the gradient w.r.t. its output, dq, dk,
+    dv, and a flash-attention-2 backward's workspace (an fp32 dq accumulator and an fp32 row statistic; with
+    grouped-query attention dk and dv are made for all n_head heads before the sum over each group). O(n_tok):
+    flash / efficient kernels keep no T x T scores."""
+    q, kv, nh = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_head
+    saved = cb * (2 * q + 2 * kv) + 4 * nh
+    grads = cb * q + cb * (q + 2 * kv)
+    workspace = 4 * q + 4 * nh + (2 * cb * q if cfg.n_kv_head != cfg.n_head else 0)
+    return n_tok * (saved + grads + workspace)
 
 
 # ----------------------------------------------------------------------------- init

@@ -84,16 +84,26 @@ def worker_threads():
     return max(1, (os.cpu_count() or 1) - 2)
 
 
-def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot):
+def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot, seq_len=None,
+                      tile_tokens=0):
     """What a step holds on the device beside the weight/grad slots and the boundary checkpoints, by component:
-    plan.py prints it, offload_needed weighs it. tokens: per step; n_slot: elements of a slot."""
+    plan.py prints it, offload_needed weighs it. tokens: per step; n_slot: elements of a slot; seq_len: tokens
+    per sequence (default: one sequence per micro-batch); tile_tokens: model.block's tile (0 = untiled)."""
     cb, rb, per_mb = dtype.itemsize, residual_dtype.itemsize, tokens // micro_batches
+    seq_len = seq_len or per_mb
     chunk = min(chunk_tokens, per_mb)
-    return {"residual stream x and its grad dy": 2 * tokens * cfg.d_model * rb,
-            f"recompute activations: 1 layer, {per_mb:,} tok": model.block_activation_bytes(cfg, per_mb, cb, rb),
+    layer = model.block_activation_bytes(cfg, per_mb, cb, rb, tile_tokens, seq_len)
+    if tile_tokens:  # the whole sequence's attention, and one tile of the token-local parts
+        attn = model.attention_bytes(cfg, per_mb, cb)
+        layer = {f"whole-sequence attention: {per_mb:,} tok": attn,     # q, k, v, out, grads, kernel workspace
+                 f"token-local activations: tiles of {min(tile_tokens, seq_len):,} tok": layer - attn}
+    else:
+        layer = {f"recompute activations: 1 layer, {per_mb:,} tok": layer}
+    return {"residual stream x and its grad dy": 2 * tokens * cfg.d_model * rb, **layer,
             f"weight grads from autograd ({str(dtype)[6:]}, one unit)": n_slot * cb,
             f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits":  # logits, fp32 copy, log-softmax, grads
                 chunk * cfg.vocab_size * (12 + (2 * cb if cb == 2 else 0)),
+            f"RoPE cos, sin: {seq_len:,} positions": 2 * seq_len * cfg.head_dim * rb,
             "targets": tokens * 8}
 
 
@@ -176,7 +186,7 @@ class Trainer:
     def __init__(self, cfg, weights, device=None, dtype=None, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1, grad_clip=0.0, micro_batches=1, offload_checkpoints=None,
                  chunk_tokens=None, mode="fast", residual_dtype=None, staging_slabs=STAGING_SLABS,
-                 skip_nonfinite=False, sync=False, lanes=None):
+                 skip_nonfinite=False, sync=False, lanes=None, tile_tokens=0):
         """cfg: model.GPTConfig; weights: {key: fp32 tensor} as model.init_weights returns.
 
         device      "cuda[:i]" or "cpu" (default: cuda when available).
@@ -193,6 +203,8 @@ class Trainer:
         skip_nonfinite  a step with a non-finite loss (or, deferred, gradient norm) updates nothing. Without
                     deferral a unit whose gradient is not finite keeps its weights while the others update; its
                     name is in self.skipped_units, complete once the step's updates are done (wait()).
+        tile_tokens  run each layer's token-local parts (norms, projections, MLP) this many tokens at a time, in
+                    forward, recompute and backward (model.block); 0 = untiled. plan.py picks one for long T.
         sync        synchronise after every operation (debug). lanes: the hardware backend (default Lanes).
         """
         if mode not in ("fast", "lean"):
@@ -221,6 +233,9 @@ class Trainer:
         self.skipped_units = []                # names of the units whose update the last step skipped (no deferral)
         self.grad_norm = None                  # the last step's global gradient norm (deferred updates only)
         self.chunk = chunk_tokens or model.default_chunk_tokens(cfg)
+        if tile_tokens < 0:
+            raise ValueError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
+        self.tile = tile_tokens
         self.offload_checkpoints = offload_checkpoints
         if self.dev.type == "cuda" and self.dtype == torch.float32:
             torch.backends.cuda.matmul.allow_tf32 = False  # "fp32" means fp32 unless asked otherwise
@@ -306,6 +321,7 @@ class Trainer:
         with self.comp(), self._autocast():
             x, ckpt = self._forward(b, keep=True)
             dy, loss_ready = self._head(x, b, backward=True)  # the head's gradient waits in grad slot 0
+            del x                                             # the backward holds dy, not x (long T: GBs)
             if self.skip_nonfinite and not self.defer_updates and not self._loss_finite(loss_ready):
                 self.slot_free[self.resident[self.head]] = self.comp.record()  # no gradient leaves the GPU
                 self.skipped = True
@@ -375,7 +391,7 @@ class Trainer:
             return False
         act = B * T * self.cfg.d_model * self.residual_dtype.itemsize     # one (B, T, d) residual tensor
         working = step_device_bytes(self.cfg, B * T, self.M, self.dtype, self.residual_dtype, self.chunk,
-                                    self.wslot[0].numel())
+                                    self.wslot[0].numel(), seq_len=T, tile_tokens=self.tile)
         return offload_needed(len(self.layers) * act, sum(working.values()), free)
 
     def _staging(self, name, shape, dtype):
@@ -476,7 +492,7 @@ class Trainer:
             w = self.wviews[s]["layer"]                 # views into weight slot s, compute dtype
             if keep:                                    # boundary checkpoint: the input of layer i
                 ckpt.append(self._offload(i, x) if b.offload else x)
-            x = model.block(cfg, x, w, b.rope)                                  # (B, T, d)
+            x = model.block(cfg, x, w, b.rope, self.tile)                       # (B, T, d)
             self.slot_free[s] = self.comp.record()
             self._prefetch(self.layers[i + 1] if i + 1 < L else self.head, s)
         return x, ckpt
@@ -529,7 +545,7 @@ class Trainer:
             gs = self._grad_slot(u, L - i)
             w, acc = self.wviews[s]["layer"], self.gviews[gs]["layer"]
             for j in range(self.M):
-                dy[j] = model.block_grad(self.cfg, xs[j], w, b.rope, dy[j], acc)
+                dy[j] = model.block_grad(self.cfg, xs[j], w, b.rope, dy[j], acc, self.tile)
             if b.offload:
                 self.ring_free[r] = self.comp.record()
             ckpt[i] = xs = None

@@ -54,7 +54,12 @@ p.add_argument("--config", default=None, help=f"preset: {', '.join(model.PRESETS
 p.add_argument("--steps", type=int, default=400, help="total optimizer steps (a resumed run continues to this)")
 p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
 p.add_argument("--micro-batches", type=int, default=1, help="split each step into this many micro-batches")
-p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (<= the preset's max_seq_len)")
+p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (<= the model's max_seq_len)")
+p.add_argument("--max-seq-len", type=int, default=None,
+               help="raise (or lower) the model's max_seq_len: longer sequences than the preset's (RoPE has no table)")
+p.add_argument("--tile-tokens", type=int, default=None,
+               help="run each layer's norms, projections and MLP this many tokens at a time (exact; 0 = untiled; "
+                    "default: the planner's choice, untiled unless long sequences need it)")
 p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to lr/10)")
 p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
 p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay on tensors with >= 2 dims")
@@ -82,6 +87,8 @@ p.add_argument("--chat-format", default=None, choices=["native", "fixed"],
                     "default when it has one), fixed = '<|role|>\\n' + content + eos per message")
 p.add_argument("--plan", action="store_true", help="print the memory and throughput plan for --hardware and exit (nothing allocated)")
 p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
+p.add_argument("--max-context", action="store_true",
+               help="with --plan: print the longest --seq-len that fits at --batch-size on --hardware")
 p.add_argument("--hardware", default="local", help="plan for: local (this machine), h100, h200, gh200, a100, rtx4090")
 p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB for the plan (default: the hardware's)")
 p.add_argument("--host-bw", type=float, default=None, help="host DRAM bandwidth in GB/s for the plan")
@@ -147,6 +154,10 @@ else:
     if "n_head" in overrides and "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
         overrides["n_kv_head"] = overrides["n_head"]      # a multi-head preset stays multi-head
     cfg = dataclasses.replace(preset, head_dim=0, **overrides) if overrides else dataclasses.replace(preset)
+if args.max_seq_len is not None:
+    if args.max_seq_len <= 0:
+        fail(f"--max-seq-len must be positive, got {args.max_seq_len}")
+    cfg = dataclasses.replace(cfg, max_seq_len=args.max_seq_len)
 try:
     cfg.check()
 except ValueError as e:
@@ -157,8 +168,17 @@ except ValueError as e:
     fail(f"--device: {e}")
 dtype = planner.DTYPES[args.dtype] if args.dtype else default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else "default on CPU: bf16 matmuls are slow there")
+plan_only = args.plan or args.json
+if args.seq_len > cfg.max_seq_len and plan_only:  # planning is arithmetic: any length (training needs --max-seq-len)
+    cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
+    if not args.json:
+        print(f"note: --seq-len {args.seq_len} is above {args.config}'s max_seq_len; training at it needs "
+              f"--max-seq-len {args.seq_len}")
 if args.seq_len > cfg.max_seq_len:
-    fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len {cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less")
+    fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len {cfg.max_seq_len}; use --seq-len "
+         f"{cfg.max_seq_len} or less, or allow it with --max-seq-len {args.seq_len}")
+if args.tile_tokens is not None and args.tile_tokens < 0:
+    fail(f"--tile-tokens must be >= 0 (0 = untiled), got {args.tile_tokens}")
 try:
     model.check_seq_len(cfg, args.seq_len)   # a sliding window: only T <= window is computed exactly
 except ValueError as e:
@@ -179,14 +199,24 @@ def make_plan(hardware):
                             dtype=args.dtype or (None if hardware != "local" else planner.DTYPE_NAMES[dtype]),
                             grad_clip=args.grad_clip, offload_checkpoints=offload, residual_dtype=args.residual_dtype,
                             chunk_tokens=args.chunk_tokens or None, host_mem_gb=args.host_mem,
-                            host_bw_gbs=args.host_bw, name=args.config)
+                            host_bw_gbs=args.host_bw, name=args.config, tile_tokens=args.tile_tokens)
     except ValueError as e:  # an unknown --hardware, say
         fail(str(e))
 
 
-if args.plan or args.json:
+if plan_only:
     pl = make_plan(args.hardware)
+    if args.max_context:  # the longest --seq-len with these settings, and its plan
+        longest, pl = planner.max_context(pl)
+        if not longest:
+            fail(f"--max-context: not even {args.batch_size} x 1024 tokens fit {args.config} on --hardware "
+                 f"{args.hardware}; --plan without --max-context shows why")
     print(planner.plan_json(pl) if args.json else planner.format_plan(pl))
+    if args.max_context and not args.json:
+        print(f"longest context that fits: --seq-len {longest} ({longest:,} tokens) at --batch-size {args.batch_size} "
+              f"on {pl['hardware']['name']}, layer {planner.tiling(pl)}; GPU {pl['gpu_bytes'] / 1e9:.1f} of "
+              f"{pl['gpu_limit_bytes'] / 1e9:.0f} GB, host {pl['host_bytes'] / 1e9:.0f} of {pl['host_limit_bytes'] / 1e9:.0f} "
+              f"GB usable" + (f"; training at it needs --max-seq-len {longest}" if longest > cfg.max_seq_len else ""))
     sys.exit(0)
 pl = make_plan("local")
 if args.engine == "stream":  # refuse before anything is allocated
@@ -199,7 +229,8 @@ print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}"
 print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual stream | engine {args.engine} | "
       f"{tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
 print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:.1f} B/param in the store), "
-      f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}; "
+      f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}, "
+      f"layer {planner.tiling(pl)}; "
       f"predicted {pl['tokens_per_s']:,.0f} tokens/s, bound by {pl['bottleneck']} (--plan for the breakdown)")
 
 # ----------------------------------------------------------------------------- data
@@ -343,7 +374,8 @@ try:  # a tensor of --init-from that is not finite, say: one line naming it
     if args.engine == "stream":
         trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
                           residual_dtype=planner.DTYPES[args.residual_dtype], chunk_tokens=args.chunk_tokens or None,
-                          staging_slabs=pl["staging_slabs"], skip_nonfinite=True, **hyper)
+                          staging_slabs=pl["staging_slabs"], skip_nonfinite=True, tile_tokens=pl["tile_tokens"],
+                          **hyper)
     else:
         trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
 except (ValueError, TypeError) as e:
@@ -494,9 +526,10 @@ if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
     final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
+    window = min(cfg.max_seq_len, 1024)  # the sample's context: bounded at any --max-seq-len (plain forward)
     with torch.no_grad():
         for _ in range(args.sample_tokens):
-            logits = model.forward(cfg, final, ctx[:, -cfg.max_seq_len:])[0, -1]
+            logits = model.forward(cfg, final, ctx[:, -window:])[0, -1]
             nxt = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=gen)
             ctx = torch.cat([ctx, nxt[None]], dim=1)
     print("-" * 40 + " sample (temperature 0.8)\n" + data.decode(ctx[0, 1:].tolist()) + "\n" + "-" * 40)

@@ -9,7 +9,10 @@ What it is
     each layer visit (H2D, compute, D2H, CPU AdamW), and stream.py's schedule replayed layer by layer on
     four lanes for three steps: step time, tokens/s, model TFLOP/s, the busiest lane (the bottleneck) and
     the tokens per step that hide the transfers (DESIGN.md §4: T >= F_eff * bytes_per_param / (2 * BW)).
-    check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits.
+    check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits (and,
+    at long context, the longest --seq-len that does). max_context(p): that longest sequence. At long T the
+    layer is tiled (model.block's tile_tokens, chosen by tile_for) and the GPU side is O(T): x and dy, the
+    checkpoint ring, the whole sequence's attention tensors (flash-attention kernels assumed: bf16 compute).
 What it is not
     Not a profiler: bandwidths and the achievable fraction of peak are the assumptions stated in HARDWARE
     until bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
@@ -20,9 +23,11 @@ Reference
 Try it
     python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0
     python -m megatrain_min.plan --config 70b --hardware all       # one verdict line per profile
+    python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # long context
     python -m pytest tests/test_plan.py
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +70,12 @@ HARDWARE = {
 HOST_USABLE = 0.97         # the share of host RAM a run may plan for; the rest is the OS's
 RUNTIME = 4 * 10**9        # host RSS of Python + torch + the CUDA libraries (1 GB without CUDA)
 CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-allocator slack
+# Sequence tiling (model.block): the planner tiles when the untiled layer does not fit comfortably, i.e. when the
+# untiled plan's device memory exceeds TILE_HEADROOM of the device; then tiles of TILE_TOKENS tokens: matmuls of
+# 8192 rows still run near full speed, and a tile of a 7B layer's token-local activations is ~2 GB (~140 GB
+# untiled at 512k tokens).
+TILE_HEADROOM = 0.9
+TILE_TOKENS = 8192
 
 
 class PlanError(ValueError):
@@ -130,7 +141,8 @@ def flops_per_token(cfg):
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
          grad_clip=0.0, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
-         residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, name=None):
+         residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, name=None,
+         tile_tokens=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
     hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
@@ -142,6 +154,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard, a host wait for
     the loss after the head when updates are not deferred. pinned_pow2: model torch's pinned allocator as it
     is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
+    tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice (tile_for).
     """
     hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs)
     cuda = hw["gpu_mem_gb"] > 0
@@ -152,6 +165,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
                         f"{dtype!r} and {residual_dtype!r}")
     if residual_dtype == "bf16" and dtype == "fp32":
         raise PlanError("a bf16 residual stream needs bf16 compute (--dtype bf16); with fp32 compute drop --residual-dtype")
+    if tile_tokens is not None and tile_tokens < 0:
+        raise PlanError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
     if min(batch_size, seq_len, micro_batches) <= 0 or batch_size % micro_batches:
         raise PlanError(f"batch size {batch_size} must be a positive multiple of micro-batches {micro_batches}")
     name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
@@ -168,19 +183,31 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     row_b = 2 if (shadow and rb == 2) else 4           # embedding rows: from the bf16 shadow or the fp32 master
 
     # ---- GPU (stream.Trainer.__init__ and the step's working set): independent of depth
-    gpu = {f"weight slots: 2 x {count(n_slot)} {dtype}": 2 * n_slot * cb,
-           "fp32 grad slots: 2": 2 * n_slot * 4}
-    if mode == "lean" and dtype == "bf16":
-        gpu["lean staging: fp32 unit, cast on GPU"] = n_slot * 4
-    gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
-    gpu.update(stream.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
-                                        chunk_tokens or model.default_chunk_tokens(cfg), n_slot))
-    # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there, else
-    # they go to pinned host memory through a ring of stream.RING device slots
-    offload = offload_checkpoints if offload_checkpoints is not None else \
-        cuda and stream.offload_needed(L * act, sum(gpu.values()), hw["gpu_mem_gb"] * GB)
-    gpu[f"checkpoints: ring of {stream.RING} layers (offloaded)" if offload else f"checkpoints: {L} layers"] = \
-        stream.RING * act if offload else L * act
+    def device(tile):
+        gpu = {f"weight slots: 2 x {count(n_slot)} {dtype}": 2 * n_slot * cb,
+               "fp32 grad slots: 2": 2 * n_slot * 4}
+        if mode == "lean" and dtype == "bf16":
+            gpu["lean staging: fp32 unit, cast on GPU"] = n_slot * 4
+        gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
+        gpu.update(stream.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
+                                            chunk_tokens or model.default_chunk_tokens(cfg), n_slot,
+                                            seq_len=seq_len, tile_tokens=tile))
+        if cuda and dtype == "fp32" and cfg.n_kv_head != cfg.n_head:  # SDPA on CUDA: GQA in fp32 has no fused
+            # kernel (flash needs bf16), so the math kernel runs: T x T scores, softmax and their gradient, fp32
+            gpu["attention scores: math kernel (fp32 + GQA)"] = 3 * 4 * cfg.n_head * seq_len * tokens // micro_batches
+        # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there, else
+        # they go to pinned host memory through a ring of stream.RING device slots
+        off = offload_checkpoints if offload_checkpoints is not None else \
+            cuda and stream.offload_needed(L * act, sum(gpu.values()), hw["gpu_mem_gb"] * GB)
+        gpu[f"checkpoints: ring of {stream.RING} layers (offloaded)" if off else f"checkpoints: {L} layers"] = \
+            stream.RING * act if off else L * act
+        return gpu, off
+
+    host_limit = hw["host_mem_gb"] * GB * HOST_USABLE
+    tile = tile_tokens
+    if tile is None:  # the planner's choice (tile_for): untiled while the untiled layer fits comfortably
+        tile = tile_for(sum(device(0)[0].values()), hw["gpu_mem_gb"] * GB if cuda else host_limit)
+    gpu, offload = device(tile)
     gpu_bytes = sum(gpu.values())
 
     # ---- throughput: seconds per visit (needed to size the staging slabs)
@@ -193,6 +220,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
     rate = dict(load=sb / h2d + cast, grad=4 / d2h, adam=adam_b / hbw, norm=4 / hbw)  # seconds per parameter
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
+    qkv = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
     # HBM: their bytes per token and per call, measured on the model's own functions (cost.elementwise_bytes)
     ew, hbm = cost.elementwise_bytes(cfg, DTYPES[dtype], DTYPES[residual_dtype]), hw["hbm_gbs"] * GB
@@ -201,7 +229,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     hbm_s = {k: (tokens * ew[k][0] + calls[k] * ew[k][1]) / hbm for k in ew}
     t = dict(fwd=tokens * (2 * lay.n_decay + attn) / F + hbm_s["fwd"],
              # recompute (1x forward) + backward (2x the matmuls, 2.5x attention: flash's 5 matmuls); zero the slot
-             bwd=tokens * (6 * lay.n_decay + 3.5 * attn) / F + hbm_s["bwd"] + lay.numel * 4 / hbm,
+             bwd=tokens * (6 * lay.n_decay + 3.5 * attn) / F + hbm_s["bwd"] + lay.numel * 4 / hbm
+             + (2 * tokens * qkv / F if tile else 0),   # tiled: part A's projections run once more (block_grad)
              head=6 * tokens * head.n_decay / F + hbm_s["head"] + head.numel * 4 / hbm,  # not recomputed
              # the scatter: zero an untied embedding's gradient, then add dy's rows (read 4, read+write 8)
              rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h,
@@ -228,7 +257,6 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     if not cuda:
         host["device buffers (below)"] = gpu_bytes
     host_bytes = sum(host.values())
-    host_limit = hw["host_mem_gb"] * GB * HOST_USABLE
     fits_host, fits_gpu = host_bytes <= host_limit, (not cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
 
     # ---- the schedule
@@ -241,7 +269,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
             "cpu_adam": F * (adam_b + 4 * defer) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
     p = dict(config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype, residual_dtype=residual_dtype,
              batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens,
-             grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, skip_nonfinite=skip_nonfinite, staging_slabs=slabs,
+             grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, tile_tokens=tile,
+             tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, staging_slabs=slabs,
              staging_slabs_asked=staging_slabs, offload_checkpoints=bool(offload), offload_asked=offload_checkpoints,
              pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
              host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
@@ -251,6 +280,13 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              critical_path={k: v / step_time for k, v in critical.items()}, bottleneck=max(critical, key=critical.get),
              min_tokens=mins, min_tokens_per_step=max(mins.values()))
     return p
+
+
+def tile_for(untiled_bytes, device_bytes):
+    """The default tile_tokens (the one home of this rule): 0 -- no tiling, the fastest layer -- while the plan
+    with the untiled layer needs at most TILE_HEADROOM of the device's memory (on the CPU: of the host's share);
+    else TILE_TOKENS."""
+    return 0 if untiled_bytes <= TILE_HEADROOM * device_bytes else TILE_TOKENS
 
 
 def stream_slabs(t, tied):
@@ -363,6 +399,11 @@ def plan_json(p):
     return json.dumps({**p, "fix": None if p["fits"] else suggest(p)})
 
 
+def tiling(p):
+    """How the plan runs a layer, in words: 'untiled' or 'in tiles of 8,192 tokens'."""
+    return f"in tiles of {p['tile_tokens']:,} tokens" if p["tile_tokens"] else "untiled"
+
+
 def count(n):
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -382,7 +423,8 @@ def format_plan(p):
             f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = {p['tokens_per_step']:,}"
             f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {p['grad_clip'] or 'off'},"
             f" {p['residual_dtype']} residual stream,"
-            f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'}", "",
+            f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'},"
+            f" layer {tiling(p)}", "",
             f"{'host memory' + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
     rows += [f"  {'total':<48}{p['host_bytes'] / GB:10.2f}{p['host_bytes'] / N:10.2f}   {verdict(p['fits_host'])}"
@@ -417,16 +459,36 @@ def _replan(p, **change):
               micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
               offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
               residual_dtype=p["residual_dtype"], staging_slabs=p["staging_slabs_asked"],
-              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"])
+              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], tile_tokens=p["tile_asked"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
-    kw["seq_len"] = min(kw["seq_len"], cfg.max_seq_len)
+    # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the maths has no limit)
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, kw["seq_len"]))
     return plan(cfg, **kw)
+
+
+def max_context(p, step=1024, limit=1 << 25):
+    """The longest sequence, a multiple of `step` tokens up to `limit`, with which plan p's settings fit (its
+    hardware, batch size, micro-batches, modes; the tile the planner's choice unless p asked for one).
+    Returns (tokens, that plan), or (0, None) when not even `step` tokens fit. Memory grows with T: a doubling
+    search, then bisection."""
+    lo, best, hi = 0, None, step
+    while hi <= limit:
+        q = _replan(p, seq_len=hi)
+        if not q["fits"]:
+            break
+        lo, best, hi = hi, q, 2 * hi
+    while hi - lo > step and lo < limit:
+        mid = (lo + hi) // 2 // step * step
+        q = _replan(p, seq_len=mid)
+        lo, best, hi = (mid, q, hi) if q["fits"] else (lo, best, mid)
+    return lo, best
 
 
 def suggest(p):
     """The nearest setting that fits, as train.py flags, or None. Tried in order: the memory modes, checkpoint
-    offload, a smaller loss chunk, more micro-batches (smaller recompute activations), a smaller batch, a bf16 residual stream (it
+    offload, a smaller loss chunk, a (smaller) sequence tile, more micro-batches (smaller recompute activations), a
+    smaller batch, a bf16 residual stream (it
     trades accuracy for memory, so it comes last), then smaller presets.
     (Fewer micro-batches never helps: the slots and checkpoints do not depend on them.)"""
     tries = []
@@ -440,6 +502,8 @@ def suggest(p):
     small_chunk = (1 << 26) // p["model"]["vocab_size"]         # the loss chunk: 256 MB of fp32 logits
     if small_chunk < (p["chunk_tokens"] or model.default_chunk_tokens(model.GPTConfig(**p["model"]))):
         tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
+    tries += [(f"--tile-tokens {n}", dict(tile_tokens=n)) for n in (TILE_TOKENS, 2048)
+              if n < p["seq_len"] and (not p["tile_tokens"] or n < p["tile_tokens"])]
     B, M = p["batch_size"], p["micro_batches"]
     tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in range(M + 1, B + 1) if B % m == 0][:4]
     tries += [(f"--batch-size {b} --micro-batches {min(M, b)}", dict(batch_size=b, micro_batches=min(M, b)))
@@ -453,7 +517,7 @@ def suggest(p):
                      key=lambda c: -model.n_params(c[1]))
     for name, c in smaller:
         if _replan(p, cfg=c, name=name)["fits"]:
-            return f"--config {name}"
+            return f"--config {name}" + (f" --max-seq-len {p['seq_len']}" if p["seq_len"] > c.max_seq_len else "")
     return None
 
 
@@ -465,13 +529,17 @@ def check(p):
     where = "this machine has" if hw["name"] == "local" else f"--hardware {hw['name']} has"
     if not p["fits_host"]:
         what = " + ".join(["fp32 master + Adam m, v"] + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
-                          + ["fp32 grads"] * p["defer_updates"] + ["checkpoints"] * p["offload_checkpoints"])
+                          + ["fp32 grads"] * p["defer_updates"] + ["checkpoints"] * p["offload_checkpoints"]
+                          + ["the step's activations (device buffers, on the CPU)"] * ("device buffers (below)" in p["host"]))
         mode = f" in --mode {p['mode']}" if p["dtype"] == "bf16" else ""
         msg = (f"{cfg} needs ~{size(p['host_bytes'])} of host RAM ({p['host_bytes'] / p['params']:.1f} B/param: "
                f"{what}){mode}; {where} {size(hw['host_mem_gb'] * GB)}")
     else:
         msg = (f"{cfg} needs ~{size(p['gpu_bytes'])} of GPU memory at {p['batch_size']} x {p['seq_len']} "
                f"tokens in {p['micro_batches']} micro-batch(es); {where} {size(hw['gpu_mem_gb'] * GB)}")
+    longest = max_context(p)[0] if p["seq_len"] > 1024 else 0
+    if 0 < longest < p["seq_len"]:  # a long context: say how long one can be with these settings
+        msg += f"; the longest context that fits at --batch-size {p['batch_size']} is --seq-len {longest}"
     fix = suggest(p)
     raise PlanError(msg + (f". Try {fix}, or --plan for the breakdown." if fix else
                            ". Nothing smaller fits either; see --plan for the breakdown."))

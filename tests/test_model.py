@@ -151,3 +151,103 @@ def test_llama3_rope_bands():
                                 original_max_position_embeddings=64)
     assert out[0] == inv[0] and torch.equal(out[2:], inv[2:] / 8)
     assert inv[1] / 8 < out[1] < inv[1]
+
+
+# ----------------------------------------------------------------------------- sequence tiling (issue 15)
+def tiled_vs_untiled(cfg, dtype, tiles, B=2, T=48, seed=0):
+    """block and block_grad of one layer with tile_tokens 0 (the oracle: one autograd graph) and each of tiles,
+    on the same input, weights and output gradient. Returns {tile: (out, dx, {name: fp32 weight grad})}."""
+    g = torch.Generator().manual_seed(seed)
+    lay = model.units(cfg)[1]
+    flat = torch.randn(lay.numel, generator=g) * 0.05      # norm gains and biases non-trivial too
+    x, dy = torch.randn(B, T, cfg.d_model, generator=g), torch.randn(B, T, cfg.d_model, generator=g)
+    rope = model.rope_cache(cfg, T)
+    w = {k: v.to(dtype).detach().requires_grad_() for k, v in lay.views(flat).items()}
+    out = {}
+    for tile in (0, *tiles):
+        acc = {k: torch.zeros(v.shape) for k, v in w.items()}
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            with torch.no_grad():
+                y = model.block(cfg, x, w, rope, tile)
+            dx = model.block_grad(cfg, x, w, rope, dy, acc, tile)
+        out[tile] = (y, dx, acc)
+    return out
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "gqa-bias-qknorm-tied"])
+def test_tiled_block_equals_untiled_fp32(cfg):
+    """A tiled layer is the untiled layer: output, dx and every weight gradient to <= 1e-6 relative in fp32, for
+    a tile that divides T (16), one that does not (7: a short last tile) and one longer than T (100)."""
+    runs = tiled_vs_untiled(cfg, torch.float32, (16, 7, 100))
+    y0, dx0, acc0 = runs[0]
+    for tile, (y, dx, acc) in runs.items():
+        errs = {"out": rel(y, y0), "dx": rel(dx, dx0), **{k: rel(acc[k], acc0[k]) for k in acc}}
+        worst = max(errs, key=errs.get)
+        print(f"tile {tile:>3}: out {errs['out']:.1e}, dx {errs['dx']:.1e}, worst {worst} {errs[worst]:.1e}")
+        assert max(errs.values()) <= 1e-6, errs
+        assert all(acc[k].abs().max() > 0 for k in acc)            # every weight really got a gradient
+
+
+def test_tiled_block_under_bf16_autocast():
+    """Under bf16 autocast (the engine's bf16 compute) the tiled layer computes every token as the untiled one
+    does (output and dx to 1e-6), and its weight gradients, summed tile by tile in fp32, are as close to the
+    fp32 gradients as the untiled layer's (one bf16 rounding of the whole sum)."""
+    cfg = SPECIAL
+    fp32 = tiled_vs_untiled(cfg, torch.float32, (), T=256)[0][2]
+    runs = tiled_vs_untiled(cfg, torch.bfloat16, (64, 37), T=256)
+    y0, dx0, acc0 = runs[0]
+    def dist(acc):  # relative distance of all weight gradients from the fp32 ones
+        return (sum(((acc[k] - fp32[k]) ** 2).sum() for k in acc) / sum((fp32[k] ** 2).sum() for k in acc)) ** 0.5
+    for tile in (64, 37):
+        y, dx, acc = runs[tile]
+        print(f"bf16 tile {tile}: out {rel(y, y0):.1e}, dx {rel(dx, dx0):.1e}; weight grads vs fp32: tiled "
+              f"{dist(acc):.2e}, untiled {dist(acc0):.2e}")
+        assert rel(y, y0) <= 1e-6 and rel(dx, dx0) <= 1e-6
+        assert dist(acc) <= 1.1 * dist(acc0) and dist(acc0) < 2e-2
+
+
+def test_tiled_layer_never_makes_a_seq_by_ff_tensor():
+    """The point of tiling: no (T, d_ff) tensor exists, in the forward or the backward. Every tensor an op makes
+    is recorded (a TorchDispatchMode sees the backward's ops too): untiled the largest is T x d_ff, tiled it is
+    O(T x d) or one tile x d_ff."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        numel, where = 0, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                    self.numel, self.where = t.numel(), (str(func), tuple(t.shape))
+            return out
+
+    cfg = model.GPTConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head=2, d_model=64, d_ff=1024, max_seq_len=512)
+    T, tile = 512, 32
+    lay = model.units(cfg)[1]
+    w = {k: v.detach().requires_grad_() for k, v in lay.views(torch.randn(lay.numel) * 0.02).items()}
+    acc = {k: torch.zeros(v.shape) for k, v in w.items()}
+    x = torch.randn(1, T, cfg.d_model)
+    rope = model.rope_cache(cfg, T)
+    largest = {}
+    for t in (0, tile):
+        with Largest() as m:
+            with torch.no_grad():
+                model.block(cfg, x, w, rope, t)
+            model.block_grad(cfg, x, w, rope, torch.randn_like(x), acc, t)
+        largest[t] = m.numel
+        print(f"tile {t}: largest tensor {m.numel:,} elements, {m.where}")
+    assert largest[0] >= T * cfg.d_ff
+    assert largest[tile] <= max(tile * cfg.d_ff, T * cfg.d_model, cfg.d_model * cfg.d_ff) < T * cfg.d_ff  # (a weight)
+
+
+def test_tiles_cover_the_sequence_once():
+    for T, n in ((48, 16), (48, 7), (5, 100), (5, 0)):
+        s = model.tiles(T, n)
+        assert [i for t in s for i in range(T)[t]] == list(range(T))
+        assert all(t.stop - t.start == (n or T) for t in s[:-1])

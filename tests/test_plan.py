@@ -3,6 +3,7 @@ published counts of the models the presets copy), host bytes per parameter for e
 estimate against what autograd really saves, the acceptance cases (120b lean on an H200 with 1.5 TB fits;
 70b in 23 GB refuses in one line), and the throughput model's invariants. CPU only, no model allocated
 except the toy-sized ones."""
+import dataclasses
 import json
 import time
 
@@ -12,6 +13,7 @@ import torch
 import model
 from conftest import SPECIAL
 from megatrain_min import plan as P
+import stream
 
 
 def hand_params(c):
@@ -221,3 +223,54 @@ def test_cpu_run_and_json():
     assert obj["fits"] is True and obj["params"] == 869_504
     with pytest.raises(P.PlanError, match="unknown --hardware"):
         P.plan(model.PRESETS["toy"], "tpu")
+
+
+# ----------------------------------------------------------------------------- long context (issue 15)
+LONG7B = dataclasses.replace(model.PRESETS["7b"], max_seq_len=524288)
+
+
+def test_7b_at_512k_tokens_fits_a_gh200_with_480_gb():
+    """The paper's claim, planned: Llama-2-7B at 524,288 tokens (batch 1) on one GH200 with its 480 GB of LPDDR5X,
+    with train.py's defaults (fast mode, clipping, fp32 residual stream). Tiled by the planner's choice, the
+    checkpoints offloaded through the ring. GPU memory counted by hand: x and dy, the ring and the whole
+    sequence's attention are O(T); one tile of the MLP is not."""
+    T, d = 524288, 4096
+    p = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=T, batch_size=1, grad_clip=1.0)
+    print(P.format_plan(p))
+    assert p["fits"] and p["tile_tokens"] == P.TILE_TOKENS and p["offload_checkpoints"]
+    gpu = p["gpu"]
+    assert gpu["residual stream x and its grad dy"] == 2 * T * d * 4                     # fp32
+    assert gpu[f"checkpoints: ring of {stream.RING} layers (offloaded)"] == stream.RING * T * d * 4
+    # q, k, v, SDPA's output (bf16) + lse (fp32) saved; d(out), dq, dk, dv; the fp32 dq accumulator, row statistic
+    assert gpu[f"whole-sequence attention: {T:,} tok"] == T * (2 * 4 * d + 4 * 32 + 2 * d + 2 * 3 * d + 4 * d + 4 * 32)
+    assert gpu["token-local activations: tiles of 8,192 tok"] == model.block_activation_bytes(LONG7B, 8192, 2, 4)
+    assert p["host"]["offloaded checkpoints: 32 layers"] == 32 * T * d * 4                # 275 GB
+    assert 400e9 < p["host_bytes"] < 430e9                                               # 417 GB: says README
+    # untiled it does not fit: the check names the longest context that would, and the tile
+    untiled = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=T, batch_size=1, grad_clip=1.0, tile_tokens=0)
+    assert not untiled["fits_gpu"]
+    with pytest.raises(P.PlanError, match=r"longest context that fits at --batch-size 1 is --seq-len \d+\. "
+                                          r"Try --tile-tokens 8192") as e:
+        P.check(untiled)
+    print(e.value)
+
+
+def test_max_context_is_the_edge_of_fitting():
+    p = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=4096, batch_size=1, grad_clip=1.0)
+    n, q = P.max_context(p)
+    print(f"7b on gh200 (480 GB): longest context {n:,} tokens, GPU {q['gpu_bytes'] / 1e9:.1f} GB")
+    assert n >= 524288 and n % 1024 == 0 and q["fits"] and q["seq_len"] == n
+    assert not P._replan(p, seq_len=n + 1024)["fits"]
+    assert P.max_context(P.plan(model.PRESETS["70b"], "gh200", batch_size=1))[0] == 0    # 70b: host too small
+
+
+def test_tile_is_chosen_only_when_the_untiled_layer_does_not_fit_comfortably():
+    """The planner's default tile: 0 at the sizes people train today (what fits untiled stays untiled), tiles where
+    the untiled layer's (T, d_ff) activations would crowd the GPU; a tile asked for is kept."""
+    assert P.plan(model.PRESETS["7b"], "h100", batch_size=8, seq_len=4096)["tile_tokens"] == 0
+    assert P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4, seq_len=4096)["tile_tokens"] == 0
+    long = P.plan(LONG7B, "h100", batch_size=1, seq_len=196608)
+    assert long["tile_tokens"] == P.TILE_TOKENS
+    assert P.plan(LONG7B, "h100", batch_size=1, seq_len=196608, tile_tokens=0)["gpu_bytes"] > \
+        P.TILE_HEADROOM * 80e9 > long["gpu_bytes"]
+    assert P.plan(LONG7B, "h100", batch_size=1, seq_len=196608, tile_tokens=512)["tile_tokens"] == 512

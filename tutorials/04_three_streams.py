@@ -240,7 +240,7 @@ def drain(u, gs):
     return real_drain(u, gs)
 
 
-def block(cfg_, x, w, rope):
+def block(cfg_, x, w, rope, tile_tokens=0):
     # which slot do these weights live in, and which unit is resident there?
     ptr = w["input_layernorm.weight"].untyped_storage().data_ptr()
     s = [k for k in (0, 1) if t.wslot[k].untyped_storage().data_ptr() == ptr][0]
@@ -248,7 +248,7 @@ def block(cfg_, x, w, rope):
     label = names[unit] + ("'" if x.requires_grad else "")  # an input that needs grad: the recompute
     if not record["compute"] or record["compute"][-1] != label:       # one entry per visit, not per micro-batch
         record["compute"].append(label)
-    return real_block(cfg_, x, w, rope)
+    return real_block(cfg_, x, w, rope, tile_tokens)
 
 
 def head_loss(*a):
