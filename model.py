@@ -330,6 +330,8 @@ def block(cfg, x, w, rope, tile_tokens=0):
     """
     T, (cos, sin) = x.shape[1], rope
     check_seq_len(cfg, T)
+    if not tile_tokens or tile_tokens >= T:      # untiled: the parts on the whole sequence, nothing sliced
+        return attn_out_mlp(cfg, x, attention(cfg, *attn_in(cfg, x, w, cos, sin)), w)
     q, k, v = over_tiles(lambda s: attn_in(cfg, x[:, s], w, cos[s], sin[s]), T, tile_tokens)
     y = attention(cfg, q, k, v)                                                # (B, T, nh, hd)
     return over_tiles(lambda s: (attn_out_mlp(cfg, x[:, s], y[:, s], w),), T, tile_tokens)[0]
