@@ -57,7 +57,7 @@ plt.close(fig)
 C7 = model.PRESETS["7b"]
 fig, ax = plt.subplots(figsize=(7, 3.6), constrained_layout=True)
 for hw, color in (("h100", "#4c72b0"), ("gh200", "#c44e52")):
-    pts = [planner.plan(C7, hw, batch_size=b, seq_len=1024, grad_clip=False)
+    pts = [planner.plan(C7, hw, batch_size=b, seq_len=1024, grad_clip=0.0)
            for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)]
     ax.plot([p["tokens_per_step"] for p in pts], [p["tokens_per_s"] for p in pts], "o-", color=color, label=hw, ms=3)
     for what, style in (("h2d", "--"), ("cpu_adam", ":")):
@@ -76,7 +76,7 @@ fig, ax = plt.subplots(figsize=(9, 3.6), constrained_layout=True)
 names, palette = [], ["#4c72b0", "#55a868", "#8172b2", "#dd8452", "#c44e52", "#937860", "#da8bc3", "#8c8c8c"]
 component_color = {}
 for y, (mode, clip) in enumerate([("fast", True), ("fast", False), ("lean", True), ("lean", False)]):
-    p = planner.plan(C120, "h200", batch_size=8, seq_len=4096, mode=mode, grad_clip=clip, host_mem_gb=1536)
+    p = planner.plan(C120, "h200", batch_size=4, seq_len=4096, mode=mode, grad_clip=float(clip), host_mem_gb=1536)
     left = 0.0
     for comp, b in p["host"].items():
         key = comp.split(":")[0].split(" (")[0]
@@ -91,7 +91,7 @@ ax.text(1536e9 * planner.HOST_USABLE / 1e12, -0.55, " 1.5 TB host (97% usable)",
 ax.set_yticks(range(4), ["fast + clip", "fast", "lean + clip", "lean"])
 ax.set_ylim(3.6, -0.8)                                         # first bar on top
 ax.set_xlim(0, 2.7)
-ax.set_xlabel("host memory, TB (120b on h200, 8 x 4096 tokens/step, megatrain_min.plan)")
+ax.set_xlabel("host memory, TB (120b on h200, 4 x 4096 tokens/step, megatrain_min.plan)")
 ax.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
 fig.savefig(OUT / "memory.png", dpi=100)
 plt.close(fig)
