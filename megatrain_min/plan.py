@@ -232,7 +232,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
     # HBM: their bytes per token and per call, measured on the model's own functions (cost.elementwise_bytes)
     ew, hbm = cost.elementwise_bytes(cfg, DTYPES[dtype], DTYPES[residual_dtype]), hw["hbm_gbs"] * GB
-    calls = dict(fwd=1, bwd=micro_batches,   # the whole batch's block; block_grad per micro-batch; head_grad per chunk
+    calls = dict(fwd=micro_batches, bwd=micro_batches,  # block, block_grad per micro-batch; head_grad per chunk
                  head=micro_batches * math.ceil(tokens // micro_batches / (chunk_tokens or model.default_chunk_tokens(cfg))))
     hbm_s = {k: (tokens * ew[k][0] + calls[k] * ew[k][1]) / hbm for k in ew}
     # the host issues every op (HOST_OP_S each): the model's, counted by cost.elementwise_bytes, and the engine's

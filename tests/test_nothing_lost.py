@@ -488,12 +488,16 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
 
 def test_readme_and_train_py_name_the_same_exit_codes():
     """README Troubleshooting has a row per exit code, train.py's docstring names each, and train.py uses no other."""
-    import re
+    import ast, re
     from conftest import ROOT
     readme = (ROOT / "README.md").read_text().split("## Troubleshooting")[1]
     table = {int(c) for c in re.findall(r"^\| (\d+) \|", readme, re.M)}
     src = (ROOT / "train.py").read_text()
     doc = src.split('"""')[1].split("Exit codes")[1]
-    used = {2} | {int(c) for c in re.findall(r"(?:, |exit\(|SystemExit\()(\d+)\)", src)}
+    used = {2}                                          # fail(msg) defaults to 2
+    for call in ast.walk(ast.parse(src)):               # every fail(msg, N), sys.exit(N), SystemExit(N)
+        if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) in (
+                "fail", "exit", "SystemExit"):
+            used |= {a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, int)}
     assert table == used == {0, 2, 3, 4, 130}, (table, used)
     assert all(re.search(rf"\b{c} ", doc) for c in table), doc
