@@ -348,12 +348,15 @@ def head_loss(cfg, x, w, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
+LOSS_CHUNK_LOGITS = 1 << 26  # fp32 logits per loss chunk: 256 MB (default_chunk_tokens; plan.py's smaller chunk)
+
+
 def default_chunk_tokens(cfg):
-    """Tokens per loss chunk (the one home of this default): 2**26 fp32 logits (256 MB), but at least 2048 tokens.
+    """Tokens per loss chunk (the one home of this default): LOSS_CHUNK_LOGITS fp32 logits, at least 2048 tokens.
     Why the floor: each chunk's backward builds a V x d lm_head gradient that is added into fp32 (~12 B/param of
     memory traffic); at 2048 tokens the chunk's 2*V*d*2048 FLOP outweigh it on an H100 (~340 FLOP/B against a
     ridge of ~295), at Llama 3's V=128k the 2**26 rule alone would give 523 tokens and a memory-bound head."""
-    return max(2048, (1 << 26) // cfg.vocab_size)
+    return max(2048, LOSS_CHUNK_LOGITS // cfg.vocab_size)
 
 
 def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):

@@ -534,7 +534,7 @@ def suggest(p):
                   ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=0.0))]
     tries.append(("--offload-checkpoints off" if p["offload_checkpoints"] else "--offload-checkpoints on",
                   dict(offload_checkpoints=not p["offload_checkpoints"])))
-    small_chunk = (1 << 26) // p["model"]["vocab_size"]         # the loss chunk: 256 MB of fp32 logits
+    small_chunk = model.LOSS_CHUNK_LOGITS // p["model"]["vocab_size"]  # 256 MB of fp32 logits, without the floor
     if small_chunk < (p["chunk_tokens"] or model.default_chunk_tokens(model.GPTConfig(**p["model"]))):
         tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
     tries += [(f"--tile-tokens {n}", dict(tile_tokens=n)) for n in (TILE_TOKENS, 2048)

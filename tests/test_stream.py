@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import model
+import stream
 from conftest import SPECIAL, losses_agree, random_batch, update_rel
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
@@ -144,15 +145,15 @@ def test_weights_cross_once_per_visit_whatever_the_micro_batches(M):
 
 
 def test_gradient_store_only_when_updates_wait_for_the_global_norm(gen):
-    """No clipping: gradients pass through 3 pinned staging slabs (no 4 B/param store), also with the
-    non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
+    """No clipping: gradients pass through stream.STAGING_SLABS pinned staging slabs (no 4 B/param store), also
+    with the non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
     cfg = SPECIAL  # tied: the head holds a slab until the embedding scatter
     w0 = model.init_weights(cfg, 0)
     t = Trainer(cfg, w0, device="cpu", micro_batches=2, skip_nonfinite=True, **HP)
     for _ in range(3):
         t.step(*random_batch(cfg, 4, 16, gen))
     t.weights()
-    assert all(g is None for g in t.opt.grad) and t.slabs.qsize() == 3
+    assert all(g is None for g in t.opt.grad) and t.slabs.qsize() == stream.STAGING_SLABS
     clipped = Trainer(cfg, w0, device="cpu", grad_clip=1.0, **HP)
     assert all(g is not None and g.numel() == lay.numel for g, lay in zip(clipped.opt.grad, clipped.units))
 
@@ -229,7 +230,6 @@ def test_optimizer_thread_failure_is_raised_not_hung(clip, monkeypatch):
 def test_offload_is_decided_once(monkeypatch):
     """offload_checkpoints=None is decided at the first step from the device's free memory, then kept: the
     caching allocator's reserve lowers the free figure after step 1, which must not flip the decision."""
-    import stream
     assert stream.offload_needed(10, 5, 14) and not stream.offload_needed(10, 4, 14)
     cfg = model.PRESETS["toy"]
     free = iter([10**12] + [1] * 10)               # plenty at the first step, nothing after
@@ -259,7 +259,6 @@ def test_pinned_staging_is_made_once_per_shape():
 
 def test_optimizer_thread_has_its_own_thread_budget():
     """The worker's OpenMP team is capped (cores - 2, at least 1); the main thread keeps its own."""
-    import stream
     before = torch.get_num_threads()
     cfg = model.PRESETS["toy"]
     t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
