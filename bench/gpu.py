@@ -213,7 +213,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(weights[model.EMBED].clone())
-        self.layers = nn.ModuleList(Layer(cfg, model.layer_weights(weights, i, cfg)) for i in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Layer(cfg, model.layer_weights(cfg, weights, i)) for i in range(cfg.n_layer))
         self.norm, self.lm_head = nn.Parameter(weights[model.NORM].clone()), nn.Parameter(weights[model.HEAD].clone())
 
     def forward(self, tok, tgt):  # returns the summed loss of (tok, tgt)
