@@ -568,7 +568,9 @@ if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
     final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
-    window = min(cfg.max_seq_len, 1024)  # the sample's context: bounded at any --max-seq-len (plain forward)
+    # the sample's context: the trained length (RoPE positions past --seq-len were never seen: the text degenerates
+    # there), which is <= max_seq_len, and at most 1024 tokens at any length (a plain forward per sampled token)
+    window = min(1024, args.seq_len)
     with torch.no_grad():
         for _ in range(args.sample_tokens):
             logits = model.forward(cfg, final, ctx[:, -window:])[0, -1]
