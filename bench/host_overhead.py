@@ -6,7 +6,7 @@ side in one run, rounds interleaved, one OpenMP thread (tiny tensors; no spin-wa
   before   stream.py as of the issue's reference commit (427dd33), loaded from git history;
   after    stream.py now.
 Reported: host microseconds per layer visit (2 visits per layer per step) at M = 1 and 4, and the ratio.
-Also --calibrate: the per-op issue cost that the twin and the planner use (plan.HOST), from the same run.
+Also --calibrate: the per-op issue cost that the twin and the planner use (plan.HOST_OP_S), from the same run.
 
     python bench/host_overhead.py              # ~1 min
     python bench/host_overhead.py --calibrate  # + the issue cost per aten op of the engine's op stream
@@ -92,7 +92,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--calibrate", action="store_true", help="fit the per-op issue costs plan.HOST holds")
+    ap.add_argument("--calibrate", action="store_true", help="fit the per-op issue cost plan.HOST_OP_S holds")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.calibrate:

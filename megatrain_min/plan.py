@@ -159,8 +159,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     gradient per parameter there; without it each unit is updated as its gradient lands, through staging
     slabs (staging_slabs None: as many as hide the D2H + AdamW latency, see `slabs`). offload_checkpoints
     None: stream.offload_needed decides (pass p["offload_checkpoints"] to stream.Trainer). residual_dtype:
-    "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard, a host wait for
-    the loss after the head when updates are not deferred. pinned_pow2: model torch's pinned allocator as it
+    "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard; without deferral
+    it costs a host wait for the loss after the head and one more read of each gradient (HostAdamW.step's
+    finite_only), never a gradient store. pinned_pow2: model torch's pinned allocator as it
     is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice (tile_for).
     """
@@ -534,7 +535,7 @@ def suggest(p):
                   ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=0.0))]
     tries.append(("--offload-checkpoints off" if p["offload_checkpoints"] else "--offload-checkpoints on",
                   dict(offload_checkpoints=not p["offload_checkpoints"])))
-    small_chunk = (1 << 26) // p["model"]["vocab_size"]         # the loss chunk: 256 MB of fp32 logits
+    small_chunk = model.LOSS_CHUNK_LOGITS // p["model"]["vocab_size"]  # 256 MB of fp32 logits, without the floor
     if small_chunk < (p["chunk_tokens"] or model.default_chunk_tokens(model.GPTConfig(**p["model"]))):
         tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
     tries += [(f"--tile-tokens {n}", dict(tile_tokens=n)) for n in (TILE_TOKENS, 2048)

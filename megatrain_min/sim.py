@@ -405,7 +405,7 @@ class ZeroWeights(Mapping):
     """weights for the twin: every key reads as zeros of its shape (under FakeTensorMode: nothing allocated)."""
 
     def __init__(self, cfg):
-        self.shapes = {key: shape for u in model.units(cfg) for _, key, shape, _ in u.entries}
+        self.shapes = {e.key: e.shape for u in model.units(cfg) for e in u.entries}
 
     def __getitem__(self, key):
         return torch.zeros(self.shapes[key])
