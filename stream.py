@@ -410,8 +410,15 @@ class Trainer:
             fut.result()
 
     def _load(self, u, slot):
-        """H2D: unit u's weights into wslot[slot], one contiguous copy, once compute is done with the slot."""
+        """Unit u's weights into wslot[slot] (load_unit), after its last update; remember which slot holds it."""
         self._ready(u)
+        self.load_unit(u, slot)
+        self.resident = {k: s for k, s in self.resident.items() if s != slot}
+        self.resident[u] = slot
+
+    def load_unit(self, u, slot):
+        """Hook. H2D: unit u's weights into wslot[slot], one contiguous copy, once compute is done with the slot;
+        sets slot_loaded[slot]. The one place weights cross to the GPU (a subclass may count or replace it)."""
         n = self.units[u].numel
         src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]
         with self.h2d():
@@ -422,8 +429,6 @@ class Trainer:
                 self.stage[:n].copy_(src, non_blocking=True)
                 self.wslot[slot][:n].copy_(self.stage[:n])
             self.slot_loaded[slot] = self.h2d.record()
-        self.resident = {k: s for k, s in self.resident.items() if s != slot}
-        self.resident[u] = slot
 
     def _prefetch(self, u, busy_slot):
         """Make sure unit u is (being) loaded into the slot that the current visit does not use."""

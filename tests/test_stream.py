@@ -121,15 +121,15 @@ def test_host_store_layout_bf16_shadow():
 
 
 class CountingTrainer(Trainer):
-    """A Trainer that notes the name of every unit copied into a weight slot (_load: the one place weights cross)."""
+    """A Trainer that notes the name of every unit copied into a weight slot (load_unit: the one place weights cross)."""
 
     def __init__(self, *args, **kw):
         self.loads = []
         super().__init__(*args, **kw)
 
-    def _load(self, u, slot):
+    def load_unit(self, u, slot):
         self.loads.append(self.units[u].name)
-        return super()._load(u, slot)
+        return super().load_unit(u, slot)
 
 
 @pytest.mark.parametrize("M", [1, 4])

@@ -48,7 +48,7 @@ from stream import Trainer  # noqa: E402
 # One copy of layer i serves all M micro-batches. The price: the boundary checkpoints (lesson 2) of all
 # micro-batches must be kept at once, L x (B, T, d) -- on the GPU or offloaded to pinned host memory.
 #
-# Count the copies on the real engine: a small subclass overrides `Trainer._load`, the one place weights are
+# Count the copies on the real engine: a small subclass overrides `Trainer.load_unit`, the one place weights are
 # copied in, and notes each unit before doing the real copy.
 
 # %%
@@ -57,9 +57,9 @@ class CountingTrainer(Trainer):
         self.loads = []                     # the unit index of every copy into a weight slot
         super().__init__(*args, **kw)
 
-    def _load(self, u, slot):
+    def load_unit(self, u, slot):
         self.loads.append(u)
-        return super()._load(u, slot)
+        return super().load_unit(u, slot)
 
 
 cfg = model.PRESETS["toy"]
