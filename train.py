@@ -492,6 +492,7 @@ def save(step_done):
         fail(f"{e}. Free space (or fix the permission), then continue with --resume", 4)
 
 
+peak = planner.peak_tflops(pl["hardware"], pl["dtype"])  # MFU only against a known peak: a profiled GPU, not a CPU
 t_start = time.time()
 bar = tqdm(range(start_step, args.steps), desc="train", dynamic_ncols=True, disable=None,
            initial=start_step, total=args.steps)
@@ -515,7 +516,10 @@ for step in bar:
     if args.engine == "stream" and not trainer.defer_updates:
         trainer.wait()  # updates run as gradients land: a unit's non-finite gradient is known once they are done
     dt = time.time() - t0
-    rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+    rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+           "model_tflops": planner.model_tflops(cfg, tokens_per_step, dt)}        # 6 N per token, as the planner
+    if peak:
+        rec["mfu"] = rec["model_tflops"] / peak
     n_skips = n_skips + 1 if trainer.skipped or trainer.skipped_units else 0
     if trainer.skipped:
         rec["skipped"] = True
@@ -533,7 +537,8 @@ for step in bar:
     except OSError as e:
         fail(f"could not write {out / 'metrics.jsonl'} ({e.strerror}); the last checkpoint is "
              f"{checkpoint.latest(out) or 'none'}", 4)
-    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
+                    **(dict(tflops=f"{rec['model_tflops']:.1f}", mfu=f"{rec['mfu']:.0%}") if peak else {}))
     if prof is not None:
         prof.step()
     if n_skips >= args.max_skips:

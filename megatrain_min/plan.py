@@ -116,11 +116,11 @@ def local_hardware():
                     if k.removeprefix("rtx") in name.lower()), None)
         hw = dict(HARDWARE[key]) if key else dict(bf16_tflops=100, fp32_tflops=20, frac=0.5, hbm_gbs=1000,
                                                   h2d_gbs=25, d2h_gbs=25, host_bw_gbs=50)
-        hw.update(gpu=name, gpu_mem_gb=torch.cuda.mem_get_info(0)[0] / GB)
+        hw.update(gpu=name, gpu_mem_gb=torch.cuda.mem_get_info(0)[0] / GB, profiled=key is not None)
     else:  # ~0.1 TFLOP/s per core in fp32 (AVX2/AVX-512 FMA), bf16 matmuls much slower on most CPUs
         cores, bw = os.cpu_count() or 1, 20
         hw = dict(gpu="cpu", gpu_mem_gb=0, bf16_tflops=0.02 * cores, fp32_tflops=0.1 * cores, frac=0.5,
-                  hbm_gbs=bw, h2d_gbs=bw / 2, d2h_gbs=bw / 2, host_bw_gbs=bw)
+                  hbm_gbs=bw, h2d_gbs=bw / 2, d2h_gbs=bw / 2, host_bw_gbs=bw, profiled=False)
     return dict(hw, name="local", host_mem_gb=host_available_bytes() / GB)
 
 
@@ -145,6 +145,17 @@ def flops_per_token(cfg):
     """Model FLOPs per trained token: 6 x the parameters that multiply (every matrix except the embedding
     table, which is a gather). No attention scores, no recompute: those are not useful work."""
     return 6 * sum(u.n_decay for u in model.units(cfg) if u.name != "embed")
+
+
+def model_tflops(cfg, tokens, seconds):
+    """Model TFLOP/s of `tokens` trained in `seconds`: flops_per_token (6 N) per token, as nanoGPT and PaLM count."""
+    return flops_per_token(cfg) * tokens / seconds / 1e12
+
+
+def peak_tflops(hw, dtype):
+    """The dense peak TFLOP/s of hardware `hw` in dtype ("bf16", "fp32"), or None when it is a guess (a CPU, a
+    GPU without a profile in HARDWARE): MFU against a guess would be a made-up number."""
+    return hw[f"{dtype}_tflops"] if hw.get("profiled", True) else None
 
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
@@ -274,10 +285,10 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     fits_host, fits_gpu = host_bytes <= host_limit, (not cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
 
     # ---- the schedule
-    step_time, busy, critical = simulate(L, t, numel, rate, deferred=defer, tied=tied, offload=offload,
+    step_time, busy, critical = simulate(L, t, numel, rate, defer_updates=defer, tied=tied, offload=offload,
                                          slabs=slabs, guard=skip_nonfinite and not defer, overlap=cuda)
     peak = hw[f"{dtype}_tflops"]
-    model_tflops = flops_per_token(cfg) * tokens / step_time / 1e12
+    tflops = model_tflops(cfg, tokens, step_time)
     mins = {"h2d": F * (sb / h2d + cast) / 2,          # a layer's forward (2NT FLOPs) outlasts its copy (N sb B)
             "d2h": F * 4 / (6 * d2h),                  # its recompute + backward (6NT) outlasts the fp32 grad
             "cpu_adam": F * (adam_b + 4 * defer) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
@@ -289,8 +300,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
              host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
              gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t,
-             step_time_s=step_time, tokens_per_s=tokens / step_time, model_tflops=model_tflops,
-             mfu=model_tflops / peak, utilization={k: v / step_time for k, v in busy.items()},
+             step_time_s=step_time, tokens_per_s=tokens / step_time, model_tflops=tflops,
+             mfu=tflops / peak, utilization={k: v / step_time for k, v in busy.items()},
              critical_path={k: v / step_time for k, v in critical.items()}, bottleneck=max(critical, key=critical.get),
              min_tokens=mins, min_tokens_per_step=max(mins.values()))
     return p
@@ -311,7 +322,7 @@ def stream_slabs(t, tied):
     return max(stream.STAGING_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
 
 
-def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SLABS, guard=False, overlap=True,
+def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGING_SLABS, guard=False, overlap=True,
              steps=3):
     """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams) and
     cpu_adam (the optimizer thread) -- and the host thread that issues the work. A task starts when its lane
@@ -363,7 +374,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
     def cost(what, u):
         return numel["layer" if isinstance(u, int) else u] * rate[what]
 
-    emb, first = ("head" if tied else "embed"), "norm" if deferred else "adam"  # the worker's job per landing
+    emb, first = ("head" if tied else "embed"), "norm" if defer_updates else "adam"  # the worker's job per landing
     upd, starts = {}, []                         # unit -> when its latest update finished
     for _ in range(steps):
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
@@ -391,7 +402,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
             block(loss)
 
         def drain(unit, k, after):               # grad visit k: a slab (unless deferred), D2H, then the worker
-            if not deferred and len(slab_back) >= slabs - tied:
+            if not defer_updates and len(slab_back) >= slabs - tied:
                 block(slab_back[len(slab_back) - (slabs - tied)])
             done = run("d2h", after, cost("grad", unit))
             gslot_free[k % 2] = done
@@ -411,12 +422,12 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
             drain(i, k, x)
             ready = nxt_ready
         # embedding: dy of layer 0 goes down, the worker scatters it into the rows used
-        if not deferred and not tied and len(slab_back) >= slabs:
+        if not defer_updates and not tied and len(slab_back) >= slabs:
             block(slab_back[len(slab_back) - slabs])
         upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", x, t["dy"]), t["scatter"]),
                        cost(first, emb) + t.get("host_update", 0.0))
         block(loss)                              # the step's loss, read on the host
-        if deferred:  # every norm known: updates in forward order, the next forward waits per unit
+        if defer_updates:  # every norm known: updates in forward order, the next forward waits per unit
             block(max(upd.values()))
             for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
                 upd[u] = run("cpu_adam", 0.0, cost("adam", u) + t.get("host_update", 0.0))

@@ -286,3 +286,14 @@ def test_host_lane_names_the_host_where_it_is_the_bottleneck():
     assert fast_host["bottleneck"] != "host" and fast_host["step_time_s"] < toy["step_time_s"] / 5
     big = P.plan(model.PRESETS["7b"], "h100", batch_size=4, seq_len=4096)
     assert big["bottleneck"] == "compute" and big["utilization"]["host"] < 0.1
+
+
+def test_mfu_only_against_a_known_peak():
+    """train.py's mfu: a profiled GPU has a peak, this CPU's numbers are guesses and give none; model_tflops is
+    the planner's 6 N per token."""
+    assert P.peak_tflops(P.HARDWARE["h100"], "bf16") == P.HARDWARE["h100"]["bf16_tflops"]
+    assert P.peak_tflops(P.local_hardware(), "fp32") is None          # the CI machine has no GPU
+    cfg = model.PRESETS["toy"]
+    assert P.model_tflops(cfg, 1000, 2.0) == P.flops_per_token(cfg) * 500 / 1e12
+    p = P.plan(model.PRESETS["7b"], "h100", batch_size=4, seq_len=4096)
+    assert p["mfu"] == pytest.approx(p["model_tflops"] / P.HARDWARE["h100"][p["dtype"] + "_tflops"])

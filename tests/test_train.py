@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+import model
 from conftest import ROOT
+from megatrain_min import plan as planner
 
 FAST = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1",
         "--sample-tokens", "0"]
@@ -76,8 +78,21 @@ def test_stream_and_reference_engines_print_the_same_losses(tmp_path):
         losses[engine] = [r_["loss"] for r_ in recs] + [recs[-1]["val_loss"]]
         cfg = json.loads((tmp_path / engine / "config.json").read_text())
         assert cfg["model"]["vocab_size"] == 256
+        check_model_tflops(recs, cfg)
     for a, b in zip(losses["stream"], losses["reference"]):
         assert abs(a - b) / b <= 1e-5, losses
+
+
+def check_model_tflops(recs, config):
+    """model_tflops = 6 x (the weights that multiply: every matrix but the embedding's gather) x tokens/s, counted
+    here from the weights themselves; no mfu on a CPU (its peak is a guess)."""
+    cfg = model.GPTConfig(**config["model"])
+    w = model.init_weights(cfg, 0)
+    mult = sum(t.numel() for k, t in w.items() if t.dim() == 2 and ("embed_tokens" not in k or cfg.tie_embeddings))
+    assert 6 * mult == planner.flops_per_token(cfg)
+    for r in recs:
+        assert r["model_tflops"] == pytest.approx(6 * mult * r["tokens_per_s"] / 1e12, rel=1e-12)
+        assert "mfu" not in r
 
 
 def metrics(path):
