@@ -283,8 +283,14 @@ class Trainer:
         leaves = lambda flat, layout: {k: v.detach().requires_grad_() for k, v in layout.views(flat).items()}  # noqa
         self.wviews = [{"layer": leaves(w, lay), "head": leaves(w, head)} for w in self.wslot]
         self.gviews = [{"layer": lay.views(g), "head": head.views(g)} for g in self.gslot]
-        self.slot_loaded, self.slot_free, self.gslot_free = [None, None], [None, None], [None, None]
-        self.ring, self.ring_ready, self.ring_free = {}, [None] * RING, [None] * RING  # checkpoint ring
+        # the events that order the slots (None: nothing to wait for yet)
+        self.slot_loaded = [None, None]        # H2D: weight slot s holds its unit's weights
+        self.slot_free = [None, None]          # compute: done reading weight slot s
+        self.gslot_free = [None, None]         # D2H: done copying grad slot s out
+        # offloaded checkpoints pass through RING device buffers (_ring_slot), each with its two events
+        self.ring = {}                         # shape -> the RING device buffers of that shape
+        self.ring_ready = [None] * RING        # its copy (compute: in; H2D: back) is done
+        self.ring_free = [None] * RING         # its reader (D2H: out; compute: the backward) is done
         self.resident = {}                     # unit -> the weight slot holding its current weights
         self.rope = {}                         # T -> (cos, sin) on the device
 
