@@ -297,3 +297,14 @@ def test_mfu_only_against_a_known_peak():
     assert P.model_tflops(cfg, 1000, 2.0) == P.flops_per_token(cfg) * 500 / 1e12
     p = P.plan(model.PRESETS["7b"], "h100", batch_size=4, seq_len=4096)
     assert p["mfu"] == pytest.approx(p["model_tflops"] / P.HARDWARE["h100"][p["dtype"] + "_tflops"])
+
+
+def test_120b_clipped_names_grad_clip_0_as_the_way_out():
+    """Issue 14 #13: clipping keeps an fp32 gradient store (+4 B/param) that overflows 1.5 TB; the verdict names
+    the nearest setting that fits, --grad-clip 0 (1.46 TB), in the table and in --json's "fix"."""
+    p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4, grad_clip=1.0)
+    assert not p["fits_host"] and p["fits_gpu"]
+    assert P.suggest(p) == "--grad-clip 0"
+    assert "nearest setting that fits: --grad-clip 0" in P.format_plan(p)
+    assert json.loads(P.plan_json(p))["fix"] == "--grad-clip 0"
+    assert P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)["fits"]
