@@ -106,7 +106,7 @@ print("\n".join(broken.summary().splitlines()[:9]))
 
 # %% [markdown]
 # Read the report. `wslot[0]` is the first weight slot: the compute lane read it (`model.py`: the first ops of
-# a layer, its norm and projections) and the H2D lane wrote it (`stream.py`, `_load`) with no happens-before
+# a layer, its norm and projections) and the H2D lane wrote it (`stream.py`, `load_unit`) with no happens-before
 # edge between the two -- on a GPU the copy of layer i+2 could overwrite the weights layer i is still
 # computing with. Each report names the buffer, both ops, both lanes and both source lines. The
 # test suite deletes every event wait of `stream.py` in turn and asserts the checker catches each
