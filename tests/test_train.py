@@ -100,19 +100,19 @@ def metrics(path):
 
 
 def test_resume_is_bit_exact(tmp_path):
-    """20 steps straight equal 10 steps, stop, resume, 10 more: every logged loss and the final weights."""
-    common = ["--steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-every", "10", "--eval-batches", "1",
+    """8 steps straight equal 4 steps, stop, resume, 4 more: every logged loss and the final weights."""
+    common = ["--steps", "8", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--eval-batches", "1",
               "--sample-tokens", "0", "--micro-batches", "2"]
     assert run(*common, "--out", str(tmp_path / "a")).returncode == 0
-    assert run(*common, "--save-every", "10", "--keep", "5", "--out", str(tmp_path / "b")).returncode == 0
+    assert run(*common, "--save-every", "4", "--keep", "5", "--out", str(tmp_path / "b")).returncode == 0
     import shutil
-    shutil.rmtree(tmp_path / "b" / "ckpt-00000020")
-    r = run(*common, "--save-every", "10", "--keep", "5", "--out", str(tmp_path / "b"), "--resume")
+    shutil.rmtree(tmp_path / "b" / "ckpt-00000008")
+    r = run(*common, "--save-every", "4", "--keep", "5", "--out", str(tmp_path / "b"), "--resume")
     assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [(x["step"], x["loss"], x.get("val_loss")) for x in a] == [(x["step"], x["loss"], x.get("val_loss")) for x in b]
     for f in ("layer.0.bin", "head.bin", "embed.bin"):
-        assert (tmp_path / "a" / "ckpt-00000020" / f).read_bytes() == (tmp_path / "b" / "ckpt-00000020" / f).read_bytes()
+        assert (tmp_path / "a" / "ckpt-00000008" / f).read_bytes() == (tmp_path / "b" / "ckpt-00000008" / f).read_bytes()
 
 
 def test_sigterm_saves_at_step_boundary_and_resume_continues(tmp_path):
