@@ -25,6 +25,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, asdict
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -138,11 +139,29 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------- flat layouts
+class Entry(NamedTuple):
+    """One tensor of a unit: the name block() reads it by, its weights-dict key, its shape, its offset (elements)
+    in the unit's flat buffer."""
+    short: str
+    key: str
+    shape: tuple
+    offset: int
+
+    @property
+    def numel(self):
+        return math.prod(self.shape)
+
+    def view(self, flat):
+        """This tensor as a view of the unit's flat buffer (no copy)."""
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
 class Layout:
     """One unit's parameters packed into one flat buffer: [2-D matrices | 1-D vectors].
 
-    entries: (short name, full weights-dict key, shape, offset). The leading n_decay elements are
-    the matrices (AdamW decays them), the rest are vectors (no decay): two fused optimizer calls.
+    entries: [Entry(short, key, shape, offset)], made from (short name, full weights-dict key, shape) triples.
+    The leading n_decay elements are the matrices (AdamW decays them), the rest are vectors (no decay): two
+    fused optimizer calls.
     """
 
     def __init__(self, name, entries):
@@ -150,29 +169,29 @@ class Layout:
         assert dims == sorted(dims, reverse=True), f"{name}: matrices must come before vectors"
         self.name, self.entries, off = name, [], 0
         for short, key, shape in entries:
-            self.entries.append((short, key, tuple(shape), off))
+            self.entries.append(Entry(short, key, tuple(shape), off))
             off += math.prod(shape)
         self.numel = off
-        self.n_decay = sum(math.prod(s) for _, _, s, _ in self.entries if len(s) >= 2)
+        self.n_decay = sum(e.numel for e in self.entries if len(e.shape) >= 2)
 
     def views(self, flat):
         """{short name: view of flat} -- no copy; the views share flat's storage and dtype."""
-        return {short: flat[o:o + math.prod(s)].view(s) for short, _, s, o in self.entries}
+        return {e.short: e.view(flat) for e in self.entries}
 
     def key_views(self, flat):
         """{full weights-dict key: view of flat}."""
-        return {key: flat[o:o + math.prod(s)].view(s) for _, key, s, o in self.entries}
+        return {e.key: e.view(flat) for e in self.entries}
 
     def keys(self):
-        return [key for _, key, _, _ in self.entries]
+        return [e.key for e in self.entries]
 
     def key_at(self, i):
         """The key of the tensor that holds element i of the flat buffer."""
-        return next(key for _, key, s, o in self.entries if o <= i < o + math.prod(s))
+        return next(e.key for e in self.entries if e.offset <= i < e.offset + e.numel)
 
     def table(self):
         rows = [f"{self.name}: {self.numel:,} elements, decayed [0, {self.n_decay:,})"]
-        rows += [f"  {key:<44} {str(list(s)):>14} @ {o:>12,}" for _, key, s, o in self.entries]
+        rows += [f"  {e.key:<44} {str(list(e.shape)):>14} @ {e.offset:>12,}" for e in self.entries]
         return "\n".join(rows)
 
 
@@ -330,6 +349,8 @@ def block(cfg, x, w, rope, tile_tokens=0):
     """
     T, (cos, sin) = x.shape[1], rope
     check_seq_len(cfg, T)
+    if not tile_tokens or tile_tokens >= T:      # untiled: the parts on the whole sequence, nothing sliced
+        return attn_out_mlp(cfg, x, attention(cfg, *attn_in(cfg, x, w, cos, sin)), w)
     q, k, v = over_tiles(lambda s: attn_in(cfg, x[:, s], w, cos[s], sin[s]), T, tile_tokens)
     y = attention(cfg, q, k, v)                                                # (B, T, nh, hd)
     return over_tiles(lambda s: (attn_out_mlp(cfg, x[:, s], y[:, s], w),), T, tile_tokens)[0]
@@ -346,12 +367,15 @@ def head_loss(cfg, x, w, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
+LOSS_CHUNK_LOGITS = 1 << 26  # fp32 logits per loss chunk: 256 MB (default_chunk_tokens; plan.py's smaller chunk)
+
+
 def default_chunk_tokens(cfg):
-    """Tokens per loss chunk (the one home of this default): 2**26 fp32 logits (256 MB), but at least 2048 tokens.
+    """Tokens per loss chunk (the one home of this default): LOSS_CHUNK_LOGITS fp32 logits, at least 2048 tokens.
     Why the floor: each chunk's backward builds a V x d lm_head gradient that is added into fp32 (~12 B/param of
     memory traffic); at 2048 tokens the chunk's 2*V*d*2048 FLOP outweigh it on an H100 (~340 FLOP/B against a
     ridge of ~295), at Llama 3's V=128k the 2**26 rule alone would give 523 tokens and a memory-bound head."""
-    return max(2048, (1 << 26) // cfg.vocab_size)
+    return max(2048, LOSS_CHUNK_LOGITS // cfg.vocab_size)
 
 
 def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
@@ -368,12 +392,12 @@ def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
     return total
 
 
-def layer_weights(weights, i, cfg):
+def layer_weights(cfg, weights, i):
     """{short name: tensor} of layer i, taken from a weights dict."""
     return {s: weights[f"model.layers.{i}.{s}"] for s, _ in layer_entries(cfg)}
 
 
-def head_weights(weights, cfg):
+def head_weights(cfg, weights):
     return {"lm_head": weights[EMBED if cfg.tie_embeddings else HEAD], "norm": weights[NORM]}
 
 
@@ -383,13 +407,13 @@ def hidden(cfg, weights, tokens):
     x = F.embedding(tokens, weights[EMBED])                      # (B, T, d)
     rope = rope_cache(cfg, T, x.device, x.dtype)
     for i in range(cfg.n_layer):
-        x = block(cfg, x, layer_weights(weights, i, cfg), rope)
+        x = block(cfg, x, layer_weights(cfg, weights, i), rope)
     return x
 
 
 def forward(cfg, weights, tokens):
     """Plain in-memory reference forward: logits (B, T, vocab), differentiable w.r.t. weights."""
-    w = head_weights(weights, cfg)
+    w = head_weights(cfg, weights)
     return F.linear(rms_norm(hidden(cfg, weights, tokens), w["norm"], cfg.norm_eps), w["lm_head"])
 
 
@@ -397,7 +421,7 @@ def loss(cfg, weights, tokens, targets, chunk_tokens=None):
     """Reference training loss: mean cross-entropy over the non-ignored targets, chunked head."""
     n = (targets != IGNORE).sum().clamp(min=1)
     chunk = chunk_tokens or default_chunk_tokens(cfg)
-    return chunked_loss_sum(cfg, hidden(cfg, weights, tokens), head_weights(weights, cfg), targets, chunk) / n
+    return chunked_loss_sum(cfg, hidden(cfg, weights, tokens), head_weights(cfg, weights), targets, chunk) / n
 
 
 # ----------------------------------------------------------------------------- gradients, one unit at a time
@@ -513,13 +537,13 @@ def init_unit(cfg, layout, gen):
     1/sqrt(2 n_layer) as in GPT-2; norms 1; biases 0.
     """
     out = {}
-    for short, key, shape, _ in layout.entries:
-        if len(shape) == 1:
-            t = torch.ones(shape) if short.endswith("norm.weight") or short == "norm" else torch.zeros(shape)
+    for e in layout.entries:
+        if len(e.shape) == 1:
+            t = torch.ones(e.shape) if e.short.endswith("norm.weight") or e.short == "norm" else torch.zeros(e.shape)
         else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if short.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-            t = torch.empty(shape).normal_(0.0, std, generator=gen)
-        out[key] = t
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if e.short.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            t = torch.empty(e.shape).normal_(0.0, std, generator=gen)
+        out[e.key] = t
     return out
 
 
@@ -579,7 +603,7 @@ def check_weights(cfg, weights, tensors=True):
     check_config(cfg)
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a Mapping {{key: tensor}} as model.init_weights returns, got {type(weights).__name__}")
-    want = {key: shape for lay in units(cfg) for _, key, shape, _ in lay.entries}
+    want = {e.key: e.shape for lay in units(cfg) for e in lay.entries}
     missing = [key for key in want if key not in weights]
     if missing:
         raise ValueError(f"weights has no {missing[0]!r} ({len(missing)} of the config's {len(want)} tensors missing)")

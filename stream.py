@@ -457,7 +457,7 @@ class Trainer:
 
     def load_unit(self, u, slot):
         """Hook. H2D: unit u's weights into wslot[slot], one contiguous copy, once compute is done with the slot;
-        sets slot_loaded[slot]."""
+        sets slot_loaded[slot]. The one place weights cross to the GPU (a subclass may count or replace it)."""
         n = self.units[u].numel
         src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]
         with self.h2d():
@@ -489,7 +489,7 @@ class Trainer:
     def embed_rows(self, b):
         """Hook. x for the step: the embedding rows of its tokens, gathered on the host by one index_select into a
         pinned buffer (only B x T x d cross PCIe, never the table), from the fp32 master -- or the bf16 shadow
-        when the residual stream is bf16. Returns (B, T, d) in the residual dtype, on the compute lane."""
+        when the residual stream is bf16. Returns M x (B/M, T, d) in the residual dtype, on the compute lane."""
         src = self.opt.master[self.embed]
         if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
             src = self.opt.shadow[self.embed]
@@ -502,7 +502,7 @@ class Trainer:
             x.copy_(rows, non_blocking=True)
             ready = self.h2d.record()
         self.comp.wait(ready)
-        return x.to(self.residual_dtype)                                      # lean + bf16 residual: cast here
+        return list(x.to(self.residual_dtype).chunk(self.M))                  # lean + bf16 residual: cast here
 
     def _scatter_embedding(self, tokens, dy_host, dy_ready, lr):
         """Worker: once dy of layer 0 is on the host, the embedding's gradient (add_embedding_grad), its update."""
@@ -526,9 +526,9 @@ class Trainer:
     # ------------------------------------------------------------------ forward, head, backward
     @torch.no_grad()
     def _forward(self, b, keep):
-        """Embedding + all layers, layer-major, no autograd graph, the whole batch at once (micro-batches bound
-        what the backward saves; a no-grad forward saves nothing). Returns (x, ckpt): x is (B, T, d) on the compute
-        lane; ckpt[i] = the input of layer i: on the device, or (offloaded) its pinned host copy."""
+        """Embedding + all layers, layer-major, no autograd graph, one micro-batch at a time (so that one layer's
+        transients are a micro-batch's, as in the backward). Returns (x, ckpt): x is M x (B/M, T, d) on the
+        compute lane; ckpt[i] = the inputs of layer i: on the device, or (offloaded) their pinned host copy."""
         cfg, L = self.cfg, len(self.layers)
         self.resident = {}                              # last step's slots hold stale weights
         self._load(self.layers[0], 0)
@@ -541,7 +541,7 @@ class Trainer:
             w = self.wviews[s]["layer"]                 # views into weight slot s, compute dtype
             if keep:                                    # boundary checkpoint: the input of layer i
                 ckpt.append(self._offload(i, x) if b.offload else x)
-            x = model.block(cfg, x, w, b.rope, self.tile)                       # (B, T, d)
+            x = [model.block(cfg, x_j, w, b.rope, self.tile) for x_j in x]      # (B/M, T, d) each
             self.slot_free[s] = self.comp.record()
             self._prefetch(self.layers[i + 1] if i + 1 < L else self.head, s)
         return x, ckpt
@@ -558,8 +558,8 @@ class Trainer:
         if backward:
             gs = self._grad_slot(self.head, 0)
         loss, dy = torch.zeros((), dtype=torch.float32, device=self.dev), []
-        for x_j, tgt in zip(x.chunk(self.M), b.targets.chunk(self.M)):  # per micro-batch: where the head's bf16
-            xf, tgt = x_j.reshape(-1, cfg.d_model), tgt.reshape(-1)         # gradient is rounded, as the oracle does
+        for x_j, tgt in zip(x, b.targets.chunk(self.M)):                          # per micro-batch, as the oracle
+            xf, tgt = x_j.reshape(-1, cfg.d_model), tgt.reshape(-1)             # (B/M*T, d), (B/M*T,)
             if backward:
                 lj, dx = model.head_grad(cfg, xf, w, tgt, b.n_tok, self.gviews[gs]["head"], self.chunk)
                 dy.append(dx.view_as(x_j))
@@ -587,7 +587,7 @@ class Trainer:
                 (xs, r), nxt = nxt, (self._reload(i - 1, ckpt) if i > 0 else None)
                 self.comp.wait(self.ring_ready[r])
             else:
-                xs = ckpt[i].chunk(self.M)
+                xs = ckpt[i]
             if i > 0:
                 self._prefetch(self.layers[i - 1], s)
             self.comp.wait(self.slot_loaded[s])
@@ -613,9 +613,10 @@ class Trainer:
     def _offload(self, i, x):
         """Layer i's input to host memory through a ring slot: compute copies x into the slot once its previous
         D2H finished, D2H copies the slot out. The ring bounds the device memory whatever the host's lead."""
-        r, slot = self._ring_slot(i, tuple(x.shape))
+        r, slot = self._ring_slot(i, (self.M * x[0].shape[0], *x[0].shape[1:]))
         self.comp.wait(self.ring_free[r])
-        slot.copy_(x)
+        for dst, x_j in zip(slot.chunk(self.M), x):
+            dst.copy_(x_j)
         self.ring_ready[r] = self.comp.record()
         host = self.pinned("checkpoints", (len(self.layers), *slot.shape), self.residual_dtype)[i]
         with self.d2h():

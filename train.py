@@ -1,4 +1,5 @@
-"""train.py -- the script: flags -> config -> plan check -> data -> outputs -> weights -> engine -> loop -> checkpoints -> sample.
+"""train.py -- the script, top to bottom: flags -> config -> plan check -> data -> outputs -> weights -> engine
+-> loop -> checkpoints -> sample.
 
 What it is
     The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset on
@@ -48,56 +49,85 @@ def fail(msg, code=2):
 
 
 # ----------------------------------------------------------------------------- flags
-p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host memory.",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-p.add_argument("--config", default=None, help=f"preset: {', '.join(model.PRESETS)} (default toy)")
-p.add_argument("--steps", type=int, default=400, help="total optimizer steps (a resumed run continues to this)")
-p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
-p.add_argument("--micro-batches", type=int, default=1, help="split each step into this many micro-batches")
-p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (<= the model's max_seq_len)")
+# Each help string names its default once: "%(default)s" where the value says it all, in words where it depends on
+# something (the device, the preset, the planner).
+p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host memory.")
+p.add_argument("--config", default=None, help=f"preset: {', '.join(model.PRESETS)} (default: toy)")
+p.add_argument("--steps", type=int, default=400,
+               help="total optimizer steps; a resumed run continues to this (default: %(default)s)")
+p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step (default: %(default)s)")
+p.add_argument("--micro-batches", type=int, default=1,
+               help="split each step into this many micro-batches (default: %(default)s)")
+p.add_argument("--seq-len", type=int, default=128,
+               help="tokens per sequence, <= the model's max_seq_len (default: %(default)s)")
 p.add_argument("--max-seq-len", type=int, default=None,
-               help="raise (or lower) the model's max_seq_len: longer sequences than the preset's (RoPE has no table)")
+               help="raise (or lower) the model's max_seq_len: longer sequences than the preset's (RoPE has no table; "
+                    "default: the preset's)")
 p.add_argument("--tile-tokens", type=int, default=None,
                help="run each layer's norms, projections and MLP this many tokens at a time (exact; 0 = untiled; "
                     "default: the planner's choice, untiled unless long sequences need it)")
-p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine to lr/10)")
-p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
-p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay on tensors with >= 2 dims")
-p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip (0 = off)")
-p.add_argument("--seed", type=int, default=0, help="seed for init and batches")
+p.add_argument("--lr", type=float, default=3e-3,
+               help="peak learning rate: warmup, then cosine to lr/10 (default: %(default)s)")
+p.add_argument("--warmup", type=int, default=30, help="linear warmup steps (default: %(default)s)")
+p.add_argument("--weight-decay", type=float, default=0.1,
+               help="AdamW decay on tensors with >= 2 dims (default: %(default)s)")
+p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip, 0 = off (default: %(default)s)")
+p.add_argument("--seed", type=int, default=0, help="seed for init and batches (default: %(default)s)")
 p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
-p.add_argument("--data", default=None, help="a .txt (bytes), a .npy token array, or an SFT .jsonl (default: data/tinyshakespeare.txt)")
-p.add_argument("--out", default="out", help="output directory for metrics, config and checkpoints")
-p.add_argument("--engine", default="stream", choices=["stream", "reference"], help="layer streaming, or plain PyTorch")
-p.add_argument("--eval-every", type=int, default=100, help="evaluate val loss every N steps (and at the end)")
-p.add_argument("--eval-batches", type=int, default=8, help="val batches per evaluation")
-p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"], help="boundary checkpoints in host memory")
-p.add_argument("--mode", default="fast", choices=["fast", "lean"], help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param")
+p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+               help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
+p.add_argument("--data", default=None,
+               help="a .txt (bytes), a .npy token array, or an SFT .jsonl (default: data/tinyshakespeare.txt)")
+p.add_argument("--out", default="out",
+               help="output directory for metrics, config and checkpoints (default: %(default)s)")
+p.add_argument("--engine", default="stream", choices=["stream", "reference"],
+               help="layer streaming, or plain PyTorch (default: %(default)s)")
+p.add_argument("--eval-every", type=int, default=100,
+               help="evaluate val loss every N steps and at the end (default: %(default)s)")
+p.add_argument("--eval-batches", type=int, default=8, help="val batches per evaluation (default: %(default)s)")
+p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"],
+               help="boundary checkpoints in host memory; auto: when they would not fit on the device "
+                    "(default: %(default)s)")
+p.add_argument("--mode", default="fast", choices=["fast", "lean"],
+               help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param (default: %(default)s)")
 p.add_argument("--residual-dtype", default="fp32", choices=["fp32", "bf16"],
-               help="dtype of the residual stream (x, checkpoints, dy); bf16 halves those bytes at some accuracy")
-p.add_argument("--chunk-tokens", type=int, default=0, help="tokens per loss chunk (0: model.default_chunk_tokens)")
+               help="dtype of the residual stream (x, checkpoints, dy); bf16 halves those bytes at some accuracy "
+                    "(default: %(default)s)")
+p.add_argument("--chunk-tokens", type=int, default=0,
+               help="tokens per loss chunk (default: 0 = model.default_chunk_tokens)")
 for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
     p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
-p.add_argument("--init-from", default=None, help="start from a Hugging Face model directory or one of our checkpoints (weights only)")
-p.add_argument("--save-hf", default=None, help="at the end, write the weights as a Hugging Face checkpoint to this directory")
-p.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype of --save-hf")
+p.add_argument("--init-from", default=None,
+               help="start from a Hugging Face model directory or one of our checkpoints (weights only)")
+p.add_argument("--save-hf", default=None,
+               help="at the end, write the weights as a Hugging Face checkpoint to this directory")
+p.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"],
+               help="tensor dtype of --save-hf (default: %(default)s)")
 p.add_argument("--chat-format", default=None, choices=["native", "fixed"],
                help="how .jsonl conversations are rendered: native = the model directory's own chat_template (the "
                     "default when it has one), fixed = '<|role|>\\n' + content + eos per message")
-p.add_argument("--plan", action="store_true", help="print the memory and throughput plan for --hardware and exit (nothing allocated)")
+p.add_argument("--plan", action="store_true",
+               help="print the memory and throughput plan for --hardware and exit (nothing allocated)")
 p.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
 p.add_argument("--max-context", action="store_true",
                help="with --plan: print the longest --seq-len that fits at --batch-size on --hardware")
-p.add_argument("--hardware", default="local", help="plan for: local (this machine), h100, h200, gh200, a100, rtx4090")
+p.add_argument("--hardware", default="local",
+               help=f"plan for: local (this machine), {', '.join(planner.HARDWARE)} (default: %(default)s)")
 p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB for the plan (default: the hardware's)")
-p.add_argument("--host-bw", type=float, default=None, help="host DRAM bandwidth in GB/s for the plan")
-p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0 = only at the end)")
-p.add_argument("--keep", type=int, default=2, help="keep the last K checkpoints of this run (K >= 1)")
-p.add_argument("--resume", nargs="?", const="latest", default=None, help="continue from the latest checkpoint in --out (or the given one)")
-p.add_argument("--max-skips", type=int, default=10, help="stop after this many consecutive non-finite steps")
-p.add_argument("--profile", action="store_true", help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
-p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end (0 = none)")
+p.add_argument("--host-bw", type=float, default=None,
+               help="host DRAM bandwidth in GB/s for the plan (default: the hardware's)")
+p.add_argument("--save-every", type=int, default=0,
+               help="save a checkpoint every N steps, 0 = only at the end (default: %(default)s)")
+p.add_argument("--keep", type=int, default=2,
+               help="keep the last K >= 1 checkpoints of this run (default: %(default)s)")
+p.add_argument("--resume", nargs="?", const="latest", default=None,
+               help="continue from the latest checkpoint in --out (or the given one)")
+p.add_argument("--max-skips", type=int, default=10,
+               help="stop after this many consecutive non-finite steps (default: %(default)s)")
+p.add_argument("--profile", action="store_true",
+               help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
+p.add_argument("--sample-tokens", type=int, default=300,
+               help="length of the sample printed at the end, 0 = none (default: %(default)s)")
 p.error = fail  # argparse's own complaints: one line and exit code 2 too
 warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line each, like the errors
 signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was trained", 130))
@@ -120,19 +150,22 @@ try:  # the one home of what a hyper-parameter may be (the engines check the sam
     check_hyper(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 except HyperParameterError as e:
     fail(f"--{e.name.replace('_', '-')}: {e}")
-for flag, v in (("--out", args.out), ("--save-hf", args.save_hf), ("--init-from", args.init_from), ("--data", args.data)):
+for flag, v in (("--out", args.out), ("--save-hf", args.save_hf), ("--init-from", args.init_from),
+                ("--data", args.data)):
     if v == "":
         fail(f"{flag} is an empty path")
 if args.hardware != "local" and not (args.plan or args.json):
     fail(f"--hardware {args.hardware} applies to --plan (a run is always checked against this machine); add --plan")
 if args.init_from and args.config:
-    fail(f"--config {args.config} and --init-from both give the model; drop --config (the shape comes from {args.init_from})")
+    fail(f"--config {args.config} and --init-from both give the model; drop --config (the shape comes from "
+         f"{args.init_from})")
 
 # ----------------------------------------------------------------------------- config
 args.config = args.config or "toy"
 if args.config not in model.PRESETS and not args.init_from:
     fail(f"unknown preset --config {args.config!r}; choose one of: {', '.join(model.PRESETS)}")
-overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(args, f) is not None}
+overrides = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
+             if getattr(args, f) is not None}
 init_dir, init_weights, tokenizer = Path(args.init_from) if args.init_from else None, None, None
 if init_dir is not None:  # the model comes from the directory: --config and shape flags do not apply
     if overrides:
@@ -167,7 +200,8 @@ try:
 except ValueError as e:
     fail(f"--device: {e}")
 dtype = planner.DTYPES[args.dtype] if args.dtype else default_dtype(device.type)
-why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else "default on CPU: bf16 matmuls are slow there")
+why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
+                                      "default on CPU: bf16 matmuls are slow there")
 plan_only = args.plan or args.json
 if args.seq_len > cfg.max_seq_len and plan_only:  # planning is arithmetic: any length (training needs --max-seq-len)
     cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
@@ -215,8 +249,9 @@ if plan_only:
     if args.max_context and not args.json:
         print(f"longest context that fits: --seq-len {longest} ({longest:,} tokens) at --batch-size {args.batch_size} "
               f"on {pl['hardware']['name']}, layer {planner.tiling(pl)}; GPU {pl['gpu_bytes'] / 1e9:.1f} of "
-              f"{pl['gpu_limit_bytes'] / 1e9:.0f} GB, host {pl['host_bytes'] / 1e9:.0f} of {pl['host_limit_bytes'] / 1e9:.0f} "
-              f"GB usable" + (f"; training at it needs --max-seq-len {longest}" if longest > cfg.max_seq_len else ""))
+              f"{pl['gpu_limit_bytes'] / 1e9:.0f} GB, host {pl['host_bytes'] / 1e9:.0f} of "
+              f"{pl['host_limit_bytes'] / 1e9:.0f} GB usable" +
+              (f"; training at it needs --max-seq-len {longest}" if longest > cfg.max_seq_len else ""))
     sys.exit(0)
 pl = make_plan("local")
 if args.engine == "stream":  # refuse before anything is allocated
@@ -226,8 +261,8 @@ if args.engine == "stream":  # refuse before anything is allocated
         fail(str(e))
     offload = pl["offload_checkpoints"]
 print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}")
-print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual stream | engine {args.engine} | "
-      f"{tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
+print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual stream | "
+      f"engine {args.engine} | {tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
 print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:.1f} B/param in the store), "
       f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}, "
       f"layer {planner.tiling(pl)}; "
@@ -238,7 +273,8 @@ data_path = Path(args.data or data.DEFAULT_DATA)
 try:
     if init_weights is not None and tokenizer is None and data_path.suffix != ".npy":
         raise ValueError(f"{init_dir} has no tokenizer.json, and {data_path.name} needs the model's own tokenizer "
-                         f"(bytes are token ids only for the byte-vocabulary presets); add it, or pass --data tokens.npy")
+                         f"(bytes are token ids only for the byte-vocabulary presets); add it, or pass --data "
+                         f"tokens.npy")
     if data_path.suffix == ".jsonl":  # SFT: loss only on assistant / completion tokens, one example per row
         tok = tokenizer or data.ByteTokenizer()
         where = init_dir if tokenizer is not None else "the byte tokenizer"
@@ -269,7 +305,7 @@ except ValueError as e:
     fail(str(e))
 print(f"data {data_path}: {sizes}")
 
-# ----------------------------------------------------------------------------- outputs: checked before anything is allocated
+# ----------------------------------------------------------------------------- outputs: checked before any allocation
 # Nothing lost: a new run never writes into a directory that holds another run, --save-hf replaces only an earlier
 # export of save_hf's, one run at a time holds --out (a lock), and every place this run writes to is checked first.
 out = Path(args.out)
@@ -316,7 +352,8 @@ if args.resume:  # its meta.json now (cheap); its weights once the engine exists
         ck = doc["meta"]
         changed = [k for k in SAME_RUN if ck["args"].get(k) != vars(args)[k]]
         if changed:
-            fail(f"--resume: {resume_from.name} was made with other settings ({', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)}); "
+            was = ', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
+            fail(f"--resume: {resume_from.name} was made with other settings ({was}); "
                  f"pass the same flags to continue bit-exactly")
         run_id, start_step, val_loss, n_skips = ck.get("run"), doc["step"], ck["val_loss"], int(ck["skips"])
         train_batches.load_state_dict(ck["data"])
@@ -326,7 +363,8 @@ if args.resume:  # its meta.json now (cheap); its weights once the engine exists
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:  # edited, CRC recomputed
         fail(f"--resume: {resume_from}/meta.json does not hold what train.py saves ({type(e).__name__}: {e})")
     if start_step >= args.steps:
-        fail(f"--resume: {resume_from.name} is at step {start_step}, already >= --steps {args.steps}; raise --steps to train on")
+        fail(f"--resume: {resume_from.name} is at step {start_step}, already >= --steps {args.steps}; raise --steps "
+             f"to train on")
 if hf_dir is not None:
     try:
         hf.check_export_dir(hf_dir)
@@ -335,7 +373,8 @@ if hf_dir is not None:
     if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
         fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole directory: put it beside the run")
     if init_dir is not None and hf_dir.resolve() == init_dir.resolve():
-        fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace the model this run starts from")
+        fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace the model this run starts "
+             f"from")
     hf_base = writable(hf_dir.parent, "--save-hf")
 need = {}  # free disk space per filesystem: one checkpoint (older ones go only after it is whole), the export
 for base, n in ((out_base, 12 * n_params if args.engine == "stream" else 0),
@@ -356,7 +395,8 @@ except checkpoint.LockError as e:
     fail(f"{e}; wait for it to finish, or pass another --out")
 except OSError as e:
     fail(f"--out {out}: cannot write there ({e.strerror})")
-held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + [p for _, p in checkpoint.checkpoints(out)]
+held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + \
+    [p for _, p in checkpoint.checkpoints(out)]
 for p in held:  # under the lock: nobody else writes here now
     try:
         owner = (json.loads(p.read_text()).get("run") if p.name == "config.json" else
@@ -382,7 +422,7 @@ except (ValueError, TypeError) as e:
     fail(f"{init_dir or 'weights'}: {e}")
 del weights  # the engine holds its own copy (the host store)
 for path, fresh in ((init_dir, True), (resume_from, False)):
-    if path is not None and (path / "meta.json").is_file():  # our checkpoint: its weights (and, resuming, its optimizer)
+    if path is not None and (path / "meta.json").is_file():  # our checkpoint: its weights (resuming: its optimizer)
         try:
             checkpoint.load(trainer, path)
         except checkpoint.CheckpointError as e:
@@ -457,10 +497,12 @@ bar = tqdm(range(start_step, args.steps), desc="train", dynamic_ncols=True, disa
            initial=start_step, total=args.steps)
 prof = None
 if args.profile:  # skip step 1 (allocations, warm-up), record the next three
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     # profile_all_threads (framework internal, torch 2.13: off by default) records the optimizer thread too --
     # the AdamW overlap the trace exists to show; tests/test_train.py pins that its ops are in the trace
-    prof = torch.profiler.profile(activities=acts, schedule=torch.profiler.schedule(wait=1, warmup=0, active=3, repeat=1),
+    prof = torch.profiler.profile(activities=acts,
+                                  schedule=torch.profiler.schedule(wait=1, warmup=0, active=3, repeat=1),
                                   experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True),
                                   on_trace_ready=lambda p_: p_.export_chrome_trace(str(out / "trace.json")))
     prof.start()
@@ -526,7 +568,9 @@ if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
     final = trainer.weights()
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
-    window = min(cfg.max_seq_len, 1024)  # the sample's context: bounded at any --max-seq-len (plain forward)
+    # the sample's context: the trained length (RoPE positions past --seq-len were never seen: the text degenerates
+    # there), which is <= max_seq_len, and at most 1024 tokens at any length (a plain forward per sampled token)
+    window = min(1024, args.seq_len)
     with torch.no_grad():
         for _ in range(args.sample_tokens):
             logits = model.forward(cfg, final, ctx[:, -window:])[0, -1]

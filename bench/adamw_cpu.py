@@ -28,7 +28,7 @@ args = ap.parse_args()
 cfg = model.PRESETS["small"]
 layer = model.units(cfg)[0]
 n_layers = max(1, int(args.params // layer.numel))
-shapes = [s for _, _, s, _ in layer.entries]
+shapes = [e.shape for e in layer.entries]
 N = n_layers * layer.numel
 print(f"{n_layers} layers x {len(shapes)} tensors = {N:,} params; torch {torch.__version__}, {torch.get_num_threads()} threads")
 

@@ -37,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.reference import ReferenceTrainer  # noqa: E402
-from stream import Trainer  # noqa: E402
+from stream import Trainer, default_dtype  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPE = default_dtype(DEV)  # the compute dtype stream.Trainer picks here: bf16 on CUDA, fp32 on the CPU
 GB = 1e9
 LLAMA7B_LAYER = dict(vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008, max_seq_len=4096)
 FULL = dict(wide=model.GPTConfig(n_layer=1, **LLAMA7B_LAYER), seq=4096, max_depth=64, peers_depth=8,
@@ -133,7 +135,7 @@ def time_steps(step, b, warmup, steps, drain=lambda: None):
 def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
     """Add tokens/s, TFLOP/s, copy volumes and rates, overlap to a timing dict r (see the docstring)."""
     us, tok, L = model.units(cfg), B * T, cfg.n_layer
-    cb = 2 if CUDA else 4                                   # bytes of the compute dtype (bf16 shadow / fp32)
+    cb = DTYPE.itemsize                                     # bytes of the compute dtype (bf16 shadow / fp32)
     lay, head, act = us[1], us[-1], B * T * cfg.d_model * 4  # fp32 residual: rows, checkpoints, dy
     n_layers, n_head = L * lay.n_decay, head.n_decay
     r.update(tokens=tok, tokens_per_s=tok / r["step_s"], N=n_layers + n_head,
@@ -154,7 +156,7 @@ def compute_only(cfg, B, T, M, reps=3):
     """compute_only_s (docstring): one layer's and the head's GPU work for a step, weights resident, with the
     engine's own functions (model.block, model.block_grad, model.head_grad), M micro-batches, as the engine
     runs them: bf16 autocast on an fp32 residual stream."""
-    dev, dt = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    dev, dt = DEV, DTYPE
     us, gen = model.units(cfg), torch.Generator().manual_seed(0)
     flat = lambda u: torch.cat([t.flatten() for t in model.init_unit(cfg, u, gen).values()]).to(dev, dt)  # noqa: E731
     lay, head = us[1], us[-1]
@@ -211,7 +213,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(weights[model.EMBED].clone())
-        self.layers = nn.ModuleList(Layer(cfg, model.layer_weights(weights, i, cfg)) for i in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Layer(cfg, model.layer_weights(cfg, weights, i)) for i in range(cfg.n_layer))
         self.norm, self.lm_head = nn.Parameter(weights[model.NORM].clone()), nn.Parameter(weights[model.HEAD].clone())
 
     def forward(self, tok, tgt):  # returns the summed loss of (tok, tgt)
@@ -225,7 +227,7 @@ class Model(nn.Module):
 
 def module_step(m, M, autocast, **adamw):
     """step(tokens, targets) -> mean loss: M micro-batches of m, then AdamW (decay on >= 2-D tensors)."""
-    dev, params = ("cuda" if CUDA else "cpu"), list(m.parameters())
+    dev, params = DEV, list(m.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-4, **adamw)
 
@@ -244,7 +246,7 @@ def module_step(m, M, autocast, **adamw):
 
 def resident_ckpt_trainer(cfg, weights, M, fused=True):
     """Plain PyTorch, every weight on the GPU: fp32 params, bf16 autocast, fused AdamW, per-layer checkpointing."""
-    return module_step(Model(cfg, weights).to("cuda" if CUDA else "cpu"), M, autocast=CUDA, fused=fused)
+    return module_step(Model(cfg, weights).to(DEV), M, autocast=CUDA, fused=fused)
 
 
 def fsdp2_trainer(cfg, weights, M, fused=True):
@@ -312,8 +314,7 @@ def sweep_case(S, peak):
 def tokens_for(cfg, S):
     """(B, T, M): planner's min_tokens_per_step rounded up to whole sequences, one sequence per micro-batch."""
     T = S["seq"]
-    tok = S.get("tokens") or planner.plan(cfg, "local", batch_size=1, seq_len=T,
-                                          dtype="bf16" if CUDA else "fp32")["min_tokens_per_step"]
+    tok = S.get("tokens") or planner.plan(cfg, "local", batch_size=1, seq_len=T)["min_tokens_per_step"]
     B = max(1, math.ceil(tok / T))
     return B, T, B
 
@@ -352,10 +353,10 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None):
     B, T, M = tokens_for(base, S)
     avail = planner.host_available_bytes()
     L = next((L for L in range(S["max_depth"], 0, -1) if planner.plan(
-        dataclasses.replace(base, n_layer=L), "local", batch_size=B, seq_len=T, micro_batches=M,
-        dtype="bf16" if CUDA else "fp32")["host_bytes"] <= 0.85 * avail), 1)
+        dataclasses.replace(base, n_layer=L), "local", batch_size=B, seq_len=T, micro_batches=M)["host_bytes"]
+        <= 0.85 * avail), 1)
     cfg = dataclasses.replace(base, n_layer=L)
-    p = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M, dtype="bf16" if CUDA else "fp32")
+    p = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M)  # dtype: the planner's default
     r, t = stream_case(cfg, B, T, M, S, peak, p["offload_checkpoints"], keep=True)
     out = dict(n_layer=L, params=model.n_params(cfg), host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB,
                planned_step_s=p["step_time_s"], planned_min_tokens=p["min_tokens_per_step"], at_min_tokens=r)

@@ -6,7 +6,7 @@ side in one run, rounds interleaved, one OpenMP thread (tiny tensors; no spin-wa
   before   stream.py as of the issue's reference commit (427dd33), loaded from git history;
   after    stream.py now.
 Reported: host microseconds per layer visit (2 visits per layer per step) at M = 1 and 4, and the ratio.
-Also --calibrate: the per-op issue cost that the twin and the planner use (plan.HOST), from the same run.
+Also --calibrate: the per-op issue cost that the twin and the planner use (plan.HOST_OP_S), from the same run.
 
     python bench/host_overhead.py              # ~1 min
     python bench/host_overhead.py --calibrate  # + the issue cost per aten op of the engine's op stream
@@ -38,9 +38,9 @@ def engine_at(commit):
     return mod
 
 
-def per_visit_us(trainer_cls, M, steps):
-    t = trainer_cls(CFG, model.init_weights(CFG, 0), device="cpu", micro_batches=M, grad_clip=0.0)
-    tok = torch.randint(0, CFG.vocab_size, (M, 8), generator=torch.Generator().manual_seed(0))
+def per_visit_us(trainer_cls, M, steps, cfg=CFG):
+    t = trainer_cls(cfg, model.init_weights(cfg, 0), device="cpu", micro_batches=M, grad_clip=0.0)
+    tok = torch.randint(0, cfg.vocab_size, (M, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         t.step(tok, tok.roll(-1, 1))
     t.weights(copy=False)
@@ -48,15 +48,55 @@ def per_visit_us(trainer_cls, M, steps):
     for _ in range(steps):
         t.step(tok, tok.roll(-1, 1))
     t.weights(copy=False)
-    return (time.perf_counter() - t0) / steps / (2 * CFG.n_layer) * 1e6
+    return (time.perf_counter() - t0) / steps / (2 * cfg.n_layer) * 1e6
+
+
+class OpCount:
+    """A consumer of megatrain_min.sim's recorder: the ops the main thread issues, from Python or by autograd."""
+
+    def __init__(self):
+        self.py = self.autograd = 0
+
+    def op(self, op):
+        if op.actor != "worker":
+            self.py += not op.autograd
+            self.autograd += op.autograd
+
+    def __getattr__(self, name):          # every other event: nothing to count
+        return lambda *a, **kw: None
+
+
+def calibrate(rounds, steps):
+    """Host seconds per step = c_py x (ops issued from Python) + c_autograd x (ops autograd's engine runs) + c0,
+    least squares over deep tiny models (compute ~ 0) at several depths and micro-batch counts."""
+    import dataclasses
+    import numpy as np
+    from megatrain_min import sim
+    rows, times = [], []
+    for L, M in ((16, 1), (32, 2), (64, 1), (64, 4), (32, 8)):
+        cfg = dataclasses.replace(CFG, n_layer=L)
+        counts = OpCount()
+        sim.run(cfg, [counts], 2, batch=(M, 8), micro_batches=M, grad_clip=0.0)
+        n_py, n_ag = counts.py / 2, counts.autograd / 2                      # per step
+        t = min(per_visit_us(stream.Trainer, M, steps, cfg) for _ in range(rounds)) * 2 * L / 1e6
+        rows.append((n_py, n_ag, 1.0))
+        times.append(t)
+        print(f"  L={L:>2} M={M}: {t * 1e3:7.1f} ms/step, {n_py:6.0f} Python-issued + {n_ag:6.0f} autograd ops")
+    (c_py, c_ag, c0), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    fit = np.array(rows) @ np.array([c_py, c_ag, c0])
+    print(f"c_py = {c_py * 1e6:.2f} us, c_autograd = {c_ag * 1e6:.2f} us per op, c0 = {c0 * 1e3:.2f} ms per step; "
+          f"worst fit error {max(abs(fit - times) / times):.1%}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--calibrate", action="store_true", help="fit the per-op issue cost plan.HOST_OP_S holds")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.calibrate:
+        return calibrate(a.rounds, a.steps)
     engines = {"before": engine_at(BEFORE).Trainer, "after": stream.Trainer}
     print(f"{CFG.n_layer} layers, d={CFG.d_model}, T=8, one thread; host us per layer visit, best of {a.rounds} "
           f"interleaved rounds")

@@ -96,18 +96,22 @@ def flops(func, args, kwargs, out):
 class _Count(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.bytes = 0
+        self.bytes = self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.namespace == "prim":          # metadata queries fake tensors dispatch (a real run does not)
+            return out
+        self.ops += 1
         if flops(func, args, kwargs, out) == 0:
             self.bytes += traffic(func, *accesses(func, args, kwargs, out), kwargs)
         return out
 
 
 def elementwise_bytes(cfg, dtype=torch.bfloat16, residual_dtype=torch.float32):
-    """{"fwd", "bwd", "head"} -> (bytes per token, bytes per call) moved by the FLOP-free ops of a layer's forward,
+    """{"fwd", "bwd", "head"} -> (bytes per token, bytes per call, ops per call): what the FLOP-free ops move and
+    how many aten ops the host issues (plan.py's host term), for a layer's forward,
     of its recompute + backward (model.block_grad: one call per micro-batch, whose fp32 gradient accumulation is
     the per-call part), and of the loss head forward + backward (model.head_grad; a call per loss chunk), as the
     engine runs them (bf16 autocast on the residual dtype). Measured at two sizes under FakeTensorMode: per token
@@ -135,7 +139,7 @@ def _measured(cfg_json, dtype, residual_dtype, sizes=(128, 256)):
                              ("head", lambda: model.head_grad(cfg, x[0], wh, tgt, n, acc_h, n))):
                 with _Count() as c, torch.set_grad_enabled(name != "fwd"):
                     fn()
-                got[name, n] = c.bytes
+                got[name, n] = c.bytes, c.ops
     (a, b) = sizes
-    per_token = {k: (got[k, b] - got[k, a]) / (b - a) for k in ("fwd", "bwd", "head")}
-    return {k: (per_token[k], got[k, a] - per_token[k] * a) for k in per_token}
+    per_token = {k: (got[k, b][0] - got[k, a][0]) / (b - a) for k in ("fwd", "bwd", "head")}
+    return {k: (per_token[k], got[k, a][0] - per_token[k] * a, got[k, a][1]) for k in per_token}

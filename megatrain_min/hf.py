@@ -255,7 +255,7 @@ def load_hf(model_dir):
         raise
     except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:   # a field of the wrong type
         raise HFError(f"{d / 'config.json'}: a field has the wrong type or value ({_first_line(e)})") from None
-    expected = {key: shape for u in units(cfg) for _, key, shape, _ in u.entries}
+    expected = {e.key: e.shape for u in units(cfg) for e in u.entries}
     for key, shape in expected.items():
         if key not in found:
             raise HFError(f"{d}: tensor {key} is missing from the checkpoint")
@@ -318,7 +318,7 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
         raise HFError(f"save dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
     out, limit, esize = check_export_dir(model_dir), _parse_size(shard_size), torch.finfo(dtype).bits // 8
     config = config_to_hf(cfg, dtype)
-    entries = [(key, shape) for u in units(cfg) for _, key, shape, _ in u.entries]  # forward order
+    entries = [(e.key, e.shape) for u in units(cfg) for e in u.entries]  # forward order
     shards, size = [[]], 0
     for key, shape in entries:                                 # greedy: start a new shard when full
         n = math.prod(shape) * esize

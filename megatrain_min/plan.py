@@ -67,6 +67,14 @@ HARDWARE = {
     "rtx4090": dict(gpu="NVIDIA GeForce RTX 4090", gpu_mem_gb=24, bf16_tflops=165, fp32_tflops=82.6,
                     frac=0.6, hbm_gbs=1008, h2d_gbs=25, d2h_gbs=25, host_mem_gb=128, host_bw_gbs=60),
 }
+# The host issues every op -- Python, the dispatcher, autograd's engine: ~10.5 us each, whether issued from Python
+# or run by autograd (bench/host_overhead.py --calibrate, 2026-11-22: the 2-core dev CPU, torch 2.13, one OpenMP
+# thread, a least-squares fit over 5 depths x micro-batch counts of the real engine with negligible tensors).
+# plan(host_speed=) and the twin's --host-speed scale it for a faster host. The engine's own ops around the model's
+# (copies, zeroing, the step's staging; counted with megatrain_min.sim's recorder): per layer visit, per step, and
+# per unit update on the optimizer thread.
+HOST_OP_S = 10.5e-6
+ENGINE_OPS = dict(visit=5, step=41, update=11)
 HOST_USABLE = 0.97         # the share of host RAM a run may plan for; the rest is the OS's
 RUNTIME = 4 * 10**9        # host RSS of Python + torch + the CUDA libraries (1 GB without CUDA)
 CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-allocator slack
@@ -141,7 +149,7 @@ def flops_per_token(cfg):
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
          grad_clip=0.0, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
-         residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, name=None,
+         residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
          tile_tokens=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
@@ -151,8 +159,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     gradient per parameter there; without it each unit is updated as its gradient lands, through staging
     slabs (staging_slabs None: as many as hide the D2H + AdamW latency, see `slabs`). offload_checkpoints
     None: stream.offload_needed decides (pass p["offload_checkpoints"] to stream.Trainer). residual_dtype:
-    "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard, a host wait for
-    the loss after the head when updates are not deferred. pinned_pow2: model torch's pinned allocator as it
+    "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard; without deferral
+    it costs a host wait for the loss after the head and one more read of each gradient (HostAdamW.step's
+    finite_only), never a gradient store. pinned_pow2: model torch's pinned allocator as it
     is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice (tile_for).
     """
@@ -224,9 +233,12 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
     # HBM: their bytes per token and per call, measured on the model's own functions (cost.elementwise_bytes)
     ew, hbm = cost.elementwise_bytes(cfg, DTYPES[dtype], DTYPES[residual_dtype]), hw["hbm_gbs"] * GB
-    calls = dict(fwd=micro_batches, bwd=micro_batches,   # block_grad per micro-batch; head_grad per loss chunk
+    calls = dict(fwd=micro_batches, bwd=micro_batches,  # block, block_grad per micro-batch; head_grad per chunk
                  head=micro_batches * math.ceil(tokens // micro_batches / (chunk_tokens or model.default_chunk_tokens(cfg))))
     hbm_s = {k: (tokens * ew[k][0] + calls[k] * ew[k][1]) / hbm for k in ew}
+    # the host issues every op (HOST_OP_S each): the model's, counted by cost.elementwise_bytes, and the engine's
+    op_s = HOST_OP_S / host_speed
+    host_s = {k: op_s * (calls[k] * ew[k][2] + ENGINE_OPS["visit"]) for k in ew}
     t = dict(fwd=tokens * (2 * lay.n_decay + attn) / F + hbm_s["fwd"],
              # recompute (1x forward) + backward (2x the matmuls, 2.5x attention: flash's 5 matmuls); zero the slot
              bwd=tokens * (6 * lay.n_decay + 3.5 * attn) / F + hbm_s["bwd"] + lay.numel * 4 / hbm
@@ -235,7 +247,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              # the scatter: zero an untied embedding's gradient, then add dy's rows (read 4, read+write 8)
              rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h,
              scatter=(tokens * cfg.d_model * (4 + 8) + (0 if tied else units[0].numel * 4)) / hbw,
-             ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()})
+             ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()},
+             host_fwd=host_s["fwd"], host_bwd=host_s["bwd"], host_head=host_s["head"],
+             host_step=op_s * ENGINE_OPS["step"], host_update=op_s * ENGINE_OPS["update"])
     slabs = 0 if defer else staging_slabs or stream_slabs(t, tied)
 
     # ---- host (optim.HostAdamW + stream.py's pinned staging)
@@ -269,7 +283,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
             "cpu_adam": F * (adam_b + 4 * defer) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
     p = dict(config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype, residual_dtype=residual_dtype,
              batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens,
-             grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, tile_tokens=tile,
+             grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, host_speed=host_speed, tile_tokens=tile,
              tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, staging_slabs=slabs,
              staging_slabs_asked=staging_slabs, offload_checkpoints=bool(offload), offload_asked=offload_checkpoints,
              pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
@@ -310,7 +324,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
     layer), the busy seconds per step of each lane, and each lane's seconds on the critical path of the last
     step (walked back from its end through the task each task waited for): the bottleneck."""
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam"), 0.0)
-    busy, critical, ends = dict.fromkeys(free, 0.0), dict.fromkeys(free, 0.0), {}
+    busy, critical, ends = dict.fromkeys(("host", *free), 0.0), dict.fromkeys(("host", *free), 0.0), {}
     host = [0.0]                                 # when the host thread can issue its next operation
     last = [0.0]                                 # the start of the latest task
 
@@ -326,6 +340,26 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
     def block(until):                            # the host waits
         host[0] = max(host[0], until)
 
+    def issue(h):                                # the host spends h issuing ops (no device work waits on it)
+        busy["host"] += h / steps
+        if h > 0:
+            ends[host[0] + h] = ("host", host[0])
+        host[0] += h
+
+    def visit(after, dur, h):
+        """A compute visit whose ops the host issues over h seconds: the GPU starts on the first and cannot finish
+        before the last has been issued (then the host is what it waits for). On the CPU the one thread issues
+        and computes, one after the other."""
+        if not overlap:
+            return run("compute", after, dur + h)
+        h0 = host[0]
+        end = run("compute", after, dur)
+        issue(h)
+        if host[0] > end:                        # host-bound: the GPU idles between the ops as they come
+            free["compute"] = end = host[0]
+            ends[end] = ("host", h0)
+        return end
+
     def cost(what, u):
         return numel["layer" if isinstance(u, int) else u] * rate[what]
 
@@ -335,6 +369,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
         slab_back = []                           # when each staging slab taken this step is given back
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
+        issue(t.get("host_step", 0.0))            # the step's staging: targets, checks
         block(upd.get(0, 0.0))
         loaded[0] = run("h2d", 0.0, cost("load", 0))
         block(upd.get(emb, 0.0))
@@ -342,7 +377,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
         for i in range(L):
             if offload:
                 sent[i] = run("d2h", x, t["ckpt_d2h"])
-            x = run("compute", max(loaded[i], x), t["fwd"])
+            x = visit(max(loaded[i], x), t["fwd"], t.get("host_fwd", 0.0))
             if i == 0:
                 starts.append(last[0])
             slot_free[i % 2] = x
@@ -350,7 +385,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
             block(upd.get(nxt, 0.0))
             loaded[nxt] = run("h2d", slot_free[1 - i % 2], cost("load", nxt))
         # head: loss forward and backward per chunk, its gradient goes down first (grad slot 0)
-        x = slot_free[L % 2] = run("compute", max(loaded["head"], x), t["head"])
+        x = slot_free[L % 2] = visit(max(loaded["head"], x), t["head"], t.get("host_head", 0.0))
         loss = x
         if guard:                                # the non-finite guard: the host reads the loss first
             block(loss)
@@ -362,7 +397,7 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
             gslot_free[k % 2] = done
             if unit == emb:                      # tied: its update follows the embedding scatter
                 return done
-            upd[unit] = run("cpu_adam", done, cost(first, unit))
+            upd[unit] = run("cpu_adam", done, cost(first, unit) + t.get("host_update", 0.0))
             slab_back.append(upd[unit])
             return done
         drain("head", 0, x)
@@ -372,18 +407,19 @@ def simulate(L, t, numel, rate, deferred, tied, offload, slabs=stream.STAGING_SL
             if i > 0:
                 loaded[i - 1] = run("h2d", slot_free[(i - 1) % 2], cost("load", i - 1))
             nxt_ready = run("h2d", sent[i - 1], t["ckpt_h2d"]) if offload and i > 0 else 0.0
-            x = slot_free[i % 2] = run("compute", max(loaded[i], ready, gslot_free[k % 2], x), t["bwd"])
+            x = slot_free[i % 2] = visit(max(loaded[i], ready, gslot_free[k % 2], x), t["bwd"], t.get("host_bwd", 0.0))
             drain(i, k, x)
             ready = nxt_ready
         # embedding: dy of layer 0 goes down, the worker scatters it into the rows used
         if not deferred and not tied and len(slab_back) >= slabs:
             block(slab_back[len(slab_back) - slabs])
-        upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", x, t["dy"]), t["scatter"]), cost(first, emb))
+        upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", x, t["dy"]), t["scatter"]),
+                       cost(first, emb) + t.get("host_update", 0.0))
         block(loss)                              # the step's loss, read on the host
         if deferred:  # every norm known: updates in forward order, the next forward waits per unit
             block(max(upd.values()))
             for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
-                upd[u] = run("cpu_adam", 0.0, cost("adam", u))
+                upd[u] = run("cpu_adam", 0.0, cost("adam", u) + t.get("host_update", 0.0))
     now = starts[-1]
     while now > starts[-2] and now in ends:
         lane, start = ends[now]
@@ -459,7 +495,7 @@ def _replan(p, **change):
               micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
               offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
               residual_dtype=p["residual_dtype"], staging_slabs=p["staging_slabs_asked"],
-              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], tile_tokens=p["tile_asked"])
+              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], host_speed=p["host_speed"], tile_tokens=p["tile_asked"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the maths has no limit)
@@ -499,7 +535,7 @@ def suggest(p):
                   ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=0.0))]
     tries.append(("--offload-checkpoints off" if p["offload_checkpoints"] else "--offload-checkpoints on",
                   dict(offload_checkpoints=not p["offload_checkpoints"])))
-    small_chunk = (1 << 26) // p["model"]["vocab_size"]         # the loss chunk: 256 MB of fp32 logits
+    small_chunk = model.LOSS_CHUNK_LOGITS // p["model"]["vocab_size"]  # 256 MB of fp32 logits, without the floor
     if small_chunk < (p["chunk_tokens"] or model.default_chunk_tokens(model.GPTConfig(**p["model"]))):
         tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
     tries += [(f"--tile-tokens {n}", dict(tile_tokens=n)) for n in (TILE_TOKENS, 2048)

@@ -24,7 +24,7 @@ class ReferenceTrainer:
         self.cfg, self.dev, self.dtype = cfg, model.check_device(device), dtype
         self.grad_clip, self.M = grad_clip, micro_batches
         self.skipped, self.skipped_units = False, []  # the oracle never skips a step
-        shapes = {key: shape for lay in model.units(cfg) for _, key, shape, _ in lay.entries}
+        shapes = {e.key: e.shape for lay in model.units(cfg) for e in lay.entries}
         self.params = {k: model.check_tensor(k, v, shapes[k]).to(self.dev, torch.float32).clone().requires_grad_()
                        for k, v in weights.items()}
         model.check_finite(self.params)
@@ -43,7 +43,7 @@ class ReferenceTrainer:
             tok, tgt = tok.to(self.dev), tgt.to(self.dev)
             with torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 h = model.hidden(self.cfg, self.params, tok)
-                loss_sum = model.chunked_loss_sum(self.cfg, h, model.head_weights(self.params, self.cfg), tgt,
+                loss_sum = model.chunked_loss_sum(self.cfg, h, model.head_weights(self.cfg, self.params), tgt,
                                                   model.default_chunk_tokens(self.cfg))
             (loss_sum / n).backward()
             total += loss_sum.item()

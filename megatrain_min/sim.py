@@ -73,6 +73,7 @@ class Op:
     flops: float = 0.0
     low_precision: bool = False   # some operand is bf16 (the GPU's bf16 peak applies)
     blocking: bool = False   # a host<->device copy the host waits for (non_blocking=False or pageable memory)
+    autograd: bool = False   # run by autograd's engine inside torch.autograd.grad (else issued from Python)
     fresh: list = ()    # storages this op allocated
 
 
@@ -280,6 +281,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.in_autograd = autograd_frame(sys._getframe(1))
         pinned = bool(kwargs.get("pin_memory"))
         if pinned:
             kwargs = dict(kwargs, pin_memory=False)
@@ -287,7 +289,8 @@ class Recorder(TorchDispatchMode):
             out = {torch.bool: True}.get(args[0].dtype, 1)
         else:
             out = func(*args, **kwargs)
-        self.note(func, args, kwargs, out, pinned)
+        if func.namespace != "prim":         # prim.device &c.: metadata queries fake tensors dispatch, no work
+            self.note(func, args, kwargs, out, pinned)
         return out
 
     def note(self, func, args, kwargs, out, pinned):
@@ -320,11 +323,19 @@ class Recorder(TorchDispatchMode):
                 [span(st, t) for st, t in zip(touched[len(old_reads):], old_writes)] +
                 ([] if func in cost.EMPTY else [span(st, t) for st, t in zip(new, fresh)]), src, kind,
                 blocking=blocking, fresh=new)
+        op.autograd = self.in_autograd
         if self.costs:
             op.nbytes = cost.traffic(func, old_reads, old_writes, fresh, kwargs)
             op.flops = cost.flops(func, args, kwargs, out)
             op.low_precision = any(t.dtype == torch.bfloat16 for t in old_reads + old_writes)
         self.emit("op", op=op)
+
+
+def autograd_frame(f):
+    """Is the innermost Python frame below the dispatch mode (past torch's wrappers) autograd's engine?"""
+    while f is not None and ("/torch/_dynamo/" in f.f_code.co_filename or "torch/_compile" in f.f_code.co_filename):
+        f = f.f_back
+    return f is not None and f.f_code.co_name == "_engine_run_backward"
 
 
 def span(st, t):
@@ -387,14 +398,14 @@ def plan_of(a, cfg):
                         mode=a.mode, dtype=a.dtype or "bf16", grad_clip=a.grad_clip, residual_dtype=a.residual_dtype,
                         offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints],
                         host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, chunk_tokens=a.chunk_tokens or None,
-                        skip_nonfinite=bool(a.skip_nonfinite))
+                        skip_nonfinite=bool(a.skip_nonfinite), host_speed=getattr(a, "host_speed", 1.0))
 
 
 class ZeroWeights(Mapping):
     """weights for the twin: every key reads as zeros of its shape (under FakeTensorMode: nothing allocated)."""
 
     def __init__(self, cfg):
-        self.shapes = {key: shape for u in model.units(cfg) for _, key, shape, _ in u.entries}
+        self.shapes = {e.key: e.shape for u in model.units(cfg) for e in u.entries}
 
     def __getitem__(self, key):
         return torch.zeros(self.shapes[key])
@@ -438,7 +449,8 @@ def check_main(a):
     kw = dict(dtype=planner.DTYPES[a.dtype or "fp32"], residual_dtype=planner.DTYPES[a.residual_dtype],
               grad_clip=a.grad_clip, micro_batches=a.micro_batches, mode=a.mode, staging_slabs=p["staging_slabs"],
               skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
-              offload_checkpoints={"auto": p["offload_checkpoints"], "on": True, "off": False}[a.offload_checkpoints])
+              offload_checkpoints={"auto": p["offload_checkpoints"], "on": True, "off": False}[a.offload_checkpoints],
+              tile_tokens=p["tile_tokens"])
     run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
     print(checker.summary())
     return 1 if checker.races else 0

@@ -8,7 +8,7 @@ What it is
       compute    an op takes max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth) (roofline; attention at the
                  causal half of its matmuls, as flash kernels do);
       copies     H2D and D2H at the profile's link bandwidth per direction, concurrently;
-      host       the main thread issues every op in program order (the issue cost per op, see HOST_ISSUE_S) and
+      host       the main thread issues every op in program order (plan.HOST_OP_S each, / --host-speed) and
                  blocks where the engine blocks (host waits, a future's result, a staging slab); its own host
                  work (the embedding gather) runs at DRAM bandwidth; the optimizer thread's AdamW too.
     Memory: a device allocation is live from its issue until the GPU passes its free -- at once for its own lane,
@@ -35,7 +35,6 @@ from megatrain_min import plan as planner
 from megatrain_min import sim
 
 GB = 1e9
-HOST_ISSUE_S = 0.0   # seconds of host time to issue one op (issue 18 calibrates this; 0 = an infinitely fast host)
 ACTORS = ("host", "h2d", "compute", "d2h", "default", "cpu_adam")
 NAME = {"main": "host", "worker": "cpu_adam"}   # the recorder's threads, as lanes of the replay
 
@@ -50,8 +49,8 @@ class Span:
 
 
 class Twin:
-    def __init__(self, hw, host_speed=1.0):
-        self.hw, self.issue = hw, HOST_ISSUE_S / host_speed
+    def __init__(self, hw, host_speed=1.0, host_op_s=planner.HOST_OP_S):
+        self.hw, self.issue = hw, host_op_s / host_speed
         self.hbm, self.host_bw = hw["hbm_gbs"] * GB, hw["host_bw_gbs"] * GB
         self.link = {"h2d": hw["h2d_gbs"] * GB, "d2h": hw["d2h_gbs"] * GB}
         self.flops = {torch.bfloat16: hw["bf16_tflops"] * 1e12 * hw["frac"],
@@ -133,8 +132,8 @@ class Twin:
 
     def op(self, op):
         actor = NAME.get(op.actor, op.actor)
-        if op.actor == "worker":
-            self.advance(actor, 0.0, op.nbytes / self.host_bw, None, op.name)
+        if op.actor == "worker":                      # the optimizer thread issues its own ops too
+            self.advance(actor, 0.0, self.issue + op.nbytes / self.host_bw, None, op.name)
             return
         issued = self.advance("host", 0.0, self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),
                               None, op.name)
@@ -203,7 +202,7 @@ def main(a):
     kw = dict(dtype=dtype, residual_dtype=planner.DTYPES[a.residual_dtype], grad_clip=a.grad_clip,
               micro_batches=a.micro_batches, mode=a.mode, staging_slabs=p["staging_slabs"],
               skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
-              offload_checkpoints=p["offload_checkpoints"])
+              offload_checkpoints=p["offload_checkpoints"], tile_tokens=p["tile_tokens"])
     sim.run(cfg, [twin], a.steps or 3, fake=True, sources=False, costs=True, batch=(a.batch_size, a.seq_len), **kw)
     r = twin.result_of(cfg, a.batch_size * a.seq_len)
     r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
@@ -218,7 +217,8 @@ def main(a):
           f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}")
     print(f"  step {r['step_time_s']:.3g} s (plan.py: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
           f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
-    print(f"  busy: {pct(r['busy'])}")
+    print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {twin.issue * 1e6:.1f} us each, --host-speed "
+          f"{a.host_speed:g} x the CPU plan.HOST_OP_S was measured on)")
     print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (plan.py: {p['bottleneck']})")
     print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (plan.py: {p['gpu_bytes'] / GB:.1f} GB)")
     if a.trace:

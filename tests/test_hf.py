@@ -82,7 +82,7 @@ def test_logits_match_transformers(tmp_path, family):
 
 def test_config_translation(tmp_path):
     cfg, w = load_hf(make_hf(tmp_path / "q3", FAMILIES["qwen3-qknorm-headdim"]()))
-    assert list(w) == [key for u in model.units(cfg) for _, key, _, _ in u.entries]   # forward order
+    assert list(w) == [e.key for u in model.units(cfg) for e in u.entries]   # forward order
     assert (cfg.head_dim, cfg.n_kv_head, cfg.qk_norm, cfg.qkv_bias, cfg.tie_embeddings) == (24, 2, True, False, False)
     cfg, _ = load_hf(make_hf(tmp_path / "q2", FAMILIES["qwen2-bias-tied"]()))
     assert (cfg.qkv_bias, cfg.tie_embeddings, cfg.rope_theta) == (True, True, 1e6)

@@ -25,13 +25,13 @@ def test_layout_is_contiguous_matrices_first_and_views_share_storage():
     for cfg in (model.PRESETS["toy"], SPECIAL):
         for lay in model.units(cfg):
             off = 0
-            for short, key, shape, o in lay.entries:
-                assert o == off
-                off += math.prod(shape)
+            for e in lay.entries:
+                assert e.offset == off
+                off += math.prod(e.shape)
             assert off == lay.numel
-            dims = [len(s) for _, _, s, _ in lay.entries]
+            dims = [len(e.shape) for e in lay.entries]
             assert dims == sorted(dims, reverse=True)
-            assert lay.n_decay == sum(math.prod(s) for _, _, s, _ in lay.entries if len(s) >= 2)
+            assert lay.n_decay == sum(math.prod(e.shape) for e in lay.entries if len(e.shape) >= 2)
             flat = torch.arange(lay.numel, dtype=torch.float32)
             for v in lay.views(flat).values():
                 assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
@@ -87,7 +87,7 @@ def naive_block(cfg, x, w, T):
 @pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "gqa-bias-qknorm-tied"])
 def test_block_matches_naive_attention(cfg, gen):
     w = model.init_weights(cfg, 0)
-    lw = model.layer_weights(w, 0, cfg)
+    lw = model.layer_weights(cfg, w, 0)
     for k in lw:  # make biases and norm gains non-trivial so they are really tested
         if lw[k].dim() == 1:
             lw[k] = lw[k] + 0.1 * torch.randn(lw[k].shape, generator=gen)

@@ -33,7 +33,7 @@ def test_equals_torch_adamw_fused_over_10_steps(max_norm):
     print(f"HostAdamW vs torch AdamW(fused) after 10 steps: max rel diff {err:.2e}")
     # the moments match too
     m_ref = torch.cat([ref.state[p]["exp_avg"].flatten() for p in params])
-    assert torch.allclose(m_ref, opt.m[0], rtol=1e-5, atol=1e-9)
+    assert torch.allclose(m_ref, opt.state(0)["m"], rtol=1e-5, atol=1e-9)
 
 
 def test_no_decay_region_is_not_decayed():

@@ -205,9 +205,10 @@ def test_prediction_within_physical_limits(hw):
 
 
 def test_with_free_transfers_the_step_is_its_compute():
+    """Free copies, free AdamW and an instant host (host_speed): nothing is left but the compute."""
     hw = dict(P.HARDWARE["h100"], name="x", h2d_gbs=1e9, d2h_gbs=1e9, host_bw_gbs=1e9, hbm_gbs=1e9)
     for clip in (False, True):
-        p = P.plan(model.PRESETS["7b"], hw, grad_clip=clip)
+        p = P.plan(model.PRESETS["7b"], hw, grad_clip=clip, host_speed=1e9)
         t = p["visit_s"]
         assert p["step_time_s"] == pytest.approx(32 * (t["fwd"] + t["bwd"]) + t["head"], rel=1e-4)
 
@@ -274,3 +275,14 @@ def test_tile_is_chosen_only_when_the_untiled_layer_does_not_fit_comfortably():
     assert P.plan(LONG7B, "h100", batch_size=1, seq_len=196608, tile_tokens=0)["gpu_bytes"] > \
         P.TILE_HEADROOM * 80e9 > long["gpu_bytes"]
     assert P.plan(LONG7B, "h100", batch_size=1, seq_len=196608, tile_tokens=512)["tile_tokens"] == 512
+
+
+def test_host_lane_names_the_host_where_it_is_the_bottleneck():
+    """Issuing ops costs the host plan.HOST_OP_S each: a small model's step is host-bound, a big one's is not, and
+    a faster host (host_speed) moves the bottleneck off it."""
+    toy = P.plan(model.PRESETS["toy"], "h100", batch_size=32, seq_len=128)
+    assert toy["bottleneck"] == "host" and toy["utilization"]["host"] > 0.9
+    fast_host = P.plan(model.PRESETS["toy"], "h100", batch_size=32, seq_len=128, host_speed=100)
+    assert fast_host["bottleneck"] != "host" and fast_host["step_time_s"] < toy["step_time_s"] / 5
+    big = P.plan(model.PRESETS["7b"], "h100", batch_size=4, seq_len=4096)
+    assert big["bottleneck"] == "compute" and big["utilization"]["host"] < 0.1

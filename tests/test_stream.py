@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import model
+import stream
 from conftest import SPECIAL, losses_agree, random_batch, update_rel
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
@@ -80,7 +81,7 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     tok, tgt = random_batch(cfg, 2, 16, gen)
     t.step(tok, tgt)
     before = t.weights()
-    m_before = [m.clone() for m in t.opt.m]
+    m_before = [t.opt.state(u)["m"].clone() for u in range(len(t.units))]
     emb = t.units[0].views(t.opt.master[0])["embed"]
     saved = emb[tok[0, 0]].clone()
     emb[tok[0, 0], 0] = float("inf")   # poison one embedding row that the batch uses
@@ -89,8 +90,8 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     emb[tok[0, 0]] = saved
     after = t.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(torch.equal(a, b) for a, b in zip(m_before, t.opt.m))
-    assert all(float(s) == 1.0 for s in t.opt.steps)  # step counts untouched too
+    assert all(torch.equal(m, t.opt.state(u)["m"]) for u, m in enumerate(m_before))
+    assert all(t.opt.step_count(u) == 1 for u in range(len(t.units)))  # step counts untouched too
     t.step(tok, tgt)
     assert not t.skipped
 
@@ -119,31 +120,40 @@ def test_host_store_layout_bf16_shadow():
     assert t.wslot[0].dtype == torch.bfloat16 and t.gslot[0].dtype == torch.float32
 
 
+class CountingTrainer(Trainer):
+    """A Trainer that notes the name of every unit copied into a weight slot (load_unit: the one place weights cross)."""
+
+    def __init__(self, *args, **kw):
+        self.loads = []
+        super().__init__(*args, **kw)
+
+    def load_unit(self, u, slot):
+        self.loads.append(self.units[u].name)
+        return super().load_unit(u, slot)
+
+
 @pytest.mark.parametrize("M", [1, 4])
-def test_weights_cross_once_per_visit_whatever_the_micro_batches(M, monkeypatch):
+def test_weights_cross_once_per_visit_whatever_the_micro_batches(M):
     """Layer-major: per step each layer is copied in once for forward and once for backward, the last
     layer only once, the head once: 2L copies in all, independent of the number of micro-batches."""
     cfg = model.PRESETS["toy"]
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", micro_batches=M, **HP)
-    loads = []
-    real = t._load
-    monkeypatch.setattr(t, "_load", lambda u, slot: (loads.append(t.units[u].name), real(u, slot)))
+    t = CountingTrainer(cfg, model.init_weights(cfg, 0), device="cpu", micro_batches=M, **HP)
     t.step(*random_batch(cfg, 4, 16, torch.Generator().manual_seed(0)))
     L = cfg.n_layer
-    assert len(loads) == 2 * L
-    assert loads == [f"layer.{i}" for i in range(L)] + ["head"] + [f"layer.{i}" for i in reversed(range(L - 1))]
+    assert len(t.loads) == 2 * L
+    assert t.loads == [f"layer.{i}" for i in range(L)] + ["head"] + [f"layer.{i}" for i in reversed(range(L - 1))]
 
 
 def test_gradient_store_only_when_updates_wait_for_the_global_norm(gen):
-    """No clipping: gradients pass through 3 pinned staging slabs (no 4 B/param store), also with the
-    non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
+    """No clipping: gradients pass through stream.STAGING_SLABS pinned staging slabs (no 4 B/param store), also
+    with the non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
     cfg = SPECIAL  # tied: the head holds a slab until the embedding scatter
     w0 = model.init_weights(cfg, 0)
     t = Trainer(cfg, w0, device="cpu", micro_batches=2, skip_nonfinite=True, **HP)
     for _ in range(3):
         t.step(*random_batch(cfg, 4, 16, gen))
     t.weights()
-    assert all(g is None for g in t.opt.grad) and t.slabs.qsize() == 3
+    assert all(g is None for g in t.opt.grad) and t.slabs.qsize() == stream.STAGING_SLABS
     clipped = Trainer(cfg, w0, device="cpu", grad_clip=1.0, **HP)
     assert all(g is not None and g.numel() == lay.numel for g, lay in zip(clipped.opt.grad, clipped.units))
 
@@ -220,7 +230,6 @@ def test_optimizer_thread_failure_is_raised_not_hung(clip, monkeypatch):
 def test_offload_is_decided_once(monkeypatch):
     """offload_checkpoints=None is decided at the first step from the device's free memory, then kept: the
     caching allocator's reserve lowers the free figure after step 1, which must not flip the decision."""
-    import stream
     assert stream.offload_needed(10, 5, 14) and not stream.offload_needed(10, 4, 14)
     cfg = model.PRESETS["toy"]
     free = iter([10**12] + [1] * 10)               # plenty at the first step, nothing after
@@ -250,7 +259,6 @@ def test_pinned_staging_is_made_once_per_shape():
 
 def test_optimizer_thread_has_its_own_thread_budget():
     """The worker's OpenMP team is capped (cores - 2, at least 1); the main thread keeps its own."""
-    import stream
     before = torch.get_num_threads()
     cfg = model.PRESETS["toy"]
     t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **HP)

@@ -1,6 +1,7 @@
 """train.py as a user runs it: bad input gets one line and exit code 2; the streaming engine and the
 reference engine print the same losses; every run leaves config.json and metrics.jsonl."""
 import json
+import os
 import subprocess
 import sys
 
@@ -201,3 +202,52 @@ def test_samplers_give_long_windows(tmp_path):
             s = int(row_x[0]) if name == "t.npy" else raw.find(bytes(row_x[:32].tolist()))   # where it starts
             assert torch.equal(row_x, torch.from_numpy(np.asarray(tokens[s:s + T], dtype=np.int64)))
             assert torch.equal(row_y[:-1], row_x[1:]) and int(row_y[-1]) == int(tokens[s + T])
+
+
+def test_help_names_each_default_once_and_train_py_stays_within_120_columns():
+    """--help: each option names its default at most once (argparse's %(default)s or words, never both), never a
+    bare "(default: None)"; every option with a real default shows it. train.py's lines: <= 120 columns."""
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env={**os.environ, "COLUMNS": "1000"})  # each help string on one line
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
+    assert all(line.count("default:") <= 1 for line in lines), [x for x in lines if x.count("default:") > 1]
+    for flag, value in (("--steps", 400), ("--lr", 0.003), ("--out", "out"), ("--hardware", "local"),
+                        ("--device", "cuda if available"), ("--dtype", "bf16 on cuda, fp32 on cpu"),
+                        ("--batch-size", 32), ("--sample-tokens", 300)):
+        i = next(i for i, x in enumerate(lines) if x.lstrip().startswith(flag + " "))
+        text = lines[i] if "(default" in lines[i] else lines[i + 1]   # a long flag's help starts on the next line
+        assert text.rstrip().endswith(f"(default: {value})"), (lines[i], lines[i + 1])
+    long = [(i, len(x)) for i, x in enumerate((ROOT / "train.py").read_text().splitlines(), 1) if len(x) > 120]
+    assert not long, f"train.py lines over 120 columns (line, length): {long}"
+
+
+SAMPLE_CONTEXT = r"""
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+import model
+seen, forward = [], model.forward
+def recording_forward(cfg, weights, tokens):   # the sampler's only model call: note its context length
+    seen.append(tokens.shape[1])
+    return forward(cfg, weights, tokens)
+model.forward = recording_forward
+sys.argv = [sys.argv[1] + "/train.py", *sys.argv[2:]]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("contexts", min(seen, default=0), max(seen, default=0), len(seen))
+"""
+
+
+def test_sample_context_is_cropped_to_the_trained_seq_len(tmp_path):
+    """#12: the end-of-run sample cropped its context to max_seq_len (256), beyond the --seq-len the model trained
+    at (RoPE positions it never saw): the text degenerated after ~128 characters. Every context that
+    model.forward receives while sampling is now at most --seq-len tokens, and the sample reaches it."""
+    seq_len, n = 16, 40
+    r = subprocess.run([sys.executable, "-c", SAMPLE_CONTEXT, str(ROOT), "--steps", "1", "--batch-size", "2",
+                        "--seq-len", str(seq_len), "--eval-every", "1", "--eval-batches", "1", "--sample-tokens", str(n),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lo, hi, calls = map(int, r.stdout.strip().splitlines()[-1].split()[1:])
+    assert calls == n and lo == 1 and hi == seq_len, r.stdout[-500:]

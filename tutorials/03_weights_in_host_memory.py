@@ -157,7 +157,7 @@ def adamw_scratch(params, grads, ms, vs, t, lr, betas, eps, wds):
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 WD = 0.1
 lay = units[1]                                                 # toy layer.0: 7 matrices, 2 vectors
-shapes = [s for _, _, s, _ in lay.entries]
+shapes = [e.shape for e in lay.entries]
 init = [torch.randn(s) * 0.02 for s in shapes]
 wds = [WD if len(s) >= 2 else 0.0 for s in shapes]
 
@@ -200,7 +200,7 @@ print(f"after 5 steps, max |diff| vs torch.optim.AdamW(fused=True): scratch {dif
 # %%
 big = dataclasses.replace(cfg, d_model=512, n_head=8, n_kv_head=8, d_ff=1408, n_layer=2)
 lays = model.units(big)[1:-1]
-shapes = [s for lay in lays for _, _, s, _ in lay.entries]
+shapes = [e.shape for lay in lays for e in lay.entries]
 n_big = sum(lay.numel for lay in lays)
 params = [torch.randn(s) * 0.02 for s in shapes]
 grads = [torch.randn(s) * 1e-3 for s in shapes]

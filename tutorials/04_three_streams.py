@@ -1,20 +1,20 @@
 # %% [markdown]
-# # Lesson 4 -- three streams and a double buffer
+# # Lesson 4 -- three streams, proven without a GPU
 #
 # **What you will learn**
 #
 # * how a GPU overlaps copies with compute: **streams** (queues that run concurrently) and **events**
-#   (a marker one queue records and another waits for);
-# * the engine's double buffer: two weight slots on the GPU, layer i computing from one while layer
-#   i+1 is copied into the other -- and the two events per slot that make this safe;
-# * the timeline of one training step, built from the engine's own rules by a small simulator and
-#   printed as ASCII, for a PCIe-bound and a compute-bound setting;
-# * (with CUDA) the same picture from a real `torch.profiler` trace of `stream.Trainer`.
+#   (a marker one queue records and another waits for), and the engine's double buffer built on them;
+# * how to prove the ordering on a laptop: run the real engine on *checked lanes*, where every op knows its
+#   stream and every wait is a happens-before edge -- then break one wait and read the checker's report;
+# * the **twin**: the same engine at full size on fake tensors, replayed on an H100 profile -- a timeline of a
+#   Llama-2-7B step drawn in ASCII, the step time, and what bounds it;
+# * (with CUDA) the same picture from a real `torch.profiler` trace.
 #
 # Lessons 2-3 gave us a schedule (forward, head, backward with recompute) and weights in host memory.
 # Done naively -- copy, wait, compute, copy, wait, ... -- the GPU would idle during every copy.
 #
-# Run it: `python tutorials/04_three_streams.py` (a few seconds on a CPU).
+# Run it: `python tutorials/04_three_streams.py` (half a minute on a CPU).
 
 # %%
 import dataclasses
@@ -30,252 +30,167 @@ ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
+from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min import race, sim, twin  # noqa: E402
 
 # %% [markdown]
 # ## 1. Streams, events, slots
 #
-# The engine (`stream.py`) issues work on three CUDA streams:
+# The engine (`stream.py`) issues work on three CUDA streams -- its *lanes*:
 #
 # * **H2D** copies a unit's flat buffer (lesson 1) from pinned host memory (lesson 3) into a weight slot;
 # * **compute** runs `block` forward, the head, and the recompute + backward;
 # * **D2H** copies each finished fp32 layer gradient back into the host store, where a CPU worker thread
 #   runs AdamW on it (lesson 3) while the GPU moves on.
 #
-# Each stream runs its own work in order; different streams run concurrently. Correctness comes from
-# four kinds of event, each one line in `stream.py`:
+# Each stream runs its own work in order; different streams run concurrently. Correctness comes from events,
+# each one line in `stream.py` (its docstring lists them all):
 #
 # | event | recorded on | waited on by | guarantees |
 # |---|---|---|---|
 # | `slot_loaded[s]` | H2D, after the copy into slot s | compute, before using slot s | never compute on half-copied weights |
 # | `slot_free[s]` | compute, after the last use of slot s | H2D, before refilling slot s | never overwrite weights still in use |
 # | `gslot_free[g]` | D2H, after the gradient copy out of grad slot g | compute, before zeroing grad slot g | never zero a gradient not yet saved |
-# | D2H done | D2H | the CPU worker (`event.synchronize()`) | AdamW reads a complete gradient |
+# | `ring_ready` / `ring_free` | the writer / the reader of a checkpoint ring slot | the other | offloaded checkpoints pass through 2 device slots |
+# | grad landed | D2H | the CPU worker (it waits on the host) | AdamW reads a complete gradient |
+# | `loss_ready` | compute, after the loss reached pinned memory | the host | the loss is read after it is written |
 #
-# Without clipping, gradients land in one of 3 pinned staging slabs (lesson 3); the worker hands a slab
-# back after that unit's update (a `queue.Queue`), and the engine's host thread waits for a free one
-# before it queues the next gradient copy -- the fifth ordering rule, and the only one on the host.
-#
-# Without CUDA, `stream.Lane` is a no-op and every copy is synchronous: the same code, in program order.
-# So the *order* of operations is the same on a laptop -- we record it below -- only the overlap is
-# missing. We recover the overlap with a simulator that follows the engine's rules.
+# Without clipping, gradients land in one of a few pinned staging slabs; the worker hands a slab back after
+# that unit's update and the engine's host thread waits for a free one before it queues the next gradient
+# copy. Without CUDA, `stream.Lane` is a no-op and every copy is synchronous: the same code, in program
+# order. So a laptop runs the *order* but not the *concurrency* -- a missing wait would pass every CPU test.
 
 # %% [markdown]
-# ## 2. A simulator of one training step
+# ## 2. Checked lanes: the real engine, every op on a stream
 #
-# Each operation has a stream ("lane"), a duration and the operations it waits for. A lane runs its
-# operations in issue order, each starting when the lane is free *and* its events have fired. That is
-# all a CUDA stream does. The CPU optimizer worker is a fourth lane.
+# `megatrain_min.sim` gives `stream.Trainer` another backend of its `Lanes`: each lane has an identity, a
+# TorchDispatchMode attributes every aten op to a lane (or to the main / optimizer thread) with the bytes it
+# reads and writes, and every record, wait, host wait, future and slab hand-off is an edge. `race.Checker`
+# keeps a vector clock per lane and thread (PyTorch's CUDA sanitizer does the same on a GPU): two accesses to
+# the same bytes, one a write, from two lanes with no edge between them, is a race. The engine runs
+# unchanged. Two steps of the toy model, 2 micro-batches, checkpoints offloaded:
 
 # %%
-def simulate(ops):
-    """ops: list of dicts(lane, label, dur, deps=[indices]) in issue order. Adds start/end in place."""
-    lane_free = {}
-    for o in ops:
-        o["start"] = max([lane_free.get(o["lane"], 0.0)] + [ops[d]["end"] for d in o["deps"]])
-        o["end"] = o["start"] + o["dur"]
-        lane_free[o["lane"]] = o["end"]
-    return max(o["end"] for o in ops)
+cfg = model.PRESETS["toy"]
+clean = race.Checker()
+sim.run(cfg, [clean], 2, batch=(4, 16), micro_batches=2, offload_checkpoints=True, grad_clip=0.0)
+print(clean.summary())
+
+# %% [markdown]
+# No races. Per step the main thread syncs with the device once (`host_wait`: the loss) and waits for the
+# optimizer thread at each staging slab it takes (without clipping, a gradient needs a free slab); the weight
+# copies are what the schedule says: every layer twice (forward, backward) but the last, which is still in its
+# slot when the backward starts, and the head once.
+#
+# ## 3. A deliberately broken engine
+#
+# Now an H2D lane that forgets its waits -- what a refactoring slip would do. `SimLanes` is the checked
+# backend; we make one whose H2D lane ignores every event it is told to wait for:
+
+# %%
+class ForgetfulLanes(sim.SimLanes):
+    def __init__(self, rec, device_bytes=None):
+        super().__init__(rec, device_bytes)
+        self.h2d.wait = lambda event: None           # the H2D stream no longer waits for anything
 
 
-SLABS = 3                                            # stream.Trainer's pinned gradient staging slabs
+class ForgetfulTrainer(stream.Trainer):
+    def __init__(self, cfg, weights, lanes=None, **kw):
+        super().__init__(cfg, weights, lanes=ForgetfulLanes(lanes.rec), **kw)
 
 
-def one_step(L, copy, fwd, bwd, d2h, adam, head_copy, head, head_d2h, slabs=SLABS):
-    """The ops of one engine step (stream.Trainer.step, no clipping) for L layers. Durations in ms.
+broken = race.Checker()
+sim.run(cfg, [broken], 2, trainer_cls=ForgetfulTrainer, batch=(4, 16), micro_batches=2, offload_checkpoints=True,
+        grad_clip=0.0)
+print("\n".join(broken.summary().splitlines()[:9]))
 
-    Forward: layer i computes from slot i%2; the copy of the next unit goes into the other slot once the
-    compute that last used it (layer i-1) is done. Head: forward + backward at once. Backward: layer L-1
-    is still resident (no copy); layer i-1 is copied into the slot the previous visit freed. Grad slots
-    alternate too: grad slot k%2 is zeroed only after the D2H of visit k-2 finished. Without clipping a
-    gradient lands in one of `slabs` pinned staging slabs, which the worker frees after that unit's AdamW:
-    gradient k needs the slab of update k-slabs. The engine waits for it on the host thread, so nothing
-    issued after that point can start before it either (the `host` dependency below)."""
-    ops, host = [], [None]                           # host[0]: the last host-side wait, gates all later ops
+# %% [markdown]
+# Read the report. `wslot[0]` is the first weight slot: the compute lane read it (`model.py`: the first ops of
+# a layer, its norm and projections) and the H2D lane wrote it (`stream.py`, `_load`) with no happens-before
+# edge between the two -- on a GPU the copy of layer i+2 could overwrite the weights layer i is still
+# computing with. Each report names the buffer, both ops, both lanes and both source lines. The
+# test suite deletes every event wait of `stream.py` in turn and asserts the checker catches each
+# (`tests/test_sim.py`): none of them is redundant, and none can go missing unnoticed.
+#
+# ## 4. The twin: a Llama-2-7B step on an H100
+#
+# The same recorder runs the engine under FakeTensorMode: tensors have shapes and dtypes but no data, so a
+# 7B layer costs nothing to "allocate". `twin.Twin` replays the op stream on a hardware profile from
+# `megatrain_min.plan.HARDWARE`: each stream in issue order, each op at the roofline (FLOPs at the achievable
+# FLOP/s, bytes at the HBM bandwidth), copies at the link bandwidth, the host issuing every op (~10 us each on
+# the CPU it was measured on: lesson 5's host lane), the optimizer thread's AdamW at DRAM speed. Four of the
+# 32 layers, at 4 x 4096 and 8 x 4096 tokens per step:
 
-    def op(lane, label, dur, *deps):
-        ops.append(dict(lane=lane, label=label, dur=dur, deps=[d for d in deps + (host[0],) if d is not None]))
-        return len(ops) - 1
-
-    user = [None, None]                              # last compute op that used each weight slot
-    load = {0: op("H2D", "0", copy)}
-    for i in range(L):                               # ---- forward
-        s = i % 2
-        f = op("compute", f"{i}", fwd, load[i])
-        user[s] = f
-        nxt, dur = (i + 1, copy) if i + 1 < L else ("H", head_copy)
-        load[nxt] = op("H2D", f"{nxt}", dur, user[1 - s])
-    s = L % 2                                        # ---- head, forward and backward
-    h = op("compute", "H+H'", head, load["H"])
-    user[s] = h
-    drained = [op("D2H", "gH", head_d2h, h)]         # grad visit k = 0
-    updated = [op("CPU", "AH", adam * head_copy / copy, drained[0])]
-    loaded = load[L - 1]
-    for k, i in enumerate(reversed(range(L)), start=1):   # ---- backward, visit k = 1..L
-        s = i % 2
-        nxt_load = op("H2D", f"{i - 1}", copy, user[1 - s]) if i > 0 else None
-        gfree = drained[k - 2] if k >= 2 else None
-        b = op("compute", f"{i}'", bwd, loaded, gfree)
-        user[s] = b
-        if k >= slabs:                               # Trainer._host_grad: wait for a free staging slab
-            host[0] = updated[k - slabs]
-        drained.append(op("D2H", f"g{i}", d2h, b))
-        updated.append(op("CPU", f"A{i}", adam, drained[-1]))
-        loaded = nxt_load
-    return ops
+# %%
+C7 = dataclasses.replace(model.PRESETS["7b"], n_layer=4)
+H100 = planner.HARDWARE["h100"]
 
 
-def render(ops, total, width=96, lanes=("H2D", "compute", "D2H", "CPU")):
-    """ASCII timeline: one row per lane, each op as |label...| scaled to `width` characters."""
+def predicted(B, T=4096):
+    p = planner.plan(C7, "h100", batch_size=B, seq_len=T, grad_clip=0.0)
+    tw = twin.Twin(dict(H100, name="h100"))
+    sim.run(C7, [tw], 3, fake=True, sources=False, costs=True, batch=(B, T), dtype=torch.bfloat16, grad_clip=0.0,
+            staging_slabs=p["staging_slabs"], skip_nonfinite=True, offload_checkpoints=p["offload_checkpoints"])
+    return tw, tw.result_of(C7, B * T), p
+
+
+MARK = {"host": ".", "h2d": ">", "compute": "#", "d2h": "<", "cpu_adam": "a"}
+
+
+def render(tw, width=96):
+    """One step of the replay (between the starts of its last two steps) as ASCII, a row per lane."""
+    t0, t1 = tw.first_compute[-3].start, tw.first_compute[-2].start
     rows = []
-    for lane in lanes:
-        row = [" "] * (width + 1)
-        for o in ops:
-            if o["lane"] != lane:
-                continue
-            a, b = round(o["start"] / total * width), round(o["end"] / total * width)
-            cell = ("|" + o["label"] + "-" * width)[:max(1, b - a)]
-            row[a:a + len(cell)] = cell
-        rows.append(f"  {lane:<8}" + "".join(row).rstrip())
+    for lane, mark in MARK.items():
+        row = [" "] * width
+        for s in tw.spans:
+            if s.actor == lane and s.label != "wait" and s.end > t0 and s.start < t1:
+                a, b = int((max(s.start, t0) - t0) / (t1 - t0) * width), int((min(s.end, t1) - t0) / (t1 - t0) * width)
+                row[a:max(a + 1, b)] = mark * (max(a + 1, b) - a)
+        rows.append(f"  {lane:<8}|" + "".join(row) + "|")
     return "\n".join(rows)
 
+
+timelines = {}
+for B in (4, 8):
+    tw, r, p = predicted(B)
+    timelines[B] = (tw, r, p)
+    print(f"\n{B} x 4096 tokens: step {r['step_time_s'] * 1e3:.0f} ms (plan.py: {p['step_time_s'] * 1e3:.0f} ms), GPU busy "
+          f"{r['overlap']:.0%}, bottleneck {r['bottleneck']}, peak GPU memory {r['peak_gpu_bytes'] / 1e9:.1f} GB")
+    print(render(tw))
+
 # %% [markdown]
-# ## 3. Durations from first principles
+# Read the two pictures (`#` compute, `>` H2D, `<` D2H, `a` the CPU's AdamW, `.` the host issuing ops):
 #
-# Take a Llama-2-7B layer (202M parameters; `model.units(PRESETS["7b"])`), a GPU sustaining 400 TFLOP/s
-# in bf16, PCIe Gen5 at 55 GB/s each way, and a CPU whose AdamW streams 200 GB/s of DRAM traffic:
+# * **4 x 4096** -- the step opens with the GPU idle: without clipping, layer 0 is updated last (the backward
+#   runs L-1 .. 0), and the next forward starts with layer 0's copy, which waits for that update. With four
+#   layers that bubble is a fifth of the step; the CPU AdamW (~38 B/param of DRAM traffic) is busy most of it.
+# * **8 x 4096** -- twice the tokens per layer visit: every copy hides under a longer compute, the compute
+#   row is nearly solid, and each update finishes while the GPU is still working on lower layers.
 #
-# * copy in: 2 bytes/param (the bf16 shadow)                   = P * 2 / 55 GB/s
-# * forward: 2 FLOP per param per token                        = 2 P T / 400 TFLOP/s
-# * backward: recompute (2 P T) + backward proper (4 P T)      = 3x the forward
-# * gradient out: 4 bytes/param (fp32)                         = P * 4 / 55 GB/s
-# * AdamW: ~32 bytes of DRAM traffic per param                 = P * 32 / 200 GB/s
-#
-# T is the number of tokens that pass through the layer during one visit: all micro-batches of the
-# step (lesson 5). (Attention's T^2 FLOPs are left out: a small correction at these lengths.)
+# The planner (`plan.py`) models the same schedule analytically; the two are independent and agree to a few
+# tenths of a percent (`bench/twin_vs_plan.py`: every row of the README's 100b/120b table). All 32 layers of
+# the 7B model, from the planner, which answers in milliseconds:
 
 # %%
-C7 = model.PRESETS["7b"]
-P_layer, P_head = model.units(C7)[1].numel, model.units(C7)[-1].numel
-FLOPS, PCIE, DRAM = 400e12, 55e9, 200e9
-
-
-def durations(tokens):
-    ms = 1e3
-    return dict(copy=P_layer * 2 / PCIE * ms, fwd=2 * P_layer * tokens / FLOPS * ms,
-                bwd=6 * P_layer * tokens / FLOPS * ms, d2h=P_layer * 4 / PCIE * ms, adam=P_layer * 32 / DRAM * ms,
-                head_copy=P_head * 2 / PCIE * ms, head=6 * P_head * tokens / FLOPS * ms,
-                head_d2h=P_head * 4 / PCIE * ms)
-
-
-L_SHOW = 4                                           # 4 of the 32 layers: enough to see the pattern
-results = {}
-for tokens in (4096, 32768):
-    d = durations(tokens)
-    ops = one_step(L_SHOW, **d)
-    total = simulate(ops)
-    serial = sum(o["dur"] for o in ops)              # everything one after the other, nothing overlapped
-    busy = sum(o["dur"] for o in ops if o["lane"] == "compute")
-    results[tokens] = dict(ops=ops, total=total, serial=serial, busy=busy)
-    print(f"\nT = {tokens} tokens per layer visit: copy {d['copy']:.1f} ms, forward {d['fwd']:.1f} ms, "
-          f"backward {d['bwd']:.1f} ms, grad out {d['d2h']:.1f} ms, AdamW {d['adam']:.1f} ms per layer")
-    print(render(ops, total))
-    print(f"  step {total:.0f} ms (serial {serial:.0f} ms); the GPU computes {busy / total:.0%} of the time")
+for B in (1, 4, 8):
+    p = planner.plan(model.PRESETS["7b"], "h100", batch_size=B, seq_len=4096, grad_clip=0.0)
+    print(f"{B} x 4096 tokens, 32 layers: step {p['step_time_s']:5.2f} s, {p['tokens_per_s']:6,.0f} tokens/s, "
+          f"GPU busy {p['utilization']['compute']:.0%}, bound by {p['bottleneck']}")
 
 # %% [markdown]
-# Read the two pictures:
-#
-# * **T = 4096** -- each forward (4 ms) is shorter than the copy of the next layer (7 ms): the compute row
-#   has gaps, the H2D row is solid. The gradient (fp32: twice the bytes) takes longer to leave than the
-#   backward takes to make it, and the CPU's AdamW (32 ms per layer) finishes long after the GPU. With
-#   only 3 staging slabs the optimizer even pushes back: `g0` waits for a slab until `A3` is done. The
-#   step is bound by PCIe and the host, not by the GPU.
-# * **T = 32768** -- every copy hides under a longer compute, the compute row is nearly solid, and each
-#   update finishes while the GPU is still working on lower layers. Only the first copy and the last
-#   gradient + update stick out -- and they do not grow with depth.
-#
-# Four layers hide how the host's lag adds up. All 32 layers of the 7B model:
-
-# %%
-for tokens in (4096, 32768):
-    ops = one_step(C7.n_layer, **durations(tokens))
-    total = simulate(ops)
-    gpu_end = max(o["end"] for o in ops if o["lane"] == "compute")
-    busy = sum(o["dur"] for o in ops if o["lane"] == "compute")
-    print(f"T = {tokens:>5}, {C7.n_layer} layers: step {total:5.0f} ms, GPU busy {busy:5.0f} ms ({busy / total:.0%}), "
-          f"its last backward ends at {gpu_end:5.0f} ms")
-
-# %% [markdown]
-# At 4k tokens the step is ~32 x 32 ms of CPU AdamW, and the staging slabs make the GPU wait for the
-# optimizer (its work would end near 0.7 s if it never had to). At 32k tokens every copy and every update
-# hides behind the compute.
-#
 # Lesson 5 turns this into the rule "tokens per layer visit >= F * bytes / (2 * BW)".
 #
-# The same two steps as a picture (`python tutorials/make_figures.py` draws it from this lesson's numbers):
+# ![twin timeline](figures/timeline.png)
 #
-# ![simulated timeline](figures/timeline.png)
-
-# %% [markdown]
-# ## 4. The simulator follows the engine's order
+# (`python tutorials/make_figures.py` draws these two replays.)
 #
-# A simulator is only worth something if it models the real code. On the CPU the engine runs its
-# operations synchronously in issue order -- so we can record that order from a real `stream.Trainer`
-# step (by wrapping three of its functions) and compare it with the simulator's op order per lane.
-
-# %%
-cfg = dataclasses.replace(model.PRESETS["toy"], n_layer=L_SHOW)
-t = stream.Trainer(cfg, model.init_weights(cfg, 0), device="cpu", micro_batches=2)
-record = {"H2D": [], "compute": [], "D2H": []}
-real_load, real_drain, real_block, real_head = t._load, t._drain, model.block, model.head_loss
-names = {u: lay.name.replace("layer.", "").replace("head", "H") for u, lay in enumerate(t.units)}
-
-
-def load(u, slot):
-    record["H2D"].append(names[u])
-    return real_load(u, slot)
-
-
-def drain(u, gs):
-    record["D2H"].append("g" + names[u])
-    return real_drain(u, gs)
-
-
-def block(cfg_, x, w, rope, tile_tokens=0):
-    # which slot do these weights live in, and which unit is resident there?
-    ptr = w["input_layernorm.weight"].untyped_storage().data_ptr()
-    s = [k for k in (0, 1) if t.wslot[k].untyped_storage().data_ptr() == ptr][0]
-    unit = [u for u, slot in t.resident.items() if slot == s][0]
-    label = names[unit] + ("'" if x.requires_grad else "")  # an input that needs grad: the recompute
-    if not record["compute"] or record["compute"][-1] != label:       # one entry per visit, not per micro-batch
-        record["compute"].append(label)
-    return real_block(cfg_, x, w, rope, tile_tokens)
-
-
-def head_loss(*a):
-    if not record["compute"] or record["compute"][-1] != "H+H'":
-        record["compute"].append("H+H'")
-    return real_head(*a)
-
-
-t._load, t._drain, model.block, model.head_loss = load, drain, block, head_loss
-try:
-    gen = torch.Generator().manual_seed(0)
-    t.step(torch.randint(0, 256, (4, 32), generator=gen), torch.randint(0, 256, (4, 32), generator=gen))
-    t.weights()
-finally:
-    model.block, model.head_loss = real_block, real_head
-sim_ops = results[4096]["ops"]
-for lane in record:
-    sim = [o["label"] for o in sim_ops if o["lane"] == lane]
-    print(f"  {lane:<8} engine    {' '.join(record[lane])}\n  {'':<8} simulator {' '.join(sim)}")
-
-# %% [markdown]
 # ## 5. On a GPU: the real timeline
 #
 # With CUDA, profile one step of `stream.Trainer` (after a warm-up step) on a small model and draw the
 # same ASCII picture from the trace: every kernel and copy the GPU ran, by stream. The full trace is
 # written as JSON; open it in https://ui.perfetto.dev to see the same rows (`python train.py --profile`
-# does this for a training run).
+# does this for a training run, the optimizer thread included).
 
 # %%
 def profile_rows(trace_path, width=96):
@@ -323,28 +238,27 @@ if torch.cuda.is_available():
         print(f"  GPU span {span_ms:.1f} ms on {n_streams} streams")
 else:
     n_streams = None
-    print("no CUDA: skipping the real profile (the simulated timeline above follows the same rules)")
+    print("no CUDA: skipping the real profile (the twin above replays the same op stream)")
 
 # %% [markdown]
 # ## Check
 #
-# * the simulator issues copies, computes and gradient drains in exactly the engine's order, with the
-#   engine's number of staging slabs;
-# * overlap pays: both simulated steps are shorter than the serial sum, and with enough tokens per
-#   visit the GPU computes at least 80% of the step;
-# * with CUDA, the trace shows work on at least 3 streams (H2D, compute, D2H).
+# * the engine on checked lanes has no race, one device sync per step, and the schedule's weight copies;
+# * an H2D lane that does not wait is caught, naming the weight slot it races on;
+# * the twin and the planner agree on the step time within 10%, overlap pays (the GPU computes most of the
+#   8 x 4096 step), and with CUDA the trace shows work on at least 3 streams.
 
 # %%
-for lane in record:
-    assert record[lane] == [o["label"] for o in sim_ops if o["lane"] == lane], lane
-assert t.slabs.qsize() == SLABS, "the simulator assumes the engine's number of staging slabs"
-for tokens, r in results.items():
-    assert r["total"] < r["serial"], tokens
-assert results[32768]["busy"] / results[32768]["total"] >= 0.8
-assert results[4096]["busy"] / results[4096]["total"] < 0.5          # the PCIe-bound case really is
+assert not clean.races and len(clean.steps) == 3
+for s in clean.steps[:2]:
+    assert sum(n for where, n in s["syncs"].items() if where.startswith("host_wait")) == 1
+    assert s["copies"] == {f"layer.{i}": 2 for i in range(cfg.n_layer - 1)} | {f"layer.{cfg.n_layer - 1}": 1, "head": 1}
+assert any(r["buffer"].startswith("wslot") for r in broken.races), broken.summary()
+for B, (tw, r, p) in timelines.items():
+    assert 0.9 <= r["step_time_s"] / p["step_time_s"] <= 1.1, (B, r["step_time_s"], p["step_time_s"])
+assert timelines[8][1]["overlap"] >= 0.8 and timelines[8][1]["overlap"] > timelines[4][1]["overlap"]
 if n_streams is not None:
     assert n_streams >= 3, n_streams
-gain = {tk: r["serial"] / r["total"] for tk, r in results.items()}
-print(f"OK  engine order == simulator order on all 3 streams; overlap speed-up "
-      f"{gain[4096]:.2f}x (T=4096), {gain[32768]:.2f}x (T=32768); GPU busy "
-      f"{results[32768]['busy'] / results[32768]['total']:.0%} at T=32768")
+print(f"OK  clean engine: 0 races; forgetful H2D lane: {len(broken.races)} races, first on {broken.races[0]['buffer']}; "
+      f"twin/plan {timelines[8][1]['step_time_s'] / timelines[8][2]['step_time_s']:.3f} at 8 x 4096, GPU busy "
+      f"{timelines[8][1]['overlap']:.0%}")

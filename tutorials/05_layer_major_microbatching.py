@@ -48,9 +48,20 @@ from stream import Trainer  # noqa: E402
 # One copy of layer i serves all M micro-batches. The price: the boundary checkpoints (lesson 2) of all
 # micro-batches must be kept at once, L x (B, T, d) -- on the GPU or offloaded to pinned host memory.
 #
-# Count the copies on the real engine (wrap `Trainer._load`, the one place weights are copied in):
+# Count the copies on the real engine: a small subclass overrides `Trainer.load_unit`, the one place weights are
+# copied in, and notes each unit before doing the real copy.
 
 # %%
+class CountingTrainer(Trainer):
+    def __init__(self, *args, **kw):
+        self.loads = []                     # the unit index of every copy into a weight slot
+        super().__init__(*args, **kw)
+
+    def load_unit(self, u, slot):
+        self.loads.append(u)
+        return super().load_unit(u, slot)
+
+
 cfg = model.PRESETS["toy"]
 L = cfg.n_layer
 w0 = model.init_weights(cfg, seed=0)
@@ -60,11 +71,9 @@ targets = torch.randint(0, cfg.vocab_size, (8, 32), generator=gen)
 
 copies, losses, trainers = {}, {}, {}
 for M in (1, 4):
-    t = Trainer(cfg, w0, device="cpu", micro_batches=M, lr=1e-3)
-    real_load, log = t._load, []
-    t._load = lambda u, slot, real_load=real_load, log=log: (log.append(u), real_load(u, slot))[1]
+    t = CountingTrainer(cfg, w0, device="cpu", micro_batches=M, lr=1e-3)
     losses[M] = t.step(tokens, targets)
-    copies[M], trainers[M] = len(log), t
+    copies[M], trainers[M] = len(t.loads), t
     print(f"M = {M}: {copies[M]} unit copies per step (layer-major); micro-batch-major would make "
           f"{copies[M] * M}")
 

@@ -3,9 +3,9 @@
     pip install -r requirements-docs.txt     # matplotlib: a docs-only dependency
     python tutorials/make_figures.py         # rewrites tutorials/figures/*.png (a few seconds)
 
-timeline.png    lesson 4's simulated step (4 layers of Llama-2-7B on an H100-like GPU) at 4k and 32k tokens
-                per layer visit: the four lanes H2D, compute, D2H, CPU AdamW. The schedule comes from
-                running lesson 4 itself (its one_step/simulate), so picture and lesson cannot drift apart.
+timeline.png    lesson 4's twin replay (4 layers of Llama-2-7B on the h100 profile) at 4 x 4096 and 8 x 4096
+                tokens per step: the lanes host, H2D, compute, D2H, CPU AdamW. The spans come from running
+                lesson 4 itself (its `timelines`), so picture and lesson cannot drift apart.
 throughput.png  lesson 5: megatrain_min.plan's tokens/s for 7b against tokens per step on h100 and gh200,
                 with the thresholds T >= F b / (2 BW) etc. marked.
 memory.png      lesson 6: host memory of 120b by component (planner), fast/lean x clipping, against 1.5 TB.
@@ -30,40 +30,26 @@ from megatrain_min import plan as planner  # noqa: E402
 
 OUT = HERE / "figures"
 OUT.mkdir(exist_ok=True)
-COLORS = {"copy": "#4c72b0", "fwd": "#55a868", "bwd": "#2d6a3e", "head": "#8172b2", "grad": "#dd8452",
-          "adam": "#c44e52"}
-
-
-def kind(o):
-    if o["lane"] == "H2D":
-        return "copy"
-    if o["lane"] == "D2H":
-        return "grad"
-    if o["lane"] == "CPU":
-        return "adam"
-    return "head" if o["label"].startswith("H") else "bwd" if o["label"].endswith("'") else "fwd"
-
+COLORS = {"host": "#937860", "h2d": "#4c72b0", "compute": "#55a868", "d2h": "#dd8452", "cpu_adam": "#c44e52"}
 
 # ----------------------------------------------------------------------------- timeline (lesson 4)
 with contextlib.redirect_stdout(io.StringIO()):
     lesson4 = runpy.run_path(str(HERE / "04_three_streams.py"))
-results = lesson4["results"]
-lanes = ["H2D", "compute", "D2H", "CPU"]
-fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 * len(results)), constrained_layout=True)
-for ax, (tokens, r) in zip(axes, results.items()):
-    for o in r["ops"]:
-        y = len(lanes) - 1 - lanes.index(o["lane"])
-        ax.broken_barh([(o["start"], o["dur"])], (y - 0.4, 0.8), facecolors=COLORS[kind(o)], edgecolors="white")
-        if o["dur"] > r["total"] / 40:
-            ax.text(o["start"] + o["dur"] / 2, y, o["label"], ha="center", va="center", color="white", fontsize=8)
+lanes = list(COLORS)
+fig, axes = plt.subplots(len(lesson4["timelines"]), 1, figsize=(10, 2.4 * len(lesson4["timelines"])),
+                         constrained_layout=True)
+for ax, (B, (tw, r, p)) in zip(axes, lesson4["timelines"].items()):
+    t0, t1 = tw.first_compute[-3].start, tw.first_compute[-2].start
+    for s_ in tw.spans:
+        if s_.label != "wait" and s_.end > t0 and s_.start < t1 and s_.end > s_.start:
+            y = len(lanes) - 1 - lanes.index(s_.actor)
+            a, b = max(s_.start, t0) - t0, min(s_.end, t1) - t0
+            ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (y - 0.4, 0.8), facecolors=COLORS[s_.actor])
     ax.set_yticks(range(len(lanes)), lanes[::-1])
-    ax.set_xlim(0, r["total"])
-    ax.set_title(f"{tokens:,} tokens per layer visit: step {r['total']:.0f} ms, GPU computing "
-                 f"{r['busy'] / r['total']:.0%} of it", fontsize=10, loc="left")
-axes[-1].set_xlabel("ms (4 layers of Llama-2-7B, 400 TFLOP/s, PCIe 55 GB/s, AdamW at 200 GB/s DRAM)")
-handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-axes[0].legend(handles, ["H2D weights", "forward", "recompute+backward", "head fwd+bwd", "D2H grad", "CPU AdamW"],
-               ncol=6, fontsize=8, loc="upper right", bbox_to_anchor=(1, 1.45), frameon=False)
+    ax.set_xlim(0, (t1 - t0) * 1e3)
+    ax.set_title(f"{B} x 4096 tokens per step: {r['step_time_s'] * 1e3:.0f} ms (plan.py {p['step_time_s'] * 1e3:.0f} ms), "
+                 f"GPU busy {r['overlap']:.0%}, bound by {r['bottleneck']}", fontsize=10, loc="left")
+axes[-1].set_xlabel("ms: one step of 4 Llama-2-7B layers replayed on the h100 profile (a prediction)")
 fig.savefig(OUT / "timeline.png", dpi=100)
 plt.close(fig)
 
@@ -71,7 +57,7 @@ plt.close(fig)
 C7 = model.PRESETS["7b"]
 fig, ax = plt.subplots(figsize=(7, 3.6), constrained_layout=True)
 for hw, color in (("h100", "#4c72b0"), ("gh200", "#c44e52")):
-    pts = [planner.plan(C7, hw, batch_size=b, seq_len=1024, grad_clip=False)
+    pts = [planner.plan(C7, hw, batch_size=b, seq_len=1024, grad_clip=0.0)
            for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)]
     ax.plot([p["tokens_per_step"] for p in pts], [p["tokens_per_s"] for p in pts], "o-", color=color, label=hw, ms=3)
     for what, style in (("h2d", "--"), ("cpu_adam", ":")):
@@ -90,7 +76,7 @@ fig, ax = plt.subplots(figsize=(9, 3.6), constrained_layout=True)
 names, palette = [], ["#4c72b0", "#55a868", "#8172b2", "#dd8452", "#c44e52", "#937860", "#da8bc3", "#8c8c8c"]
 component_color = {}
 for y, (mode, clip) in enumerate([("fast", True), ("fast", False), ("lean", True), ("lean", False)]):
-    p = planner.plan(C120, "h200", batch_size=8, seq_len=4096, mode=mode, grad_clip=clip, host_mem_gb=1536)
+    p = planner.plan(C120, "h200", batch_size=4, seq_len=4096, mode=mode, grad_clip=float(clip), host_mem_gb=1536)
     left = 0.0
     for comp, b in p["host"].items():
         key = comp.split(":")[0].split(" (")[0]
@@ -105,7 +91,7 @@ ax.text(1536e9 * planner.HOST_USABLE / 1e12, -0.55, " 1.5 TB host (97% usable)",
 ax.set_yticks(range(4), ["fast + clip", "fast", "lean + clip", "lean"])
 ax.set_ylim(3.6, -0.8)                                         # first bar on top
 ax.set_xlim(0, 2.7)
-ax.set_xlabel("host memory, TB (120b on h200, 8 x 4096 tokens/step, megatrain_min.plan)")
+ax.set_xlabel("host memory, TB (120b on h200, 4 x 4096 tokens/step, megatrain_min.plan)")
 ax.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
 fig.savefig(OUT / "memory.png", dpi=100)
 plt.close(fig)
