@@ -242,7 +242,7 @@ class ShardedTrainer(stream.Trainer):
 
     # ------------------------------------------------------------------ the embedding (see the docstring)
     def embed_rows(self, b):
-        """x (B/N, T, d) of this rank's sequences: the parts of the rows of all B*T tokens that this rank's shard
+        """x: M x (B/N/M, T, d), this rank's sequences: the parts of the rows of all B*T tokens that this rank's shard
         holds, zeros elsewhere, H2D, then a reduce_scatter that sums the parts and leaves each rank its rows."""
         V, d = self.cfg.vocab_size, self.cfg.d_model
         src = self.opt.master[self.embed]                                     # (s,) this rank's shard
@@ -268,7 +268,7 @@ class ShardedTrainer(stream.Trainer):
             summed = self.comm.record()
         self.comp.wait(summed)
         self.comp.keep(x)
-        return x.to(self.residual_dtype)                  # lean + bf16 residual: cast here
+        return list(x.to(self.residual_dtype).chunk(self.M))   # M x (B/N/M, T, d); lean + bf16 residual: cast here
 
     def dy_to_host(self, dy):
         """dy of layer 0 of every rank, all_gathered in global order (rank r's B/N sequences r-th), then D2H:
@@ -387,24 +387,34 @@ def train(cfg, steps, batch, sharded, seed=0, **kw):
     return losses, t.weights(), norms, traffic
 
 
-def _train_rank(cfg_dict, steps, batch, kw):
-    return train(model.GPTConfig(**cfg_dict), steps, batch, True, **kw)
+def _train_rank(cases, steps, batch):
+    return [train(model.GPTConfig(**c), steps, batch, True, **kw) for c, kw in cases]
 
 
-def compare(cfg, world, steps=5, batch=(8, 16), **kw):
-    """`steps` steps of cfg on `world` local ranks and in one process, on the same global batches. Returns
-    {"loss_rel": the worst per-step relative loss difference, "weights_rel": ||w_N - w_1|| / ||w_1|| after the
-    steps, "weights_max": the largest elementwise difference, "traffic": bytes per wire of rank 0's last step,
-    "losses": (N ranks, one process)}."""
-    ranks = spawn(_train_rank, world, cfg.to_dict(), steps, batch, kw)
-    one = train(cfg, steps, batch, False, **kw)
-    (losses, w, _, traffic), (losses1, w1, _, _) = ranks[0], one
-    assert all(r[0] == losses for r in ranks), "the ranks disagree on the losses"
-    diff = sum(float(((w[k] - w1[k]).double() ** 2).sum()) for k in w1) ** 0.5
-    return dict(loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, losses1)),
-                weights_rel=diff / sum(float((v.double() ** 2).sum()) for v in w1.values()) ** 0.5,
-                weights_max=max(float((w[k] - w1[k]).abs().max()) for k in w1), traffic=traffic[-1],
-                losses=(losses, losses1))
+def compare(cases, world, steps=5, batch=(8, 16)):
+    """Each case (cfg, Trainer kwargs) for `steps` steps on `world` local ranks (one spawn for them all) and in
+    one process, on the same global batches. The one process runs world x micro_batches micro-batches: the same
+    micro-batch size, so that both compute the same matmuls and only the order of the fp32 gradient sums differs
+    (with another micro-batch size the one process disagrees with ITSELF by as much: tests/test_sharded.py).
+    Returns per case {"loss_rel": the worst per-step relative loss difference, "weights_rel": ||w_N - w_1|| /
+    ||w_1|| after the steps, "weights_max": the largest elementwise difference, "traffic": bytes per wire of
+    rank 0's last step, "losses": (N ranks, one process), "norms": rank 0's grad norms}."""
+    ranks = spawn(_train_rank, world, [(cfg.to_dict(), kw) for cfg, kw in cases], steps, batch)
+    out = []
+    for k, (cfg, kw) in enumerate(cases):
+        one = train(cfg, steps, batch, False, **dict(kw, micro_batches=world * kw.get("micro_batches", 1)))
+        (losses, w, norms, traffic), (losses1, w1, _, _) = ranks[0][k], one
+        assert all(r[k][0] == losses for r in ranks), "the ranks disagree on the losses"
+        out.append(dict(loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, losses1)),
+                        weights_rel=weights_rel(w, w1), weights_max=max(float((w[k] - w1[k]).abs().max()) for k in w1),
+                        traffic=traffic[-1], losses=(losses, losses1), norms=norms))
+    return out
+
+
+def weights_rel(w, w1):
+    """||w - w1|| / ||w1|| over every tensor of two whole models, in fp64."""
+    diff = sum(float(((w[k] - w1[k]).double() ** 2).sum()) for k in w1)
+    return (diff / sum(float((v.double() ** 2).sum()) for v in w1.values())) ** 0.5
 
 
 def main(argv=None):
@@ -422,10 +432,11 @@ def main(argv=None):
     if a.world < 1 or a.steps < 1 or a.batch_size % (a.world * a.micro_batches):
         ap.exit(2, f"error: --batch-size {a.batch_size} must be a multiple of --world {a.world} x --micro-batches "
                    f"{a.micro_batches}, and --world, --steps >= 1\n")
-    r = compare(model.PRESETS[a.config], a.world, a.steps, (a.batch_size, a.seq_len), micro_batches=a.micro_batches,
-                grad_clip=a.grad_clip, lr=1e-2)
+    kw = dict(micro_batches=a.micro_batches, grad_clip=a.grad_clip, lr=1e-2)
+    r, = compare([(model.PRESETS[a.config], kw)], a.world, a.steps, (a.batch_size, a.seq_len))
     for k, (x, y) in enumerate(zip(*r["losses"])):
-        print(f"step {k + 1}: loss {x:.7f} on {a.world} ranks, {y:.7f} in one process")
+        print(f"step {k + 1}: loss {x:.7f} on {a.world} ranks, {y:.7f} in one process ({a.world * a.micro_batches} "
+              f"micro-batches)")
     print(f"worst relative loss difference {r['loss_rel']:.1e}; weights after {a.steps} steps: ||dw|| / ||w|| = "
           f"{r['weights_rel']:.1e}, max |dw| = {r['weights_max']:.1e}")
     print("rank 0, last step: " + ", ".join(f"{k} {v:,} B" for k, v in sorted(r["traffic"].items())))
