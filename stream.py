@@ -299,7 +299,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ what this process holds and sums (hooks)
     # One process holds every unit whole and computes the whole batch. megatrain_min/sharded.py replaces these
-    # (and load_unit, embed_rows, reduce_loss, dy_to_host, grad_to_host, add_embedding_grad, update_unit) for N ranks.
+    # (and load_unit, embed_rows, dy_to_host, grad_to_host, add_embedding_grad, update_unit) for N ranks.
     def store_sizes(self):
         """Hook. (numel, n_decay) of each unit's buffers in the host store: the whole unit, [matrices | vectors]."""
         return [(lay.numel, lay.n_decay) for lay in self.units]
@@ -324,6 +324,17 @@ class Trainer:
     def global_sum(self, x):
         """Hook. A host number (the squared gradient norm) summed over the processes of the run: this one."""
         return x
+
+    rank, world = 0, 1   # this process's place in the run: the only one (sharded.py: rank r of N)
+
+    def owned(self, u):
+        """Hook. The elements [lo, hi) of unit u's flat buffer that this process's store holds (checkpoint.py
+        saves and loads by it): all of them, at the start of opt.master[u]."""
+        return 0, self.units[u].numel
+
+    def gather_object(self, obj):
+        """Hook. obj of every process of the run, in rank order (checkpoint.py agrees through it): this one's."""
+        return [obj]
 
     # ------------------------------------------------------------------ the surface beyond step()
     def set_lr(self, lr):

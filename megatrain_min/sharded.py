@@ -131,6 +131,12 @@ class ShardedTrainer(stream.Trainer):
         lo = min(self.rank * s, n)
         return lo, min(lo + s, n)
 
+    def gather_object(self, obj):
+        """obj of every rank, in rank order (a collective: checkpoint.py agrees on names and errors through it)."""
+        found = [None] * self.world
+        dist.all_gather_object(found, obj, group=self.group)
+        return found
+
     def store_sizes(self):
         """The shards: decayed are the elements of the unit's [0, n_decay) that fall into this rank's shard."""
         return [(self.shard_numel(u), min(max(lay.n_decay - self.rank * self.shard_numel(u), 0), self.shard_numel(u)))

@@ -4,12 +4,15 @@ Tolerances (issue 16): per-step loss <= 1e-6 relative, weights after 5 steps <= 
 The one process runs N x M micro-batches, the ranks' micro-batch size: both then compute the same matmuls and only
 the order of the fp32 sums of the gradients (gloo's reduce_scatter against the accumulation in one grad slot) differs.
 One spawn per world size runs every case (a spawn costs seconds of imports on 2 cores)."""
+import shutil
+
 import pytest
 import torch
 
 import model
-from conftest import SPECIAL
-from megatrain_min import sharded
+from conftest import SPECIAL, random_batch
+from megatrain_min import checkpoint, sharded
+from stream import Trainer
 
 UNTIED = model.GPTConfig(vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=32)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -74,3 +77,94 @@ def test_the_embedding_shards_split_rows():
         for world in worlds:
             s = sharded.shard_numel(unit.numel, world)
             assert any(r * s % cfg.d_model for r in range(1, world) if r * s < cfg.vocab_size * cfg.d_model)
+
+
+# ----------------------------------------------------------------------------- checkpoints across world sizes
+CK_CFG, CK_KW = SPECIAL, dict(HP, micro_batches=1, grad_clip=CLIP)
+
+
+def _batches(cfg, n=5):
+    gen = torch.Generator().manual_seed(11)
+    return [random_batch(cfg, *BATCH, gen) for _ in range(n)]
+
+
+def _shard_states(t):
+    """Rank t's [lo, hi) of master, m, v of every unit, and the step counts."""
+    out = []
+    for u in range(len(t.units)):
+        lo, hi = t.owned(u)
+        out.append(({s: v[:hi - lo].clone() for s, v in t.opt.state(u).items() if s in checkpoint.STATES},
+                    t.opt.step_count(u)))
+    return out
+
+
+def _ckpt_rank(cfg_dict, kw, out):
+    """On each rank: train 3 steps, save ckpt n2 (the parts), train steps 4-5; a second trainer (other init) loads
+    n2 and trains 4-5; a third loads n1 (one process wrote it) and trains 4-5."""
+    cfg, batches = model.GPTConfig(**cfg_dict), _batches(model.GPTConfig(**cfg_dict))
+    t = sharded.ShardedTrainer(cfg, model.init_weights(cfg, 0), device="cpu", **kw)
+    for x, y in batches[:3]:
+        t.step(x, y)
+    checkpoint.save(t, f"{out}/n2", 3, {"run": "n2"})
+    at3, states3 = t.weights(), _shard_states(t)
+    first = [t.step(x, y) for x, y in batches[3:]]
+    res = {"at3": at3, "states3": states3, "first": (first, t.weights())}
+    for name in ("n2", "n1"):
+        r = sharded.ShardedTrainer(cfg, model.init_weights(cfg, 1), device="cpu", **kw)
+        checkpoint.load(r, checkpoint.latest(f"{out}/{name}"))
+        res[f"from_{name}_states"] = _shard_states(r)
+        res[f"from_{name}"] = ([r.step(x, y) for x, y in batches[3:]], r.weights())
+    return res
+
+
+def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
+    """2 ranks save at step 3 (parts); 2 fresh ranks load it and train on bit for bit; one process loads it
+    (resharded: the ranks' shards end to end) and trains on; 2 ranks load one process's checkpoint (each its
+    slice). Training on from a resharded checkpoint agrees with the other world size to the tolerances above."""
+    cfg, kw, batches = CK_CFG, CK_KW, _batches(CK_CFG)
+    one_kw = dict(kw, micro_batches=2 * kw["micro_batches"])          # the ranks' micro-batch size (see compare)
+    one = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **one_kw)
+    for x, y in batches[:3]:
+        one.step(x, y)
+    checkpoint.save(one, tmp_path / "n1", 3, {"run": "n1"})
+    one_at3, one_states3 = one.weights(), _shard_states(one)
+    one_rest = ([one.step(x, y) for x, y in batches[3:]], one.weights())
+
+    ranks = sharded.spawn(_ckpt_rank, 2, cfg.to_dict(), kw, str(tmp_path))
+    r0 = ranks[0]
+    n2 = checkpoint.latest(tmp_path / "n2")
+    doc = checkpoint.read_meta(n2)
+    assert doc["version"] == checkpoint.SHARDED and all(len(u["parts"]) == 2 for u in doc["units"])
+    assert not list((tmp_path / "n2").glob(".tmp-*"))
+    # same world size: bit-exact
+    assert r0["from_n2"][0] == r0["first"][0]
+    assert all(torch.equal(r0["from_n2"][1][k], r0["first"][1][k]) for k in r0["first"][1])
+    for r in ranks:                                                   # every rank's master, m, v and step counts
+        for (a, na), (b, nb) in zip(r["from_n2_states"], r["states3"]):
+            assert na == nb and all(torch.equal(a[s], b[s]) for s in a)
+    # 1 -> 2: each rank holds exactly its slice of the one process's master, m and v
+    for rank, r in enumerate(ranks):
+        for u, (st, n) in enumerate(r["from_n1_states"]):
+            numel = one.units[u].numel
+            lo = min(rank * sharded.shard_numel(numel, 2), numel)
+            hi = min(lo + sharded.shard_numel(numel, 2), numel)
+            assert n == one_states3[u][1] and all(torch.equal(st[k], one_states3[u][0][k][lo:hi]) for k in st)
+    # 2 -> 1: the one process holds the ranks' shards end to end
+    back = Trainer(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw)
+    checkpoint.load(back, n2)
+    for u in range(len(back.units)):
+        for s in checkpoint.STATES:
+            assert torch.equal(back.opt.state(u)[s], torch.cat([r["states3"][u][0][s] for r in ranks]))
+    assert all(torch.equal(back.weights()[k], r0["at3"][k]) for k in r0["at3"])
+    back_rest = ([back.step(x, y) for x, y in batches[3:]], back.weights())
+    # and training on from either agrees with the other world size as closely as test_n_ranks_... demands
+    for (l_a, w_a), (l_b, w_b) in ((r0["from_n1"], one_rest), (back_rest, r0["first"])):
+        assert max(abs(a - b) / abs(b) for a, b in zip(l_a, l_b)) <= 1e-6
+        assert sharded.weights_rel(w_a, w_b) <= 1e-5
+    assert sharded.weights_rel(one_at3, r0["at3"]) <= 1e-5
+    # complete only when every part and the meta are there: a lost part is refused, naming it
+    lost = tmp_path / "lost" / n2.name
+    shutil.copytree(n2, lost)
+    (lost / "layer.1.part1.bin").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"layer\.1\.part1\.bin is missing"):
+        checkpoint.load(Trainer(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw), lost)
