@@ -4,13 +4,17 @@ Tolerances (issue 16): per-step loss <= 1e-6 relative, weights after 5 steps <= 
 The one process runs N x M micro-batches, the ranks' micro-batch size: both then compute the same matmuls and only
 the order of the fp32 sums of the gradients (gloo's reduce_scatter against the accumulation in one grad slot) differs.
 One spawn per world size runs every case (a spawn costs seconds of imports on 2 cores)."""
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import model
-from conftest import SPECIAL, random_batch
+from conftest import ROOT, SPECIAL, random_batch
 from megatrain_min import checkpoint, sharded
 from stream import Trainer
 
@@ -168,3 +172,63 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
     (lost / "layer.1.part1.bin").unlink()
     with pytest.raises(checkpoint.CheckpointError, match=r"layer\.1\.part1\.bin is missing"):
         checkpoint.load(Trainer(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw), lost)
+
+
+# ----------------------------------------------------------------------------- train.py under torchrun
+FLAGS = ["--config", "toy", "--n-kv-head", "2", "--batch-size", "8", "--seq-len", "64", "--micro-batches", "2",
+         "--grad-clip", "1.0", "--steps", "8", "--save-every", "4", "--sample-tokens", "0"]
+
+
+def _run(tmp, out, *extra, world=1, check=True, env=None):
+    """python train.py, or torchrun --standalone with `world` CPU ranks; returns the CompletedProcess. One OpenMP
+    thread per process, as torchrun sets it (on a busy 2-core machine a team of 2 spins: 30 s instead of 7)."""
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node", str(world)]
+    r = subprocess.run([*launch, str(ROOT / "train.py"), *FLAGS, "--out", str(tmp / out), *extra], cwd=tmp,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert r.returncode == 0 or not check, r.stderr[-3000:]
+    return r
+
+
+def _losses(path):
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, path.read_text().splitlines())}
+
+
+def _close(a, b):
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+
+
+def test_train_py_under_torchrun_writes_the_losses_of_one_process(tmp_path):
+    """Issue 16's acceptance: torchrun --nproc-per-node 2 train.py ... on the CPU writes the per-step losses of
+    python train.py with the same flags (<= 1e-5 relative) to one metrics.jsonl; only rank 0 prints. Checkpoints
+    made by train.py resume at the same world size bit for bit, and at the other (2 -> 1, 1 -> 2) to 1e-5."""
+    one, two = _run(tmp_path, "one"), _run(tmp_path, "two", world=2)
+    l1, l2 = _losses(tmp_path / "one" / "metrics.jsonl"), _losses(tmp_path / "two" / "metrics.jsonl")
+    print(f"torchrun 2 ranks vs one process: worst loss rel {_close(l2, l1):.1e}")
+    assert sorted(l2) == list(range(1, 9)) and _close(l2, l1) <= 1e-5
+    assert two.stdout.count("done: 8 steps") == 1 and one.stdout.count("done: 8 steps") == 1
+    assert not list((tmp_path / "two").glob("**/*.tmp*")) and json.loads(
+        (tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+    for src, out, world in (("two", "2to2", 2), ("two", "2to1", 1), ("one", "1to2", 2)):
+        (tmp_path / out).mkdir()
+        shutil.copytree(tmp_path / src / "ckpt-00000004", tmp_path / out / "ckpt-00000004")
+        _run(tmp_path, out, "--resume", world=world)
+        got, want = _losses(tmp_path / out / "metrics.jsonl"), _losses(tmp_path / src / "metrics.jsonl")
+        assert sorted(got) == [5, 6, 7, 8]
+        print(f"resume {out}: worst loss rel {_close(got, want):.1e}")
+        if world == 2 and src == "two":
+            assert got == {s: want[s] for s in got}                      # bit for bit
+        else:
+            assert _close(got, want) <= 1e-5
+
+
+def test_train_py_under_torchrun_refuses_a_batch_the_ranks_cannot_split(tmp_path):
+    """Checked before the ranks join (so torchrun's environment alone shows it): one line, exit 2, nothing made."""
+    r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=dict(RANK="0", WORLD_SIZE="2"))
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: --batch-size 6 is not divisible by 2 ranks x --micro-batches 2 (each rank computes --batch-size / 2 "
+        "sequences in --micro-batches micro-batches)"]
+    assert not (tmp_path / "o").exists()
+    r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=dict(RANK="1", WORLD_SIZE="2"))
+    assert r.returncode == 2 and r.stderr == "" and r.stdout == ""    # rank 1 finds the same and leaves it to rank 0
