@@ -424,7 +424,8 @@ def weights_rel(w, w1):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="N local ranks (gloo) against one process: losses, weights, bytes per wire.")
+    ap = argparse.ArgumentParser(
+        description="N local ranks (gloo) against one process: losses, weights, bytes per wire.")
     ap.add_argument("--world", type=int, default=2, help="ranks (processes on this machine)")
     ap.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
     ap.add_argument("--steps", type=int, default=5)
