@@ -365,13 +365,20 @@ def _rank_main(rank, world, tmp, fn, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world, *args):
+def spawn(fn, world, *args, meanwhile=None):
     """fn(*args) on `world` fresh local processes joined by gloo (what torchrun --standalone makes, without the
-    launcher): returns their results by rank. fn must be importable (a module-level function), its result
-    something torch.save writes. A failing rank raises here with its traceback."""
+    launcher): returns their results by rank -- and meanwhile()'s, run here while they run (the ranks wait on each
+    other a lot: a reference computed meanwhile uses cores they leave idle). fn must be importable (a module-level
+    function), its result something torch.save writes. A failing rank raises here with its traceback."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(world, tmp, fn, args), nprocs=world, start_method="spawn")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        ctx = mp.start_processes(_rank_main, args=(world, tmp, fn, args), nprocs=world, start_method="spawn",
+                                 join=False)
+        try:
+            mine = meanwhile() if meanwhile else None
+        finally:
+            while not ctx.join():
+                pass
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)], mine
 
 
 def train(cfg, steps, batch, sharded, seed=0, **kw):
@@ -405,11 +412,11 @@ def compare(cases, world, steps=5, batch=(8, 16)):
     Returns per case {"loss_rel": the worst per-step relative loss difference, "weights_rel": ||w_N - w_1|| /
     ||w_1|| after the steps, "weights_max": the largest elementwise difference, "traffic": bytes per wire of
     rank 0's last step, "losses": (N ranks, one process), "norms": rank 0's grad norms}."""
-    ranks = spawn(_train_rank, world, [(cfg.to_dict(), kw) for cfg, kw in cases], steps, batch)
+    ranks, ones = spawn(_train_rank, world, [(cfg.to_dict(), kw) for cfg, kw in cases], steps, batch, meanwhile=lambda: [
+        train(cfg, steps, batch, False, **dict(kw, micro_batches=world * kw.get("micro_batches", 1))) for cfg, kw in cases])
     out = []
     for k, (cfg, kw) in enumerate(cases):
-        one = train(cfg, steps, batch, False, **dict(kw, micro_batches=world * kw.get("micro_batches", 1)))
-        (losses, w, norms, traffic), (losses1, w1, _, _) = ranks[0][k], one
+        (losses, w, norms, traffic), (losses1, w1, _, _) = ranks[0][k], ones[k]
         assert all(r[k][0] == losses for r in ranks), "the ranks disagree on the losses"
         out.append(dict(loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, losses1)),
                         weights_rel=weights_rel(w, w1), weights_max=max(float((w[k] - w1[k]).abs().max()) for k in w1),
