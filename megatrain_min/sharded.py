@@ -48,6 +48,7 @@ Try it
 import argparse
 import collections
 import datetime
+import json
 import math
 import os
 import sys
@@ -440,6 +441,7 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=1, help="per rank")
     ap.add_argument("--grad-clip", type=float, default=0.0)
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = ap.parse_args(argv)
     if a.config not in model.PRESETS:
         ap.exit(2, f"error: unknown preset --config {a.config!r}; choose one of: {', '.join(model.PRESETS)}\n")
@@ -448,6 +450,9 @@ def main(argv=None):
                    f"{a.micro_batches}, and --world, --steps >= 1\n")
     kw = dict(micro_batches=a.micro_batches, grad_clip=a.grad_clip, lr=1e-2)
     r, = compare([(model.PRESETS[a.config], kw)], a.world, a.steps, (a.batch_size, a.seq_len))
+    if a.json:
+        print(json.dumps({k: v for k, v in r.items()}))
+        return 0
     for k, (x, y) in enumerate(zip(*r["losses"])):
         print(f"step {k + 1}: loss {x:.7f} on {a.world} ranks, {y:.7f} in one process ({a.world * a.micro_batches} "
               f"micro-batches)")
