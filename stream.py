@@ -10,6 +10,9 @@ What it is not
     model.py's; the optimizer is optim.py's. Reference: megatrain_min/reference.py (plain PyTorch), which
     tests/test_stream.py holds this engine to. The ordering is proven on the CPU by the stream checker
     (python -m megatrain_min.sim check), which runs this file unchanged with checked Lanes.
+    More than one GPU: megatrain_min/sharded.py subclasses Trainer and replaces the methods marked "hook"
+    (where a unit's weights come from, where its gradient goes, the embedding's rows, the sums of the loss
+    and of the squared gradient norm over the ranks); for one GPU each of them is the few lines it always was.
 
 One step, layer-major (every micro-batch passes through a layer during ONE visit of its weights):
 
@@ -78,10 +81,11 @@ def default_dtype(device_type):
     return torch.bfloat16 if device_type == "cuda" else torch.float32
 
 
-def worker_threads():
+def worker_threads(procs=1):
     """OpenMP threads of the optimizer thread: all cores but two, which stay with the main thread's host
-    work (issuing kernels, the embedding gather) -- else both start a full team and oversubscribe the CPU."""
-    return max(1, (os.cpu_count() or 1) - 2)
+    work (issuing kernels, the embedding gather) -- else both start a full team and oversubscribe the CPU.
+    procs: engines sharing this host (the ranks of a sharded run on one node), each gets its share."""
+    return max(1, (os.cpu_count() or 1) // procs - 2)
 
 
 def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot, seq_len=None,
@@ -111,6 +115,15 @@ def offload_needed(ckpt_bytes, working_bytes, free_bytes):
     """The rule for offload_checkpoints=None (plan.py applies the same one): offload the boundary checkpoints
     to host memory when, with one layer's working set beside them, they would not fit in the free device memory."""
     return ckpt_bytes + working_bytes > free_bytes
+
+
+def read_unit(layout, weights, flat):
+    """Fill `flat`, one unit's fp32 buffer, with the unit's tensors from `weights`, each checked (shape, finite).
+    hf.load_hf's lazy weights fill a view in place (read_into)."""
+    read_into = getattr(weights, "read_into", None)
+    for key, view in layout.key_views(flat).items():
+        read_into(key, view) if read_into else view.copy_(model.check_tensor(key, weights[key], view.shape))
+    model.check_finite(layout.key_views(flat))
 
 
 # ----------------------------------------------------------------------------- the hardware, as the engine sees it
@@ -149,13 +162,13 @@ class Lanes:
     optimizer thread. megatrain_min/sim.py supplies a checked backend with the same methods, which records
     every ordering edge; the engine does not know which one it runs on."""
 
-    def __init__(self, device, sync=False):
+    def __init__(self, device, sync=False, procs=1):
         cuda = device.type == "cuda"
         self.device, self.pin = device, cuda
         self.h2d, self.comp, self.d2h = (Lane(device if cuda else None, sync) for _ in range(3))
         # one optimizer thread; torch.set_num_threads there sizes its own OpenMP team (a per-thread setting)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw",
-                                         initializer=torch.set_num_threads, initargs=(worker_threads(),))
+                                         initializer=torch.set_num_threads, initargs=(worker_threads(procs),))
 
     def host_wait(self, event):
         """Block the calling host thread until the device passed `event` (no-op on the CPU)."""
@@ -247,23 +260,18 @@ class Trainer:
         self.head = len(self.units) - 1
         self.embed = self.head if cfg.tie_embeddings else 0  # see "tied embeddings" below
         shadow = self.dtype if (mode == "fast" and self.dtype != torch.float32) else None
-        self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], lr=lr, betas=betas, eps=eps,
-                             weight_decay=weight_decay, pin=self.lanes.pin, shadow_dtype=shadow,
-                             grad_store=self.defer_updates)
-        read_into = getattr(weights, "read_into", None)  # hf.load_hf's lazy weights fill a view in place
-        for u, lay in enumerate(self.units):
-            for key, view in lay.key_views(self.opt.master[u]).items():
-                read_into(key, view) if read_into else view.copy_(model.check_tensor(key, weights[key], view.shape))
-            model.check_finite(lay.key_views(self.opt.master[u]))
-            self.opt.refresh_shadow(u)
+        self.opt = HostAdamW(self.store_sizes(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             pin=self.lanes.pin, shadow_dtype=shadow, grad_store=self.defer_updates)
+        for u in range(len(self.units)):
+            self.fill_unit(u, weights)
         # Without deferral a unit's gradient lives on the host only until its update: staging slabs suffice.
         self.slabs = self.lanes.slab_pool()    # the free slabs; the worker puts a slab back after each update
         self.held = {}                         # unit -> the slab its gradient sits in
         if not self.defer_updates:
-            biggest = max(lay.numel for lay in self.units)
+            biggest = max(n for n, _ in self.opt.sizes)
             for _ in range(staging_slabs):
                 self.slabs.put(torch.zeros(biggest, pin_memory=self.lanes.pin))
-        self.staging = {}                      # pinned per-step buffers, one per (name, shape, dtype): _staging
+        self.staging = {}                      # pinned per-step buffers, one per (name, shape, dtype): pinned()
         self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=self.lanes.pin)
         self.pending = {}                      # unit -> Future of its update (or of its squared grad norm)
         self.failed = []                       # exceptions raised on the optimizer thread (see _submit)
@@ -271,12 +279,13 @@ class Trainer:
         # ---- GPU: two weight slots (ping-pong), two fp32 grad slots. Independent of depth. Allocated and
         # zeroed on the compute lane, which uses them first: the pool streams do not wait for the default one.
         lay, head = self.units[self.layers[0]], self.units[self.head]
-        n_slot = max(lay.numel, head.numel)
+        n_slot = max(self.slot_numel(self.layers[0]), self.slot_numel(self.head))
         with self.comp():
             self.wslot = [torch.empty(n_slot, dtype=self.dtype, device=self.dev) for _ in range(2)]
             self.gslot = [torch.zeros(n_slot, dtype=torch.float32, device=self.dev) for _ in range(2)]
-            # lean mode: the fp32 master lands here and is cast into the slot on the GPU
-            self.stage = (torch.empty(n_slot, dtype=torch.float32, device=self.dev)
+            # lean mode: the fp32 master lands here and is cast into the slot on the GPU (the largest unit in
+            # the store: the head, or a layer; a sharded engine's store holds shards)
+            self.stage = (torch.empty(max(n for n, _ in self.opt.sizes), dtype=torch.float32, device=self.dev)
                           if shadow is None and self.dtype != torch.float32 else None)
         # Views made once per slot ("stateless layer templates"): every layer has the same layout, so a slot's
         # views serve whichever layer it holds. Weight views are detached leaves that autograd differentiates.
@@ -293,6 +302,45 @@ class Trainer:
         self.ring_free = [None] * RING         # its reader (D2H: out; compute: the backward) is done
         self.resident = {}                     # unit -> the weight slot holding its current weights
         self.rope = {}                         # T -> (cos, sin) on the device
+
+    # ------------------------------------------------------------------ what this process holds and sums (hooks)
+    # One process holds every unit whole and computes the whole batch. megatrain_min/sharded.py replaces these
+    # (and load_unit, embed_rows, dy_to_host, grad_to_host, add_embedding_grad, update_unit) for N ranks.
+    def store_sizes(self):
+        """Hook. (numel, n_decay) of each unit's buffers in the host store: the whole unit, [matrices | vectors]."""
+        return [(lay.numel, lay.n_decay) for lay in self.units]
+
+    def fill_unit(self, u, weights):
+        """Hook. Unit u's tensors from `weights` into its fp32 master in the store (read_unit), then its shadow."""
+        read_unit(self.units[u], weights, self.opt.master[u])
+        self.opt.refresh_shadow(u)
+
+    def slot_numel(self, u):
+        """Hook. Elements of a weight or grad slot that unit u occupies: its numel."""
+        return self.units[u].numel
+
+    def local_batch(self, x):
+        """Hook. The rows of the step's (B, T) batch that this process computes: all of them."""
+        return x
+
+    def reduce_loss(self, loss):
+        """Hook. The step's loss from this process's share, a device scalar on the compute lane: all of it."""
+        return loss
+
+    def global_sum(self, x):
+        """Hook. A host number (the squared gradient norm) summed over the processes of the run: this one."""
+        return x
+
+    rank, world = 0, 1   # this process's place in the run: the only one (sharded.py: rank r of N)
+
+    def owned(self, u):
+        """Hook. The elements [lo, hi) of unit u's flat buffer that this process's store holds (checkpoint.py
+        saves and loads by it): all of them, at the start of opt.master[u]."""
+        return 0, self.units[u].numel
+
+    def gather_object(self, obj):
+        """Hook. obj of every process of the run, in rank order (checkpoint.py agrees through it): this one's."""
+        return [obj]
 
     # ------------------------------------------------------------------ the surface beyond step()
     def set_lr(self, lr):
@@ -334,14 +382,15 @@ class Trainer:
                 return self.loss_host.item()
             self._drain(self.head, 0)
             dy = self._backward(dy, ckpt, b)
-            dy_host, dy_ready = self._dy_to_host(dy)          # dy of layer 0: the embedding's gradient (B, T, d)
+            dy_host, dy_ready = self.dy_to_host(dy)           # dy of layer 0: the embedding's gradient (B, T, d)
         self._host_grad(self.embed)                            # the tied head already holds one
         self._submit(self.embed, self._scatter_embedding, b.tokens, dy_host, dy_ready, self.lr)
 
         self.lanes.host_wait(loss_ready)
         loss = self.loss_host.item()
         if self.defer_updates:  # every squared norm known: clip, then update in the order the forward needs
-            self.grad_norm = math.sqrt(sum(self.pending.pop(u).result() for u in range(len(self.units))))
+            sq = sum(self.pending.pop(u).result() for u in range(len(self.units)))
+            self.grad_norm = math.sqrt(self.global_sum(sq))           # a sharded run: over every rank's shards
             if self.skip_nonfinite and not math.isfinite(self.grad_norm + loss):
                 self.skipped = True                                   # weights, m, v and step counts untouched
                 return loss
@@ -369,12 +418,13 @@ class Trainer:
         """Check the batch and stage it: the targets go to the device on the H2D lane now, from a pinned buffer;
         the tokens stay on the host, where the embedding rows are gathered."""
         model.check_batch(self.cfg, tokens, targets)
-        B, T = tokens.shape
+        model.check_seq_len(self.cfg, tokens.shape[1])         # a sliding window cannot be computed past
+        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
+        targets = self.local_batch(targets)                    # the sequences this process computes: all of them
+        B, T = targets.shape
         if B % self.M:
             raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
-        model.check_seq_len(self.cfg, T)                       # a sliding window cannot be computed past
-        n_tok = max(1, int((targets != model.IGNORE).sum()))   # loss = sum / n_tok over the whole step
-        tgt_host = self._staging("targets", (B, T), torch.int64)
+        tgt_host = self.pinned("targets", (B, T), torch.int64)
         tgt_host.copy_(targets)
         with self.comp():                        # allocated on its reader's lane: no keep needed when it is freed
             tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)
@@ -400,7 +450,7 @@ class Trainer:
                                     self.wslot[0].numel(), seq_len=T, tile_tokens=self.tile)
         return offload_needed(len(self.layers) * act, sum(working.values()), free)
 
-    def _staging(self, name, shape, dtype):
+    def pinned(self, name, shape, dtype):
         """A pinned host buffer, made once per (name, shape, dtype) and reused by every step: no cudaHostAlloc or
         cudaFreeHost per step (cudaFreeHost synchronises the device), no reuse of a cached block of another size."""
         key = (name, tuple(shape), dtype)
@@ -453,16 +503,15 @@ class Trainer:
         V, d = self.cfg.vocab_size, self.cfg.d_model
         return flat[:V * d].view(V, d)
 
-    def _embed_rows(self, b):
-        """x for the step: the embedding rows of its tokens, gathered on the host by one index_select into a
+    def embed_rows(self, b):
+        """Hook. x for the step: the embedding rows of its tokens, gathered on the host by one index_select into a
         pinned buffer (only B x T x d cross PCIe, never the table), from the fp32 master -- or the bf16 shadow
         when the residual stream is bf16. Returns M x (B/M, T, d) in the residual dtype, on the compute lane."""
-        self._ready(self.embed)
         src = self.opt.master[self.embed]
         if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
             src = self.opt.shadow[self.embed]
         table, d = self._table(src), self.cfg.d_model
-        rows = self._staging("rows", (*b.tokens.shape, d), table.dtype)                 # (B, T, d) pinned
+        rows = self.pinned("rows", (*b.tokens.shape, d), table.dtype)                 # (B, T, d) pinned
         torch.index_select(table, 0, b.tokens.reshape(-1), out=rows.view(-1, d))
         with self.comp():                                                     # allocated on its reader's lane
             x = torch.empty(rows.shape, dtype=rows.dtype, device=self.dev)
@@ -473,18 +522,23 @@ class Trainer:
         return list(x.to(self.residual_dtype).chunk(self.M))                  # lean + bf16 residual: cast here
 
     def _scatter_embedding(self, tokens, dy_host, dy_ready, lr):
-        """Worker: add dy of layer 0 into the embedding rows that were used (index_add on the host)."""
+        """Worker: once dy of layer 0 is on the host, the embedding's gradient (add_embedding_grad), its update."""
         try:
             self.lanes.host_wait(dy_ready)
-            grad = self._table(self.opt.grad[self.embed])
-            if self.embed != self.head:
-                grad.zero_()               # untied: the scatter is the whole embedding gradient
-            # tied: the head's D2H wrote the lm_head gradient here first (same lane, before dy_ready)
-            grad.index_add_(0, tokens.reshape(-1), dy_host.reshape(-1, grad.shape[1]).float())
+            self.add_embedding_grad(tokens, dy_host)
         except BaseException:
             self._release(self.embed)
             raise
         return self._grad_landed(self.embed, None, lr)
+
+    def add_embedding_grad(self, tokens, dy_host):
+        """Hook (worker). Add dy of layer 0, (B, T, d) on the host, into the rows of opt.grad[embed] that the tokens
+        (B, T) used: one index_add."""
+        grad = self._table(self.opt.grad[self.embed])
+        if self.embed != self.head:
+            grad.zero_()                   # untied: the scatter is the whole embedding gradient
+        # tied: the head's D2H wrote the lm_head gradient here first (same lane, before dy_ready)
+        grad.index_add_(0, tokens.reshape(-1), dy_host.reshape(-1, grad.shape[1]).float())
 
     # ------------------------------------------------------------------ forward, head, backward
     @torch.no_grad()
@@ -495,7 +549,8 @@ class Trainer:
         cfg, L = self.cfg, len(self.layers)
         self.resident = {}                              # last step's slots hold stale weights
         self._load(self.layers[0], 0)
-        x = self._embed_rows(b)
+        self._ready(self.embed)                         # the rows come from the embedding's updated master
+        x = self.embed_rows(b)
         ckpt = []
         for i, u in enumerate(self.layers):
             s = self.resident[u]
@@ -528,7 +583,7 @@ class Trainer:
             else:
                 lj = model.chunked_loss_sum(cfg, xf, w, tgt, self.chunk) / b.n_tok
             loss += lj
-        self.loss_host.copy_(loss, non_blocking=True)
+        self.loss_host.copy_(self.reduce_loss(loss), non_blocking=True)
         return dy, self.comp.record()
 
     def _loss_finite(self, loss_ready):
@@ -580,7 +635,7 @@ class Trainer:
         for dst, x_j in zip(slot.chunk(self.M), x):
             dst.copy_(x_j)
         self.ring_ready[r] = self.comp.record()
-        host = self._staging("checkpoints", (len(self.layers), *slot.shape), self.residual_dtype)[i]
+        host = self.pinned("checkpoints", (len(self.layers), *slot.shape), self.residual_dtype)[i]
         with self.d2h():
             self.d2h.wait(self.ring_ready[r])
             host.copy_(slot, non_blocking=True)
@@ -600,10 +655,10 @@ class Trainer:
             self.ring_ready[r] = self.h2d.record()
         return slot.chunk(self.M), r
 
-    def _dy_to_host(self, dy):
-        """D2H of dy, M x (B/M, T, d), into one pinned (B, T, d) buffer; returns (buffer, event). No event of its
+    def dy_to_host(self, dy):
+        """Hook. D2H of dy, M x (B/M, T, d), into one pinned (B, T, d) buffer; returns (buffer, event). No event of its
         own: it is queued on D2H right behind layer 0's gradient, whose copy waited for the compute that made dy."""
-        host = self._staging("dy", (self.M * dy[0].shape[0], *dy[0].shape[1:]), dy[0].dtype)
+        host = self.pinned("dy", (self.M * dy[0].shape[0], *dy[0].shape[1:]), dy[0].dtype)
         with self.d2h():
             for dst, x in zip(host.chunk(self.M), dy):
                 self.d2h.keep(x)
@@ -616,20 +671,26 @@ class Trainer:
         """Grad slot k % 2 for unit u, zeroed once its previous D2H copy finished. Returns the slot index."""
         gs = k % 2
         self.comp.wait(self.gslot_free[gs])
-        self.gslot[gs][:self.units[u].numel].zero_()
+        self.gslot[gs][:self.slot_numel(u)].zero_()
         return gs
 
     def _drain(self, u, gs):
         """Compute is done with unit u: free its weight slot, D2H its gradient, hand it to the worker."""
         self.slot_free[self.resident[u]] = ev = self.comp.record()
-        n = self.units[u].numel
         self._host_grad(u)
-        with self.d2h():
-            self.d2h.wait(ev)
-            self.opt.grad[u].copy_(self.gslot[gs][:n], non_blocking=True)
-            self.gslot_free[gs] = done = self.d2h.record()
+        done = self.grad_to_host(u, gs, ev)
         if u != self.embed:  # tied: the head is handed over after the embedding scatter
             self._submit(u, self._grad_landed, u, done, self.lr)
+
+    def grad_to_host(self, u, gs, ready):
+        """Hook. D2H of unit u's fp32 gradient from gslot[gs] (complete at event `ready` of the compute lane) into
+        opt.grad[u]; sets gslot_free[gs]. Returns the event after which opt.grad[u] holds it."""
+        n = self.units[u].numel
+        with self.d2h():
+            self.d2h.wait(ready)
+            self.opt.grad[u].copy_(self.gslot[gs][:n], non_blocking=True)
+            self.gslot_free[gs] = done = self.d2h.record()
+        return done
 
     def _host_grad(self, u):
         """Point opt.grad[u] at a free staging slab, unless the store keeps a gradient per unit (deferred) or
@@ -639,7 +700,7 @@ class Trainer:
         self.held[u] = self.slabs.get()      # the worker puts slabs back even when an update fails
         if self.failed:                      # ... and notes the failure (_submit): raise it here, not later
             raise self.failed[0]
-        self.opt.grad[u] = self.held[u][:self.units[u].numel]
+        self.opt.grad[u] = self.held[u][:self.opt.sizes[u][0]]
 
     def _submit(self, u, fn, *args):
         """Hand fn(*args) to the optimizer thread as unit u's pending work. A failure is noted at once, so that
@@ -664,7 +725,12 @@ class Trainer:
             self.lanes.host_wait(done)
             if self.defer_updates:
                 return self.opt.grad_sq(u)
-            if not self.opt.step(u, lr, finite_only=self.skip_nonfinite):
+            if not self.update_unit(u, lr):
                 self.skipped_units.append(self.units[u].name)      # a non-finite gradient: this unit keeps its weights
         finally:
             self._release(u)
+
+    def update_unit(self, u, lr):
+        """Hook (worker). AdamW on unit u with its gradient on the host; False when skip_nonfinite found it not
+        finite and changed nothing."""
+        return self.opt.step(u, lr, finite_only=self.skip_nonfinite)

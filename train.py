@@ -5,10 +5,15 @@ What it is
     The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset on
     the shipped Shakespeare bytes on whatever device there is, in a few minutes on a 2-core laptop, and
     prints a sample. The same script plans and trains 7B-120B presets on one GPU with enough host RAM.
+    Under torchrun it trains on N GPUs (or N CPU processes, gloo) and nodes: megatrain_min/sharded.py, each rank
+    holding 1/N of the host store. The global batch of a step is the same whatever the world size; rank r computes
+    its B/N sequences in --micro-batches micro-batches. Only rank 0 prints and writes config.json and metrics.jsonl;
+    every rank writes its part of each checkpoint into --out, which every rank must see (one filesystem).
 What it is not
-    No distributed training, no config files: a preset from model.PRESETS plus flags.
+    No tensor or pipeline parallelism, no config files: a preset from model.PRESETS plus flags.
 Try it
     python train.py                                  # toy, CPU or GPU
+    torchrun --standalone --nproc-per-node 2 train.py --batch-size 8 --micro-batches 2   # 2 ranks: same losses
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
     python train.py --config 70b --plan              # memory and speed plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per step).
@@ -35,16 +40,24 @@ import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import checkpoint, data, hf
+from megatrain_min import checkpoint, data, hf, sharded
 from megatrain_min import plan as planner
 from megatrain_min.reference import ReferenceTrainer
 from optim import HyperParameterError, check_hyper, lr_at
 from stream import Trainer, default_dtype
 
 
+# torchrun sets these: rank RANK of WORLD_SIZE processes (megatrain_min/sharded.py); a plain run is rank 0 of 1
+RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+if RANK:
+    sys.stdout = open(os.devnull, "w")  # only rank 0 prints; errors: see fail
+quiet = RANK > 0                        # until the outputs section, every rank finds the same errors: rank 0 says them
+
+
 def fail(msg, code=2):
     """One line on stderr and an exit code: 2 = bad input, refused before training, nothing half-written."""
-    print(f"error: {msg}", file=sys.stderr)
+    if not quiet:
+        print(f"error: {f'rank {RANK}: ' if RANK else ''}{msg}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -57,7 +70,8 @@ p.add_argument("--steps", type=int, default=400,
                help="total optimizer steps; a resumed run continues to this (default: %(default)s)")
 p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step (default: %(default)s)")
 p.add_argument("--micro-batches", type=int, default=1,
-               help="split each step into this many micro-batches (default: %(default)s)")
+               help="split each step (under torchrun: each rank's share of it) into this many micro-batches "
+                    "(default: %(default)s)")
 p.add_argument("--seq-len", type=int, default=128,
                help="tokens per sequence, <= the model's max_seq_len (default: %(default)s)")
 p.add_argument("--max-seq-len", type=int, default=None,
@@ -219,6 +233,11 @@ except ValueError as e:
     fail(f"--seq-len {args.seq_len}: {e}")
 if args.batch_size % args.micro_batches:
     fail(f"--batch-size {args.batch_size} is not divisible by --micro-batches {args.micro_batches}")
+if WORLD > 1 and args.batch_size % (WORLD * args.micro_batches):
+    fail(f"--batch-size {args.batch_size} is not divisible by {WORLD} ranks x --micro-batches {args.micro_batches} "
+         f"(each rank computes --batch-size / {WORLD} sequences in --micro-batches micro-batches)")
+if WORLD > 1 and (args.engine != "stream" or args.profile):
+    fail(f"under torchrun ({WORLD} ranks) train.py runs --engine stream without --profile")
 tokens_per_step = args.batch_size * args.seq_len
 n_params = model.n_params(cfg)
 
@@ -310,6 +329,7 @@ print(f"data {data_path}: {sizes}")
 # export of save_hf's, one run at a time holds --out (a lock), and every place this run writes to is checked first.
 out = Path(args.out)
 hf_dir = Path(args.save_hf) if args.save_hf else None
+quiet = False  # from here a rank may find what the others do not (its disk, its device): every rank says so
 
 
 def writable(path, flag):
@@ -386,8 +406,9 @@ for base, n in need.values():
     if (free := shutil.disk_usage(base).free) < n:
         fail(f"{base} has {free / 1e9:.2f} GB free; this run writes {n / 1e9:.2f} GB there (a checkpoint is "
              f"12 B/param, --save-hf 2 or 4). Free some space, or write elsewhere")
-try:
-    run_lock = checkpoint.lock(out)            # held until this process ends: the kernel drops it even on SIGKILL
+try:  # under torchrun rank 0 holds the lock for the run (its ranks write their checkpoint parts there too)
+    run_lock = checkpoint.lock(out) if RANK == 0 else None  # held until this process ends, dropped even on SIGKILL
+    out.mkdir(parents=True, exist_ok=True)     # (rank 0 made it in lock(), maybe not yet)
     probe = out / f".probe-{os.getpid()}"      # the lock file may exist already: can we still create files?
     probe.touch()
     probe.unlink()
@@ -396,7 +417,7 @@ except checkpoint.LockError as e:
 except OSError as e:
     fail(f"--out {out}: cannot write there ({e.strerror})")
 held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + \
-    [p for _, p in checkpoint.checkpoints(out)]
+    [p for _, p in checkpoint.checkpoints(out)] if RANK == 0 else []
 for p in held:  # under the lock: nobody else writes here now
     try:
         owner = (json.loads(p.read_text()).get("run") if p.name == "config.json" else
@@ -408,14 +429,19 @@ for p in held:  # under the lock: nobody else writes here now
              f"pass a fresh --out (nothing here is overwritten)")
 
 # ----------------------------------------------------------------------------- weights and engine
+if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RANK), or gloo on CPUs
+    device = sharded.init_from_env(args.device)
+    print(f"torchrun: {WORLD} ranks, each holding 1/{WORLD} of the host store and computing "
+          f"{args.batch_size // WORLD} of the {args.batch_size} sequences of a step")
 weights = init_weights if init_weights is not None else model.LazyInit(cfg, seed=args.seed)  # read unit by unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 try:  # a tensor of --init-from that is not finite, say: one line naming it
     if args.engine == "stream":
-        trainer = Trainer(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
-                          residual_dtype=planner.DTYPES[args.residual_dtype], chunk_tokens=args.chunk_tokens or None,
-                          staging_slabs=pl["staging_slabs"], skip_nonfinite=True, tile_tokens=pl["tile_tokens"],
-                          **hyper)
+        engine = sharded.ShardedTrainer if WORLD > 1 else Trainer   # rank r of N: its shard of every unit
+        trainer = engine(cfg, weights, device=device, dtype=dtype, mode=args.mode, offload_checkpoints=offload,
+                         residual_dtype=planner.DTYPES[args.residual_dtype], chunk_tokens=args.chunk_tokens or None,
+                         staging_slabs=pl["staging_slabs"], skip_nonfinite=True, tile_tokens=pl["tile_tokens"],
+                         **hyper)
     else:
         trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper)
 except (ValueError, TypeError) as e:
@@ -446,20 +472,22 @@ def evaluate():
 
 
 # ----------------------------------------------------------------------------- the record: config.json, metrics.jsonl
+metrics = None
 try:
-    write_atomically(out / "config.json", json.dumps({"args": vars(args), "run": run_id, "model": cfg.to_dict(),
-                                                      "params": n_params, "device": str(device), "dtype": str(dtype)},
-                                                     indent=2) + "\n")
-    if args.resume and (out / "metrics.jsonl").exists():  # keep the records up to the checkpoint, drop the rest
-        kept = []
-        for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
-            try:
-                if json.loads(line)["step"] <= start_step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):  # a line torn by a kill
-                pass
-        write_atomically(out / "metrics.jsonl", "".join(kept))
-    metrics = open(out / "metrics.jsonl", "a")            # one flushed line per step
+    if RANK == 0:                                         # under torchrun rank 0 keeps the record
+        record = {"args": vars(args), "run": run_id, "model": cfg.to_dict(), "params": n_params,
+                  "device": str(device), "dtype": str(dtype), "world_size": WORLD}
+        write_atomically(out / "config.json", json.dumps(record, indent=2) + "\n")
+        if args.resume and (out / "metrics.jsonl").exists():  # keep the records up to the checkpoint, drop the rest
+            kept = []
+            for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
+                try:
+                    if json.loads(line)["step"] <= start_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                    pass
+            write_atomically(out / "metrics.jsonl", "".join(kept))
+        metrics = open(out / "metrics.jsonl", "a")            # one flushed line per step
 except OSError as e:
     fail(f"could not write the run record in {out} ({e.strerror}: {e.filename})", 4)
 
@@ -493,8 +521,9 @@ def save(step_done):
 
 
 peak = planner.peak_tflops(pl["hardware"], pl["dtype"])  # MFU only against a known peak: a profiled GPU, not a CPU
+peak = peak and peak * WORLD                               # the run's: every rank's GPU (tokens_per_step is global)
 t_start = time.time()
-bar = tqdm(range(start_step, args.steps), desc="train", dynamic_ncols=True, disable=None,
+bar = tqdm(range(start_step, args.steps), desc="train", dynamic_ncols=True, disable=True if RANK else None,
            initial=start_step, total=args.steps)
 prof = None
 if args.profile:  # skip step 1 (allocations, warm-up), record the next three
@@ -532,8 +561,9 @@ for step in bar:
         val_loss = rec["val_loss"] = evaluate()
         tqdm.write(f"step {step + 1}: train loss {loss:.4f}  val loss {val_loss:.4f}")
     try:
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
+        if metrics is not None:
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
     except OSError as e:
         fail(f"could not write {out / 'metrics.jsonl'} ({e.strerror}); the last checkpoint is "
              f"{checkpoint.latest(out) or 'none'}", 4)
@@ -544,6 +574,8 @@ for step in bar:
     if n_skips >= args.max_skips:
         fail(f"{n_skips} consecutive steps had a non-finite loss or gradient; stopping. Last good checkpoint: "
              f"{checkpoint.latest(out) or 'none'}. Try a lower --lr or --grad-clip 1.0.", 3)
+    if WORLD > 1:  # a signal may reach the ranks in different steps: they stop (and save) in the same one
+        stop[:] = [s for s in trainer.gather_object(stop[0] if stop else None) if s is not None][:1]
     if stop or (args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps:
         path = save(step + 1)
         if stop:
@@ -553,16 +585,19 @@ bar.close()
 if prof is not None:
     prof.stop()
     print(f"profile: {out / 'trace.json'} (open in https://ui.perfetto.dev)")
-metrics.close()
+if metrics is not None:
+    metrics.close()
 elapsed = time.time() - t_start
 print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f} (nats/token), "
       f"checkpoint {checkpoint.latest(out) if args.engine == 'stream' else 'none (reference engine)'}")
 
 # ----------------------------------------------------------------------------- export and sample
 if hf_dir is not None:
+    final = trainer.weights(copy=False) if args.engine == "stream" else trainer.weights()  # torchrun: every rank
     try:
-        hf.save_hf(cfg, trainer.weights(copy=False) if args.engine == "stream" else trainer.weights(), hf_dir,
-                   dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.save_hf_dtype], tokenizer_from=init_dir)
+        if RANK == 0:
+            hf.save_hf(cfg, final, hf_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.save_hf_dtype],
+                       tokenizer_from=init_dir)
     except hf.HFError as e:  # the directory changed during the run
         fail(f"--save-hf: {e}; the run's checkpoint is {checkpoint.latest(out) or 'none'}")
     except OSError as e:
@@ -570,15 +605,17 @@ if hf_dir is not None:
              f"checkpoint is {checkpoint.latest(out) or 'none'}", 4)
     print(f"saved a Hugging Face checkpoint to {hf_dir} ({args.save_hf_dtype})")
 if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
-    final = trainer.weights()
+    final = trainer.weights()  # torchrun: a collective, every rank; rank 0 samples
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     # the sample's context: the trained length (RoPE positions past --seq-len were never seen: the text degenerates
     # there), which is <= max_seq_len, and at most 1024 tokens at any length (a plain forward per sampled token)
     window = min(1024, args.seq_len)
     with torch.no_grad():
-        for _ in range(args.sample_tokens):
+        for _ in range(args.sample_tokens if RANK == 0 else 0):
             logits = model.forward(cfg, final, ctx[:, -window:])[0, -1]
             nxt = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=gen)
             ctx = torch.cat([ctx, nxt[None]], dim=1)
     print("-" * 40 + " sample (temperature 0.8)\n" + data.decode(ctx[0, 1:].tolist()) + "\n" + "-" * 40)
+if WORLD > 1:
+    sharded.dist.destroy_process_group()

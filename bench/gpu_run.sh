@@ -6,7 +6,10 @@
 # The bench runs even when the tests fail; the exit status is non-zero if either failed. Timeouts keep the whole
 # under the 10-minute limit of one device command (the bench gets what the tests left of 570 s); the bench
 # writes its results after every case, so a timeout still leaves what was measured.
-# To commit: copy "$OUT/bench" to bench/results/<date>-<device>/ (trace.json.gz is large: keep it out of git).
+# With 2 or more GPUs it first runs bench/multi_gpu.py (torchrun: N GPUs against one, same losses? tokens/s?)
+# into $OUT/multi/multi_gpu.json, in at most 180 s taken from the bench's share.
+# To commit: copy "$OUT/bench" (and "$OUT/multi/multi_gpu.json") to bench/results/<date>-<device>/ (trace.json.gz
+# is large: keep it out of git).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out-gpu}"
@@ -20,8 +23,16 @@ timeout 150 python -m pytest -q tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.l
 tests=${PIPESTATUS[0]}
 echo "tests/test_gpu.py exit status: $tests" | tee -a "$OUT/test_gpu.log"
 
+multi=0
+ngpu=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$ngpu" -gt 1 ]; then
+  timeout 180 python bench/multi_gpu.py --out "$OUT/multi" 2>&1 | tee "$OUT/multi.log"
+  multi=${PIPESTATUS[0]}
+  echo "bench/multi_gpu.py ($ngpu GPUs) exit status: $multi" | tee -a "$OUT/multi.log"
+fi
+
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 timeout $((570 - SECONDS)) python bench/gpu.py --out "$OUT/bench" ${BENCH_ARGS:---profile} 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench exit status: $bench" | tee -a "$OUT/bench.log"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$multi" -eq 0 ]

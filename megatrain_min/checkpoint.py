@@ -9,6 +9,14 @@ What it is
     .tmp-* directory, is fsynced, and is renamed into place: a crash at any moment leaves every earlier
     checkpoint whole. load() checks everything (format version, config, layout, every file's size and
     CRC, streamed a chunk at a time) before it touches the trainer, then reads straight into the store.
+Sharded (megatrain_min/sharded.py: N ranks, each holding [lo, hi) of every unit)
+    Every rank writes its part of every unit, name.partR.bin = master | m | v of [lo, hi), into the one .tmp-*
+    directory rank 0 made (every rank must see --out: one filesystem, shared between nodes); rank 0 writes
+    meta.json (version 2: each unit lists its parts) only once every rank reported its parts fsynced, then
+    renames: the checkpoint is complete only when all parts and the meta are. Any rank's error is every rank's
+    (trainer.gather_object). load() reads, for this trainer's [lo, hi) of each unit, the overlapping ranges of
+    whichever parts hold them: a checkpoint loads at any world size (1 -> N, N -> 1, N -> M), resharded on load.
+    One process writes version 1, one file per unit, exactly as before.
 Nothing lost
     save() never writes master weights holding a NaN or an infinity (NonFiniteError; checked chunk by chunk
     on the way, ~9 GB/s, beside the CRC), and load() refuses them, naming the tensor. A write error (disk
@@ -28,6 +36,8 @@ On disk
     out/ckpt-00000100/meta.json     {"format", "version", "step", "config", "units": [{"name", "numel",
                                       "step", "file", "bytes", "crc32"}, ...], "meta": {...}, "crc32"}
     out/ckpt-00000100/layer.0.bin   master | m | v, numel fp32 each, in the recorded byte order
+    sharded (version 2): units [{"name", "numel", "step", "parts": [{"file": "layer.0.part1.bin", "lo", "hi",
+    "bytes", "crc32"}, ...]}]; layer.0.part1.bin = master | m | v of elements [lo, hi) of the unit
 Try it
     python -m pytest tests/test_checkpoint.py
     python bench/checkpoint_io.py                # save/load GB/s of a ~1B-param store vs the raw disk
@@ -51,6 +61,7 @@ import torch
 import model
 
 FORMAT, VERSION = "megatrain-min checkpoint", 1
+SHARDED = 2                     # the version of a checkpoint written by N > 1 ranks: parts per unit
 STATES = ("master", "m", "v")   # the fp32 tensors of every unit, in the order they sit in its file
 CHUNK = 16 << 20                # bytes per CRC/write call: big enough that Python's per-call cost vanishes
 LOCK = ".lock"                  # the run lock of an output directory (an empty file; see lock())
@@ -126,53 +137,71 @@ def save(trainer, out_dir, step, meta=None, keep=None):
     delete all but the newest `keep` (>= 1) checkpoints of the same run; None: keep all. A checkpoint of the
     same step is replaced only when it is the same run's (else CheckpointError, nothing written).
     Raises NonFiniteError for master weights with a NaN or an infinity, SaveError for a write error.
-    Call it between steps; it waits for the optimizer updates still in flight."""
+    Call it between steps; it waits for the optimizer updates still in flight. A sharded trainer: every rank
+    calls it (collectives); each writes its parts, rank 0 the meta; every rank returns or raises the same."""
     out = Path(out_dir)
     meta = json.loads(json.dumps(meta or {}))    # not JSON-able: TypeError now, before anything is written
     if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1):
         raise ValueError(f"keep must be None (keep all) or an integer >= 1, got {keep!r}")
-    final = out / f"ckpt-{step:08d}"
-    if final.exists() and _run_of(final) != meta.get("run"):
-        raise CheckpointError(f"{final} exists and is not this run's checkpoint; not replacing it")
+    final, lead, sharded = out / f"ckpt-{step:08d}", trainer.rank == 0, trainer.world > 1
     trainer.wait()                               # no update or copy in flight
-    tmp = out / f".tmp-{final.name}-{os.getpid()}"
-    opt, units = trainer.opt, []
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(".tmp-*"):         # what a killed save or delete left behind, never a live run's
-            if not _alive(stale.name.rsplit("-", 1)[-1]):
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+    tmp, error = None, None
+    if lead:
+        try:
+            if final.exists() and _run_of(final) != meta.get("run"):
+                raise CheckpointError(f"{final} exists and is not this run's checkpoint; not replacing it")
+            tmp = out / f".tmp-{final.name}-{os.getpid()}"
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in out.glob(".tmp-*"):     # what a killed save or delete left behind, never a live run's
+                if not _alive(stale.name.rsplit("-", 1)[-1]):
+                    shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except BaseException as e:
+            error = _failed(e, final, tmp)
+    tmp = _agree(trainer, (str(tmp) if tmp else None, error))[0][0]
+    tmp, units = Path(tmp), []
+    try:                                         # every rank: its parts of every unit
+        opt = trainer.opt
         with ThreadPoolExecutor(max_workers=1) as flusher:  # fsync file u while file u+1 is being written
             synced = []
             for u, lay in enumerate(trainer.units):
+                lo, hi = trainer.owned(u)
+                name = f"{lay.name}.part{trainer.rank}.bin" if sharded else f"{lay.name}.bin"
                 state = opt.state(u)
-                f, crc = _write(tmp / f"{lay.name}.bin", [state[s] for s in STATES], lay)
+                f, crc = _write(tmp / name, [state[s][:hi - lo] for s in STATES], lay, lo)
                 synced.append(flusher.submit(_fsync_close, f))
-                units.append({"name": lay.name, "numel": lay.numel, "step": opt.step_count(u),
-                              "file": f"{lay.name}.bin", "bytes": 4 * len(STATES) * lay.numel, "crc32": crc})
+                units.append({"name": lay.name, "numel": lay.numel, "step": opt.step_count(u), "file": name,
+                              "lo": lo, "hi": hi, "bytes": 4 * len(STATES) * (hi - lo), "crc32": crc})
             for s in synced:
                 s.result()                       # an fsync error (disk full, I/O) surfaces here
-        doc = {"format": FORMAT, "version": VERSION, "step": step, "config": trainer.cfg.to_dict(),
-               "dtype": "float32", "byteorder": sys.byteorder, "states": list(STATES), "units": units, "meta": meta}
-        f = open(tmp / "meta.json", "w")
-        json.dump({**doc, "crc32": _doc_crc(doc)}, f, indent=1)
-        _fsync_close(f)
-        _fsync_dir(tmp)
-        if final.exists():                       # the same step saved again: the new one replaces it
-            _remove(final)
-        os.rename(tmp, final)                    # atomic: the checkpoint appears whole, or not at all
-        _fsync_dir(out)
-    except BaseException as e:                   # disk full, Ctrl-C, ...: earlier checkpoints stay as they are
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, NonFiniteError):
-            raise NonFiniteError(f"not saving {final}: {e}") from None
-        if isinstance(e, OSError):
-            raise SaveError(e.errno, f"could not write checkpoint {final} ({e.strerror or e}"
-                                     f"{': ' + str(e.filename) if e.filename else ''}); the temporary directory is "
-                                     f"removed, earlier checkpoints are whole") from None
-        raise
-    if keep:
+        error = None
+    except BaseException as e:
+        error = _failed(e, final, tmp)
+    every = [parts for parts, _ in _agree(trainer, (units, error))]
+    if lead:
+        try:
+            if sharded:                          # version 2: each unit lists every rank's part
+                units = [{"name": u["name"], "numel": u["numel"], "step": u["step"],
+                          "parts": [{k: r[i][k] for k in ("file", "lo", "hi", "bytes", "crc32")} for r in every]}
+                         for i, u in enumerate(every[0])]
+            else:
+                units = [{k: u[k] for k in ("name", "numel", "step", "file", "bytes", "crc32")} for u in units]
+            doc = {"format": FORMAT, "version": SHARDED if sharded else VERSION, "step": step,
+                   "config": trainer.cfg.to_dict(), "dtype": "float32", "byteorder": sys.byteorder,
+                   "states": list(STATES), "units": units, "meta": meta}
+            f = open(tmp / "meta.json", "w")
+            json.dump({**doc, "crc32": _doc_crc(doc)}, f, indent=1)
+            _fsync_close(f)
+            _fsync_dir(tmp)
+            if final.exists():                   # the same step saved again: the new one replaces it
+                _remove(final)
+            os.rename(tmp, final)                # atomic: the checkpoint appears whole, or not at all
+            _fsync_dir(out)
+            error = None
+        except BaseException as e:
+            error = _failed(e, final, tmp)
+    _agree(trainer, error if lead else None)
+    if keep and lead:
         mine = [p for _, p in checkpoints(out) if _run_of(p) == meta.get("run")]
         for old in mine[:-keep]:
             try:
@@ -180,6 +209,31 @@ def save(trainer, out_dir, step, meta=None, keep=None):
             except OSError as e:                 # the new checkpoint is whole; an old one just stays
                 warnings.warn(f"could not delete the old checkpoint {old}: {e}")
     return final
+
+
+def _failed(e, final, tmp):
+    """The exception save() raises for e (disk full, Ctrl-C, ...), the temporary directory removed: earlier
+    checkpoints stay as they are."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(e, NonFiniteError):
+        return NonFiniteError(f"not saving {final}: {e}")
+    if isinstance(e, OSError) and not isinstance(e, SaveError):
+        return SaveError(e.errno, f"could not write checkpoint {final} ({e.strerror or e}"
+                                  f"{': ' + str(e.filename) if e.filename else ''}); the temporary directory is "
+                                  f"removed, earlier checkpoints are whole")
+    return e
+
+
+def _agree(trainer, obj):
+    """obj of every rank (trainer.gather_object; one process: [obj]). An obj, or its second item, that is an
+    exception on any rank is raised on every rank (the lowest rank's), so that all stop together."""
+    found = trainer.gather_object(obj)
+    for o in found:
+        e = o[1] if isinstance(o, tuple) else o
+        if isinstance(e, BaseException):
+            raise e
+    return found
 
 
 def _run_of(path):
@@ -206,9 +260,10 @@ def _alive(pid):
     return True
 
 
-def _write(path, tensors, layout):
-    """Write the raw bytes of `tensors` (master first) to a new file; return (the open file, CRC-32 of what was
-    written). Each chunk of the master is checked to be finite on the way (NonFiniteError naming the tensor)."""
+def _write(path, tensors, layout, lo=0):
+    """Write the raw bytes of `tensors` (master first: elements lo.. of the unit) to a new file; return (the open
+    file, CRC-32 of what was written). Each chunk of the master is checked to be finite on the way (NonFiniteError
+    naming the tensor)."""
     f, crc = open(path, "wb"), 0
     for k, t in enumerate(tensors):
         mv = bytes_of(t)
@@ -217,7 +272,7 @@ def _write(path, tensors, layout):
                 chunk = t[i // 4:(i + CHUNK) // 4]
                 if not model.all_finite(chunk):
                     f.close()
-                    j = i // 4 + int((~torch.isfinite(chunk)).nonzero()[0])
+                    j = lo + i // 4 + int((~torch.isfinite(chunk)).nonzero()[0])
                     raise NonFiniteError(f"the master weights of {layout.key_at(j)} hold a NaN or an infinity")
             crc = zlib.crc32(mv[i:i + CHUNK], crc)   # the chunk is still in cache for the write
             f.write(mv[i:i + CHUNK])                 # a large write goes from our memory to the kernel
@@ -269,9 +324,9 @@ def read_meta(path):
         raise CheckpointError(f"{path}/meta.json cannot be read ({e.strerror})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a megatrain-min checkpoint (meta.json has no format {FORMAT!r})")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in (VERSION, SHARDED):
         raise CheckpointError(f"{path} has checkpoint format version {doc.get('version')!r}; this code reads "
-                              f"version {VERSION}")
+                              f"versions {VERSION} and {SHARDED} (sharded)")
     if doc.pop("crc32", None) != _doc_crc(doc):
         raise CheckpointError(f"{path}/meta.json fails its CRC-32 check; the checkpoint is damaged")
     _check_fields(path, doc)
@@ -295,37 +350,70 @@ def _check_fields(path, doc):
         bad("units is not a list")
     for u in doc["units"]:   # a unit file is its name + .bin, inside the checkpoint: no path goes elsewhere
         if not (isinstance(u, dict) and isinstance(u.get("name"), str) and re.fullmatch(r"\w[\w.]*", u["name"])
-                and u.get("file") == u["name"] + ".bin" and all(count(u.get(k)) for k in ("numel", "step", "bytes", "crc32"))
-                and u["bytes"] == 4 * len(STATES) * u["numel"]):
+                and all(count(u.get(k)) for k in ("numel", "step")) and _parts_ok(u, doc["version"], count)):
             bad(f"the unit entry {json.dumps(u)[:80]} is malformed")
 
 
-def verify_files(path, doc, crc=True, layouts=None):
+def _parts_ok(u, version, count):
+    """Version 1: one file, name.bin, the whole unit. Version 2: parts name.partR.bin that tile [0, numel)."""
+    if version == VERSION:
+        return (u.get("file") == u["name"] + ".bin" and count(u.get("bytes")) and count(u.get("crc32"))
+                and u["bytes"] == 4 * len(STATES) * u["numel"])
+    parts, at = u.get("parts"), 0
+    if not (isinstance(parts, list) and parts):
+        return False
+    for r, p in enumerate(parts):
+        if not (isinstance(p, dict) and p.get("file") == f"{u['name']}.part{r}.bin" and p.get("lo") == at
+                and all(count(p.get(k)) for k in ("hi", "bytes", "crc32")) and p["hi"] >= at
+                and p["bytes"] == 4 * len(STATES) * (p["hi"] - at)):
+            return False
+        at = p["hi"]
+    return at == u["numel"]
+
+
+def parts(unit):
+    """The files of a unit entry of meta.json as [{"file", "lo", "hi", "bytes", "crc32"}]: each holds master | m | v
+    of the unit's elements [lo, hi). Version 1: one part, the whole unit."""
+    if "parts" in unit:
+        return unit["parts"]
+    return [{"file": unit["file"], "lo": 0, "hi": unit["numel"], "bytes": unit["bytes"], "crc32": unit["crc32"]}]
+
+
+def verify_files(path, doc, crc=True, layouts=None, want=None):
     """Check that every unit file is there with its size, then (crc=True) each file's CRC-32, reading
-    one chunk at a time, and that its master weights (the first numel floats) are all finite: a NaN is
-    refused naming the tensor (layouts: model.units of the config) -- it would train silently."""
-    files = [(Path(path) / unit["file"], unit) for unit in doc["units"]]
-    for f_path, unit in files:
+    one chunk at a time, and that its master weights (the first floats of the file) are all finite: a NaN is
+    refused naming the tensor (layouts: model.units of the config) -- it would train silently. want: per unit
+    the [lo, hi) a trainer will read (its owned()): only the parts overlapping it are read (sizes: all)."""
+    files = [(u, Path(path) / p["file"], p) for u, unit in enumerate(doc["units"]) for p in parts(unit)]
+    for _, f_path, p in files:
         if not f_path.is_file():
             raise CheckpointError(f"{f_path} is missing; the checkpoint is incomplete")
-        if (size := f_path.stat().st_size) != unit["bytes"]:
-            raise CheckpointError(f"{f_path} has {size:,} bytes, expected {unit['bytes']:,}; it is truncated or damaged")
+        if (size := f_path.stat().st_size) != p["bytes"]:
+            raise CheckpointError(f"{f_path} has {size:,} bytes, expected {p['bytes']:,}; it is truncated or damaged")
     buf = bytearray(CHUNK)
-    for u, (f_path, unit) in enumerate(files if crc else []):
-        c, pos, bad = 0, 0, None
+    for u, f_path, p in files if crc else []:
+        a, b = _overlap(p, *want[u]) if want is not None else (0, 1)
+        if a >= b:
+            continue
+        c, pos, bad, n_master = 0, 0, None, p["hi"] - p["lo"]
         with open(f_path, "rb") as f:
             while n := f.readinto(buf):
                 c = zlib.crc32(memoryview(buf)[:n], c)
-                if pos < 4 * unit["numel"] and bad is None:      # the master comes first in the file
-                    chunk = torch.frombuffer(buf, dtype=torch.float32, count=min(n, 4 * unit["numel"] - pos) // 4)
+                if pos < 4 * n_master and bad is None:      # the master comes first in the file
+                    chunk = torch.frombuffer(buf, dtype=torch.float32, count=min(n, 4 * n_master - pos) // 4)
                     if not model.all_finite(chunk):
-                        bad = pos // 4 + int((~torch.isfinite(chunk)).nonzero()[0])
+                        bad = p["lo"] + pos // 4 + int((~torch.isfinite(chunk)).nonzero()[0])
                 pos += n
-        if c != unit["crc32"]:
+        if c != p["crc32"]:
             raise CheckpointError(f"{f_path} fails its CRC-32 check; the file is damaged")
         if bad is not None:
-            what = layouts[u].key_at(bad) if layouts else f"unit {unit['name']}"
+            what = layouts[u].key_at(bad) if layouts else f"unit {doc['units'][u]['name']}"
             raise CheckpointError(f"{path}: the master weights of {what} hold a NaN or an infinity; refusing them")
+
+
+def _overlap(part, lo, hi):
+    """The elements [a, b) of [lo, hi) that `part` holds (a >= b: none)."""
+    return max(lo, part["lo"]), min(hi, part["hi"])
 
 
 def check_model(path, doc, cfg):
@@ -350,25 +438,38 @@ def load(trainer, path, verify_first=True):
     Raises CheckpointError, with the trainer untouched, for anything that does not match or check out.
     verify_first=False reads every byte once instead of twice (about 2x faster from a cold disk) and
     checks the CRCs on the way: a damaged file still raises CheckpointError, but the trainer then holds a
-    partial state -- fine for a fresh trainer that is thrown away on error (train.py --resume)."""
+    partial state -- fine for a fresh trainer that is thrown away on error (train.py --resume). A sharded
+    trainer (every rank calls it) reads its [lo, hi) of each unit from whichever parts hold it, at any world size
+    it was saved at; a part it reads only a piece of is verified first whatever verify_first says."""
     path = Path(path)
     doc = read_meta(path)
     check_model(path, doc, trainer.cfg)
-    verify_files(path, doc, crc=verify_first, layouts=trainer.units)    # nothing has been touched so far
+    want = [trainer.owned(u) for u in range(len(trainer.units))]
+    whole = lambda p, u: (p["lo"], p["hi"]) == want[u]   # noqa: E731  the part is exactly what this trainer holds
+    read = lambda p, u: _overlap(p, *want[u])[0] < _overlap(p, *want[u])[1]   # noqa: E731  it holds some of it
+    check = [want[u] if verify_first or any(read(p, u) and not whole(p, u) for p in parts(unit)) else (0, 0)
+             for u, unit in enumerate(doc["units"])]
+    verify_files(path, doc, layouts=trainer.units, want=check)            # nothing has been touched so far
     trainer.wait()
     opt = trainer.opt
     for u, unit in enumerate(doc["units"]):      # straight into the store (from the page cache, if it fits)
-        crc = 0
+        lo, hi = want[u]
         state = opt.state(u)
-        with open(path / unit["file"], "rb") as f:
-            for s in STATES:
-                mv = bytes_of(state[s])
-                if f.readinto(mv) != len(mv):
-                    raise CheckpointError(f"{path / unit['file']} shrank while loading; the trainer is now partial")
-                crc = crc if verify_first else zlib.crc32(mv, crc)
-        if not verify_first and crc != unit["crc32"]:
-            raise CheckpointError(f"{path / unit['file']} fails its CRC-32 check; the trainer is now partial")
-        if not verify_first and not model.all_finite(state["master"]):
+        for p in parts(unit):
+            a, b = _overlap(p, lo, hi)
+            if a >= b:
+                continue
+            crc, n = 0, p["hi"] - p["lo"]
+            with open(path / p["file"], "rb") as f:
+                for k, s in enumerate(STATES):
+                    f.seek(4 * (k * n + a - p["lo"]))
+                    mv = bytes_of(state[s][a - lo:b - lo])
+                    if f.readinto(mv) != len(mv):
+                        raise CheckpointError(f"{path / p['file']} shrank while loading; the trainer is now partial")
+                    crc = crc if verify_first else zlib.crc32(mv, crc)
+            if not verify_first and whole(p, u) and crc != p["crc32"]:
+                raise CheckpointError(f"{path / p['file']} fails its CRC-32 check; the trainer is now partial")
+        if not verify_first and not model.all_finite(state["master"][:hi - lo]):
             raise CheckpointError(f"{path}: the master weights of unit {unit['name']} hold a NaN or an infinity; "
                                   f"the trainer is now partial")
         opt.set_step_count(u, unit["step"])

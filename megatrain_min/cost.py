@@ -29,6 +29,11 @@ SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_no
 WRITE_ONLY = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor}           # write, read nothing
 INDEXED = {aten.index_select.default, aten.index_select.out, aten.index_add_.default}
 UNMARKED_VIEWS = {aten._unsafe_view.default, aten.alias.default}               # views the schema does not mark
+# torch.distributed's collectives (sharded.py) reach the dispatcher as c10d ops whose schemas mark no write: the
+# output (the first argument) is written, the input read; all_reduce reads and writes its tensors in place.
+c10d = torch.ops.c10d
+COLLECTIVES = {c10d._allgather_base_.default: "gather", c10d._reduce_scatter_base_.default: "scatter",
+               c10d.allreduce_.default: "in place"}
 SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,          # forward: 4 Tq Tk hd per head
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 10,  # backward: 5 matmuls
         aten._scaled_dot_product_flash_attention.default: 4,
@@ -47,6 +52,9 @@ def tensors(val):
 
 def accesses(func, args, kwargs, out):
     """(reads, writes, fresh): tensors the op reads, tensors it writes in place, and the new tensors it returns."""
+    if func in COLLECTIVES:
+        out_t, in_t = tensors(args[0]), tensors(args[0] if COLLECTIVES[func] == "in place" else args[1])
+        return in_t, out_t, []
     schema = func._schema
     given = list(zip(schema.arguments, args)) + [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
     reads, writes = [], []

@@ -23,6 +23,7 @@ Reference
 Try it
     python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0
     python -m megatrain_min.plan --config 70b --hardware all       # one verdict line per profile
+    python -m megatrain_min.plan --config 70b --hardware h100 --gpus 8 --nodes 2 --host-mem 2000 --batch-size 64
     python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # long context
     python -m pytest tests/test_plan.py
 """
@@ -49,23 +50,28 @@ GB = 1e9  # decimal: "1536 GB" is 1.536e12 bytes (slightly conservative against 
 HARDWARE = {
     # H100 SXM5: 80 GB HBM3 3.35 TB/s, 989 bf16 / 67 fp32 TFLOP/s. PCIe Gen5 x16 (64 GB/s spec) ~55 each way.
     # Host: 2-socket Xeon, 16 x DDR5-4800 (614 GB/s spec), ~200 for AdamW over NUMA-unaware pinned pages.
+    # 8 per node on NVLink 4 (450 GB/s per direction spec; NCCL all_gather / reduce_scatter bus bandwidth ~360),
+    # one 400 Gb/s InfiniBand NDR NIC per GPU between nodes (50 GB/s spec, ~45).
     "h100": dict(gpu="NVIDIA H100 80GB", gpu_mem_gb=80, bf16_tflops=989, fp32_tflops=67, frac=0.6,
-                 hbm_gbs=3350, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1024, host_bw_gbs=200),
+                 hbm_gbs=3350, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1024, host_bw_gbs=200, nvlink_gbs=360, ib_gbs=45),
     # H200 SXM: 141 GB HBM3e 4.8 TB/s, same compute as H100, PCIe Gen5. Host as MegaTrain's: 1.5 TB.
     "h200": dict(gpu="NVIDIA H200 141GB", gpu_mem_gb=141, bf16_tflops=989, fp32_tflops=67, frac=0.6,
-                 hbm_gbs=4800, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1536, host_bw_gbs=200),
+                 hbm_gbs=4800, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1536, host_bw_gbs=200, nvlink_gbs=360, ib_gbs=45),
     # GH200: 96 GB HBM3 4 TB/s, H100 compute; NVLink-C2C 900 GB/s spec, ~340 H2D / ~295 D2H measured.
-    # Host: Grace's 480 GB LPDDR5X (512 GB/s spec, ~400 achievable).
+    # Host: Grace's 480 GB LPDDR5X (512 GB/s spec, ~400 achievable). One superchip per node: InfiniBand NDR (~45).
     "gh200": dict(gpu="NVIDIA GH200 96GB", gpu_mem_gb=96, bf16_tflops=989, fp32_tflops=67, frac=0.6,
-                  hbm_gbs=4000, h2d_gbs=340, d2h_gbs=295, host_mem_gb=480, host_bw_gbs=400),
+                  hbm_gbs=4000, h2d_gbs=340, d2h_gbs=295, host_mem_gb=480, host_bw_gbs=400, nvlink_gbs=360,
+                  ib_gbs=45),
     # A100 SXM4 80 GB: 2.0 TB/s, 312 bf16 / 19.5 fp32 TFLOP/s. PCIe Gen4 x16 (32 GB/s spec) ~25.
-    # Host: 2-socket EPYC, 16 x DDR4-3200 (410 GB/s spec).
+    # Host: 2-socket EPYC, 16 x DDR4-3200 (410 GB/s spec). NVLink 3 (300 GB/s per direction, NCCL ~230), HDR IB (~22).
     "a100": dict(gpu="NVIDIA A100 80GB", gpu_mem_gb=80, bf16_tflops=312, fp32_tflops=19.5, frac=0.6,
-                 hbm_gbs=2039, h2d_gbs=25, d2h_gbs=25, host_mem_gb=512, host_bw_gbs=150),
+                 hbm_gbs=2039, h2d_gbs=25, d2h_gbs=25, host_mem_gb=512, host_bw_gbs=150, nvlink_gbs=230, ib_gbs=22),
     # RTX 4090: 24 GB GDDR6X 1.0 TB/s, 165 bf16 (fp32 accumulate) / 82.6 fp32 TFLOP/s, PCIe Gen4 ~25.
-    # Host: a desktop, 2 channels of DDR5 (~90 GB/s spec).
+    # Host: a desktop, 2 channels of DDR5 (~90 GB/s spec). No NVLink: collectives cross PCIe through the host
+    # (~12); 100 Gb/s Ethernet between nodes (~10).
     "rtx4090": dict(gpu="NVIDIA GeForce RTX 4090", gpu_mem_gb=24, bf16_tflops=165, fp32_tflops=82.6,
-                    frac=0.6, hbm_gbs=1008, h2d_gbs=25, d2h_gbs=25, host_mem_gb=128, host_bw_gbs=60),
+                    frac=0.6, hbm_gbs=1008, h2d_gbs=25, d2h_gbs=25, host_mem_gb=128, host_bw_gbs=60, nvlink_gbs=12,
+                    ib_gbs=10),
 }
 # The host issues every op -- Python, the dispatcher, autograd's engine: ~10.5 us each, whether issued from Python
 # or run by autograd (bench/host_overhead.py --calibrate, 2026-11-22: the 2-core dev CPU, torch 2.13, one OpenMP
@@ -115,12 +121,13 @@ def local_hardware():
         key = next((k for k in ("gh200", "h200", "h100", "a100", "rtx4090")   # gh200 before h200
                     if k.removeprefix("rtx") in name.lower()), None)
         hw = dict(HARDWARE[key]) if key else dict(bf16_tflops=100, fp32_tflops=20, frac=0.5, hbm_gbs=1000,
-                                                  h2d_gbs=25, d2h_gbs=25, host_bw_gbs=50)
+                                                  h2d_gbs=25, d2h_gbs=25, host_bw_gbs=50, nvlink_gbs=12, ib_gbs=10)
         hw.update(gpu=name, gpu_mem_gb=torch.cuda.mem_get_info(0)[0] / GB, profiled=key is not None)
     else:  # ~0.1 TFLOP/s per core in fp32 (AVX2/AVX-512 FMA), bf16 matmuls much slower on most CPUs
         cores, bw = os.cpu_count() or 1, 20
         hw = dict(gpu="cpu", gpu_mem_gb=0, bf16_tflops=0.02 * cores, fp32_tflops=0.1 * cores, frac=0.5,
-                  hbm_gbs=bw, h2d_gbs=bw / 2, d2h_gbs=bw / 2, host_bw_gbs=bw, profiled=False)
+                  hbm_gbs=bw, h2d_gbs=bw / 2, d2h_gbs=bw / 2, host_bw_gbs=bw, nvlink_gbs=bw / 4, ib_gbs=1,
+                  profiled=False)
     return dict(hw, name="local", host_mem_gb=host_available_bytes() / GB)
 
 
@@ -153,15 +160,15 @@ def model_tflops(cfg, tokens, seconds):
 
 
 def peak_tflops(hw, dtype):
-    """The dense peak TFLOP/s of hardware `hw` in dtype ("bf16", "fp32"), or None when it is a guess (a CPU, a
-    GPU without a profile in HARDWARE): MFU against a guess would be a made-up number."""
+    """The dense peak TFLOP/s of one GPU of hardware `hw` in dtype ("bf16", "fp32"), or None when it is a guess (a
+    CPU, a GPU without a profile in HARDWARE): MFU against a guess would be a made-up number."""
     return hw[f"{dtype}_tflops"] if hw.get("profiled", True) else None
 
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
          grad_clip=0.0, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
          residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
-         tile_tokens=None):
+         tile_tokens=None, gpus=1, nodes=1):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
     hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
@@ -175,6 +182,12 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     finite_only), never a gradient store. pinned_pow2: model torch's pinned allocator as it
     is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice (tile_for).
+    gpus, nodes: megatrain_min/sharded.py on gpus per node x nodes ranks (N), batch_size the global batch: each
+    rank computes batch_size / N sequences in micro_batches and holds 1/N of the host store; host memory is then
+    per node, GPU memory per GPU. Each visit adds an all_gather of the unit (compute dtype) and a reduce_scatter
+    of its fp32 gradient, (N-1)/N of it per GPU, on a comm lane of their own: NVLink (nvlink_gbs, bus bandwidth)
+    within a node, InfiniBand per GPU (ib_gbs) as soon as the ring crosses nodes. The node's AdamW threads share its
+    DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few bytes), collective latency.
     """
     hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs)
     cuda = hw["gpu_mem_gb"] > 0
@@ -189,6 +202,12 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         raise PlanError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
     if min(batch_size, seq_len, micro_batches) <= 0 or batch_size % micro_batches:
         raise PlanError(f"batch size {batch_size} must be a positive multiple of micro-batches {micro_batches}")
+    if not (isinstance(gpus, int) and isinstance(nodes, int) and gpus >= 1 and nodes >= 1):
+        raise PlanError(f"--gpus and --nodes must be integers >= 1, got {gpus!r} and {nodes!r}")
+    world = gpus * nodes
+    if batch_size % (world * micro_batches):
+        raise PlanError(f"batch size {batch_size} must be a multiple of {world} GPUs x micro-batches {micro_batches}"
+                        f" (each GPU computes batch_size / {world} sequences)")
     name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
     units = model.units(cfg)
     layers, head = [u for u in units if u.name.startswith("layer.")], units[-1]
@@ -198,9 +217,13 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     shadow = mode == "fast" and dtype == "bf16"        # fast streams a bf16 shadow; lean the fp32 master
     sb = 2 if shadow else 4                            # bytes per parameter that cross H2D
     n_slot = max(lay.numel, head.numel)                # a weight/grad slot holds the largest streamed unit
-    tokens = batch_size * seq_len
+    shard = lambda n: -(-n // world)                   # noqa: E731  one rank's share of n elements (sharded.py)
+    n_slot = world * shard(n_slot)                     # the all_gather fills N whole shards, padding included
+    tokens_step = batch_size * seq_len                 # the global batch
+    tokens = tokens_step // world                      # what one rank (GPU) computes
     act = tokens * cfg.d_model * rb                    # one (B, T, d) residual tensor, all micro-batches
     row_b = 2 if (shadow and rb == 2) else 4           # embedding rows: from the bf16 shadow or the fp32 master
+    act_step = tokens_step * cfg.d_model * rb          # (B, T, d) of the whole step: dy of layer 0, gathered
 
     # ---- GPU (stream.Trainer.__init__ and the step's working set): independent of depth
     def device(tile):
@@ -209,6 +232,10 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         if mode == "lean" and dtype == "bf16":
             gpu["lean staging: fp32 unit, cast on GPU"] = n_slot * 4
         gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
+        if world > 1:  # sharded.py: H2D lands in a weight shard, reduce_scatter writes a grad shard (2 each); the
+            # embedding's rows of the whole step cross PCIe before their reduce_scatter, dy is all_gathered whole
+            gpu[f"shards: 2 weight + 2 fp32 grad of {count(shard(n_slot))}"] = 2 * shard(n_slot) * (cb + 4)
+            gpu["embedding rows and dy of the whole step"] = tokens_step * cfg.d_model * max(row_b, rb)
         gpu.update(stream.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
                                             chunk_tokens or model.default_chunk_tokens(cfg), n_slot,
                                             seq_len=seq_len, tile_tokens=tile))
@@ -238,7 +265,11 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     # reads g once more (HostAdamW.step(finite_only)); fast: read p again, write the shadow
     adam_b = 28 + (4 if defer else 0) + (4 if skip_nonfinite and not defer else 0) + (6 if shadow else 0)
     attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
-    rate = dict(load=sb / h2d + cast, grad=4 / d2h, adam=adam_b / hbw, norm=4 / hbw)  # seconds per parameter
+    # seconds per parameter of a unit: this rank's 1/N share crosses its PCIe link; the node's gpus ranks update
+    # their shards at once, sharing its DRAM; the collectives move (N-1)/N of the unit per GPU
+    net = (hw["nvlink_gbs"] if nodes == 1 else min(hw["nvlink_gbs"], hw["ib_gbs"])) * GB
+    rate = dict(load=(sb / h2d + cast) / world, grad=4 / d2h / world, adam=adam_b / hbw / nodes, norm=4 / hbw / nodes,
+                all_gather=(world - 1) / world * cb / net, reduce_scatter=(world - 1) / world * 4 / net)
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
     qkv = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
@@ -256,16 +287,18 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              + (2 * tokens * qkv / F if tile else 0),   # tiled: part A's projections run once more (block_grad)
              head=6 * tokens * head.n_decay / F + hbm_s["head"] + head.numel * 4 / hbm,  # not recomputed
              # the scatter: zero an untied embedding's gradient, then add dy's rows (read 4, read+write 8)
-             rows=tokens * cfg.d_model * row_b / h2d, dy=act / d2h,
-             scatter=(tokens * cfg.d_model * (4 + 8) + (0 if tied else units[0].numel * 4)) / hbw,
+             rows=tokens_step * cfg.d_model * row_b / h2d, dy=act_step / d2h,  # sharded: the whole step's rows
+             rows_comm=(world - 1) / world * tokens_step * cfg.d_model * row_b / net,   # their reduce_scatter
+             dy_comm=(world - 1) / world * act_step / net,                              # dy's all_gather
+             scatter=(tokens_step * cfg.d_model * (4 + 8) + (0 if tied else units[0].numel * 4)) / hbw,
              ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()},
              host_fwd=host_s["fwd"], host_bwd=host_s["bwd"], host_head=host_s["head"],
              host_step=op_s * ENGINE_OPS["step"], host_update=op_s * ENGINE_OPS["update"])
     slabs = 0 if defer else staging_slabs or stream_slabs(t, tied)
 
-    # ---- host (optim.HostAdamW + stream.py's pinned staging)
+    # ---- host (optim.HostAdamW + stream.py's pinned staging), of one node: its gpus ranks, each with 1/N of the store
     pin = (lambda b: 1 << (int(b) - 1).bit_length()) if (pinned_pow2 and cuda) else (lambda b: b)
-    per_unit = lambda bytes_per_param: sum(pin(u.numel * bytes_per_param) for u in units)  # noqa: E731
+    per_unit = lambda bytes_per_param: gpus * sum(pin(shard(u.numel) * bytes_per_param) for u in units)  # noqa: E731
     host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
     if shadow:
         host["bf16 shadow (streamed)"] = per_unit(2)
@@ -273,34 +306,40 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         host["fp32 grad store (global norm first)"] = per_unit(4)
     store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
     if slabs:  # D2H lands in a slab, the worker updates from it
-        host[f"fp32 grad staging: {slabs} slabs"] = slabs * pin(max(u.numel for u in units) * 4)
+        host[f"fp32 grad staging: {slabs} slabs"] = gpus * slabs * pin(shard(max(u.numel for u in units)) * 4)
     if offload:
-        host[f"offloaded checkpoints: {L} layers"] = pin(L * act)
-    host["pinned staging: embedding rows, dy, targets"] = pin(tokens * cfg.d_model * row_b) + pin(act) + \
-        pin(tokens * 8)
-    host["runtime: Python, torch" + (", CUDA" if cuda else "")] = RUNTIME if cuda else 10**9
+        host[f"offloaded checkpoints: {L} layers"] = gpus * pin(L * act)
+    host["pinned staging: embedding rows, dy, targets"] = gpus * (pin(tokens_step * cfg.d_model * row_b) +
+                                                                  pin(act_step) + pin(tokens * 8))
+    host["runtime: Python, torch" + (", CUDA" if cuda else "")] = gpus * (RUNTIME if cuda else 10**9)
     if not cuda:
-        host["device buffers (below)"] = gpu_bytes
+        host["device buffers (below)"] = gpus * gpu_bytes
     host_bytes = sum(host.values())
     fits_host, fits_gpu = host_bytes <= host_limit, (not cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
 
     # ---- the schedule
     step_time, busy, critical = simulate(L, t, numel, rate, defer_updates=defer, tied=tied, offload=offload,
-                                         slabs=slabs, guard=skip_nonfinite and not defer, overlap=cuda)
-    peak = hw[f"{dtype}_tflops"]
-    tflops = model_tflops(cfg, tokens, step_time)
+                                         slabs=slabs, guard=skip_nonfinite and not defer, overlap=cuda,
+                                         sharded=world > 1)
+    peak = hw[f"{dtype}_tflops"] * world
+    tflops = model_tflops(cfg, tokens_step, step_time)
     mins = {"h2d": F * (sb / h2d + cast) / 2,          # a layer's forward (2NT FLOPs) outlasts its copy (N sb B)
             "d2h": F * 4 / (6 * d2h),                  # its recompute + backward (6NT) outlasts the fp32 grad
-            "cpu_adam": F * (adam_b + 4 * defer) / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
+            "cpu_adam": F * (adam_b + 4 * defer) * gpus / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
+    # (tokens of the whole step; sharded: a rank computes 1/N of them and copies 1/N of each unit, the node's AdamW
+    # threads share its DRAM, and a backward visit's compute (6NT/N) outlasts a gather + a reduce_scatter)
+    if world > 1:
+        mins["comm"] = F * (cb + 4) * (world - 1) / (6 * net)
     p = dict(config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype, residual_dtype=residual_dtype,
-             batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens,
+             batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens_step,
+             gpus=gpus, nodes=nodes, world=world,
              grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, host_speed=host_speed, tile_tokens=tile,
              tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, staging_slabs=slabs,
              staging_slabs_asked=staging_slabs, offload_checkpoints=bool(offload), offload_asked=offload_checkpoints,
              pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
              host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
              gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t,
-             step_time_s=step_time, tokens_per_s=tokens / step_time, model_tflops=tflops,
+             step_time_s=step_time, tokens_per_s=tokens_step / step_time, model_tflops=tflops,
              mfu=tflops / peak, utilization={k: v / step_time for k, v in busy.items()},
              critical_path={k: v / step_time for k, v in critical.items()}, bottleneck=max(critical, key=critical.get),
              min_tokens=mins, min_tokens_per_step=max(mins.values()))
@@ -323,7 +362,7 @@ def stream_slabs(t, tied):
 
 
 def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGING_SLABS, guard=False, overlap=True,
-             steps=3):
+             steps=3, sharded=False):
     """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams) and
     cpu_adam (the optimizer thread) -- and the host thread that issues the work. A task starts when its lane
     is free, its inputs are ready and the host has issued it; the host issues in program order and blocks where
@@ -333,8 +372,10 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
     rate[what]: seconds to load, drain ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane,
     all in program order. Returns the steady-state step time (between the starts of the last two steps' first
     layer), the busy seconds per step of each lane, and each lane's seconds on the critical path of the last
-    step (walked back from its end through the task each task waited for): the bottleneck."""
-    free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam"), 0.0)
+    step (walked back from its end through the task each task waited for): the bottleneck. sharded: a fifth lane,
+    comm (sharded.py): a unit's all_gather after its shard's H2D, its gradient's reduce_scatter before the D2H of
+    the shard, the rows' reduce_scatter and dy's all_gather -- one collective at a time."""
+    free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam") + (("comm",) if sharded else ()), 0.0)
     busy, critical, ends = dict.fromkeys(("host", *free), 0.0), dict.fromkeys(("host", *free), 0.0), {}
     host = [0.0]                                 # when the host thread can issue its next operation
     last = [0.0]                                 # the start of the latest task
@@ -374,6 +415,10 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
     def cost(what, u):
         return numel["layer" if isinstance(u, int) else u] * rate[what]
 
+    def load(u, after):                          # H2D (of the shard; then its all_gather into the slot)
+        x = run("h2d", after, cost("load", u))
+        return run("comm", x, cost("all_gather", u)) if sharded else x
+
     emb, first = ("head" if tied else "embed"), "norm" if defer_updates else "adam"  # the worker's job per landing
     upd, starts = {}, []                         # unit -> when its latest update finished
     for _ in range(steps):
@@ -382,9 +427,11 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
         issue(t.get("host_step", 0.0))            # the step's staging: targets, checks
         block(upd.get(0, 0.0))
-        loaded[0] = run("h2d", 0.0, cost("load", 0))
+        loaded[0] = load(0, 0.0)
         block(upd.get(emb, 0.0))
         x = run("h2d", 0.0, t["rows"])          # embedding rows, gathered from the updated master
+        if sharded:                              # ... the parts of every rank's rows, summed
+            x = run("comm", x, t["rows_comm"])
         for i in range(L):
             if offload:
                 sent[i] = run("d2h", x, t["ckpt_d2h"])
@@ -394,7 +441,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
             slot_free[i % 2] = x
             nxt = i + 1 if i + 1 < L else "head"
             block(upd.get(nxt, 0.0))
-            loaded[nxt] = run("h2d", slot_free[1 - i % 2], cost("load", nxt))
+            loaded[nxt] = load(nxt, slot_free[1 - i % 2])
         # head: loss forward and backward per chunk, its gradient goes down first (grad slot 0)
         x = slot_free[L % 2] = visit(max(loaded["head"], x), t["head"], t.get("host_head", 0.0))
         loss = x
@@ -404,8 +451,11 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
         def drain(unit, k, after):               # grad visit k: a slab (unless deferred), D2H, then the worker
             if not defer_updates and len(slab_back) >= slabs - tied:
                 block(slab_back[len(slab_back) - (slabs - tied)])
+            if sharded:                          # the reduce_scatter frees the grad slot; D2H of the shard
+                after = gslot_free[k % 2] = run("comm", after, cost("reduce_scatter", unit))
             done = run("d2h", after, cost("grad", unit))
-            gslot_free[k % 2] = done
+            if not sharded:                      # the D2H frees the grad slot
+                gslot_free[k % 2] = done
             if unit == emb:                      # tied: its update follows the embedding scatter
                 return done
             upd[unit] = run("cpu_adam", done, cost(first, unit) + t.get("host_update", 0.0))
@@ -416,7 +466,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
         ready = run("h2d", sent[L - 1], t["ckpt_h2d"]) if offload else 0.0
         for k, i in enumerate(reversed(range(L)), start=1):
             if i > 0:
-                loaded[i - 1] = run("h2d", slot_free[(i - 1) % 2], cost("load", i - 1))
+                loaded[i - 1] = load(i - 1, slot_free[(i - 1) % 2])
             nxt_ready = run("h2d", sent[i - 1], t["ckpt_h2d"]) if offload and i > 0 else 0.0
             x = slot_free[i % 2] = visit(max(loaded[i], ready, gslot_free[k % 2], x), t["bwd"], t.get("host_bwd", 0.0))
             drain(i, k, x)
@@ -424,7 +474,8 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
         # embedding: dy of layer 0 goes down, the worker scatters it into the rows used
         if not defer_updates and not tied and len(slab_back) >= slabs:
             block(slab_back[len(slab_back) - slabs])
-        upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", x, t["dy"]), t["scatter"]),
+        dy = run("comm", x, t["dy_comm"]) if sharded else x     # dy of every rank, all_gathered
+        upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", dy, t["dy"]), t["scatter"]),
                        cost(first, emb) + t.get("host_update", 0.0))
         block(loss)                              # the step's loss, read on the host
         if defer_updates:  # every norm known: updates in forward order, the next forward waits per unit
@@ -471,12 +522,18 @@ def format_plan(p):
             f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {p['grad_clip'] or 'off'},"
             f" {p['residual_dtype']} residual stream,"
             f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'},"
-            f" layer {tiling(p)}", "",
-            f"{'host memory' + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
+            f" layer {tiling(p)}"]
+    if p["world"] > 1:
+        rows.append(f"sharded (megatrain_min/sharded.py): {p['nodes']} node(s) x {p['gpus']} GPUs = {p['world']} ranks, "
+                    f"each {p['batch_size'] // p['world']} sequences and 1/{p['world']} of the host store; collectives "
+                    f"over {'NVLink' if p['nodes'] == 1 else 'InfiniBand'} at "
+                    f"{hw['nvlink_gbs'] if p['nodes'] == 1 else min(hw['nvlink_gbs'], hw['ib_gbs']):g} GB/s")
+    per = (" per node", " per GPU") if p["world"] > 1 else ("", "")
+    rows += ["", f"{'host memory' + per[0] + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
     rows += [f"  {'total':<48}{p['host_bytes'] / GB:10.2f}{p['host_bytes'] / N:10.2f}   {verdict(p['fits_host'])}"
              f" in {size(p['host_limit_bytes'])} ({HOST_USABLE:.0%} of {size(hw['host_mem_gb'] * GB)})", "",
-             f"{'GPU memory' if cuda else 'device buffers (CPU run: in host memory)':<50}{'GB':>10}"]
+             f"{'GPU memory' + per[1] if cuda else 'device buffers (CPU run: in host memory)':<50}{'GB':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}" for k, v in p["gpu"].items() if v]
     rows += [f"  {'total':<48}{p['gpu_bytes'] / GB:10.2f}" +
              (f"   {verdict(p['fits_gpu'])} in {size(hw['gpu_mem_gb'] * GB)}" if cuda else ""), "",
@@ -486,8 +543,12 @@ def format_plan(p):
         ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
         ("CPU AdamW" + (" + grad-norm pass" if p["defer_updates"] else ""), t["adam"] + t["norm"] * p["defer_updates"]),
         ("head: loss forward + backward, 6 V d T", t["head"]))]
+    if p["world"] > 1:
+        rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (("all_gather of the weights (comm lane)", t["all_gather"]),
+                                                         ("reduce_scatter of the fp32 gradient", t["reduce_scatter"]))]
     rows += ["", f"predicted: {p['step_time_s']:.3g} s/step, {p['tokens_per_s']:,.0f} tokens/s, "
-                 f"{p['model_tflops']:.3g} model TFLOP/s = {p['mfu']:.0%} of the {hw[p['dtype'] + '_tflops']:g} peak "
+                 f"{p['model_tflops']:.3g} model TFLOP/s = {p['mfu']:.0%} of the "
+                 f"{(str(p['world']) + ' x ') if p['world'] > 1 else ''}{hw[p['dtype'] + '_tflops']:g} peak "
                  f"(6 N T per step: no recompute, no attention)",
              f"bottleneck: {p['bottleneck']} (share of the critical path: " + pct(p["critical_path"]) +
              "; busy: " + pct(p["utilization"]) + ")",
@@ -606,13 +667,19 @@ if __name__ == "__main__":
     ap.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the profile's)")
     ap.add_argument("--host-bw", type=float, default=None, help="host DRAM GB/s seen by AdamW")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs per node (sharded.py under torchrun)")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes, each with --gpus GPUs and --host-mem of RAM")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = ap.parse_args()
     kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches, mode=a.mode,
               dtype=a.dtype, grad_clip=a.grad_clip, host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw,
-              offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints])
+              offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints], gpus=a.gpus,
+              nodes=a.nodes)
     for hw_name in (list(HARDWARE) if a.hardware == "all" else [a.hardware]):
-        p = plan(model.PRESETS[a.config], hw_name, **kw)
+        try:
+            p = plan(model.PRESETS[a.config], hw_name, **kw)
+        except PlanError as e:
+            ap.exit(2, f"error: {e}\n")
         if a.json:
             print(plan_json(p))
         elif a.hardware == "all":

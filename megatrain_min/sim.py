@@ -42,10 +42,11 @@ from megatrain_min import cost
 from megatrain_min import plan as planner
 
 aten = torch.ops.aten
-LANES = ("h2d", "compute", "d2h", "default")      # CUDA streams (default: the legacy default stream)
+LANES = ("h2d", "compute", "d2h", "comm", "default")   # CUDA streams (default: the legacy default stream; comm:
+#                                                        the collectives of megatrain_min/sharded.py)
 THREADS = ("main", "worker")                       # host threads
 ROOT = Path(__file__).resolve().parent.parent
-OURS = {str(ROOT / f) for f in ("stream.py", "model.py", "optim.py")}   # source lines are reported from these
+OURS = {str(ROOT / f) for f in ("stream.py", "model.py", "optim.py", "megatrain_min/sharded.py")}   # source lines: ours
 @dataclasses.dataclass(eq=False)
 class Storage:
     """One storage while it lives: where it is, who made it, who touched it."""
@@ -146,6 +147,7 @@ class SimLanes:
     def __init__(self, rec, device_bytes=None):
         self.rec, self.device_bytes = rec, device_bytes
         self.h2d, self.comp, self.d2h = SimLane(rec, "h2d"), SimLane(rec, "compute"), SimLane(rec, "d2h")
+        self.comm = SimLane(rec, "comm")   # sharded.ShardedTrainer's collectives (stream.Trainer has none)
 
     def host_wait(self, event):
         if event is not None:
@@ -295,7 +297,10 @@ class Recorder(TorchDispatchMode):
 
     def note(self, func, args, kwargs, out, pinned):
         old_reads, old_writes, fresh = cost.accesses(func, args, kwargs, out)   # old: existed before the op
-        touched = [self.storage_of(t) for t in old_reads + old_writes]
+        # a storage first seen here was made outside the dispatcher; on the comm lane that is the collective
+        # backend's own buffer (gloo's reduce_scatter copies out of one), which lives where the collective runs
+        unseen = "device" if self.thread == "main" and self.lanes_on[-1:] == ["comm"] else "host"
+        touched = [self.storage_of(t, where=unseen) for t in old_reads + old_writes]
         device = any(st.where == "device" for st in touched)
         if self.thread != "main":
             actor = self.thread
@@ -357,6 +362,8 @@ def buffer_names(t):
             if buf is not None and buf.untyped_storage()._cdata not in names:
                 names[cd(buf)] = f"{what}[{t.units[u].name}]"
     names[cd(t.loss_host)] = "loss_host"
+    for what in ("wshard", "gshard"):          # sharded.ShardedTrainer: the shards H2D lands in / D2H reads
+        names.update({cd(b): f"{what}[{i}]" for i, b in enumerate(getattr(t, what, ()))})
     names.update({cd(buf): f"{key[0]} (pinned staging)" for key, buf in t.staging.items()})
     names.update({cd(r): f"ring[{i}]" for ring in t.ring.values() for i, r in enumerate(ring)})
     names.update({cd(c): f"rope[{T}]" for T, cs in t.rope.items() for c in cs})

@@ -42,3 +42,15 @@ def test_bench_smoke(tmp_path):
     if res["meta"]["device"] == "cpu":
         assert c["pinned"] == {"skipped": "no CUDA"} and c["peers"]["resident_no_ckpt"] == {"skipped": "no CUDA"}
         assert summary["gpu_mem_depth_spread"] is None and summary["model_tflops_7b_wide"] is None
+
+
+def test_multi_gpu_bench_smoke(tmp_path):
+    """bench/multi_gpu.py --smoke: the harness of gpu_run.sh's multi-GPU case, on the CPU with 2 gloo ranks. Its
+    exact case is issue 16's acceptance run: the losses of torchrun and of one process agree to 1e-5."""
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads((tmp_path / "multi_gpu.json").read_text())
+    exact, scaling = res["cases"]["exact"], res["cases"]["scaling"]
+    assert len(exact["losses_1"]) == len(exact["losses_n"]) == 8 and exact["worst_loss_rel"] <= 1e-5
+    assert scaling["tokens_per_s_1"] > 0 and scaling["tokens_per_s_n"] > 0 and res["meta"]["world"] == 2

@@ -158,7 +158,7 @@ BAD = {  # name: (how to spoil a checkpoint of CFG, words the one-line error mus
     "truncated": (_truncate, "truncated"),
     "flipped-byte": (_flip, "CRC-32"),
     "flipped-meta": (lambda p: _flip(p, "meta.json"), "meta.json"),
-    "other-format-version": (lambda p: _edit_meta(p, version=2), "format version 2"),
+    "other-format-version": (lambda p: _edit_meta(p, version=3), "format version 3"),
     "missing-file": (lambda p: os.remove(p / "head.bin"), "missing"),
     "not-a-checkpoint": (lambda p: os.remove(p / "meta.json"), "not a checkpoint"),
     "other-config": (None, "n_head=2 in the checkpoint, 4 in this run"),

@@ -308,3 +308,50 @@ def test_120b_clipped_names_grad_clip_0_as_the_way_out():
     assert "nearest setting that fits: --grad-clip 0" in P.format_plan(p)
     assert json.loads(P.plan_json(p))["fix"] == "--grad-clip 0"
     assert P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)["fits"]
+
+
+# ----------------------------------------------------------------------------- N GPUs and K nodes (sharded.py)
+def test_sharded_plan_divides_the_store_by_nodes_and_pcie_by_gpus():
+    """--gpus N --nodes K: each node holds 1/K of the per-parameter store (up to the padding of each unit to a
+    multiple of N ranks); each GPU's PCIe carries 1/(N K) of every unit; the collectives move (R-1)/R of the unit
+    over NVLink within a node and over InfiniBand (per GPU) across nodes; per-GPU compute is that of its share."""
+    cfg, kw = model.PRESETS["70b"], dict(seq_len=4096, grad_clip=0.0, mode="fast", host_mem_gb=2000, tile_tokens=0,
+                                         offload_checkpoints=True)
+    one = P.plan(cfg, "h100", batch_size=4, **kw)
+    node = P.plan(cfg, "h100", batch_size=32, gpus=8, **kw)
+    two = P.plan(cfg, "h100", batch_size=64, gpus=8, nodes=2, **kw)
+    store = lambda p: sum(v for k, v in p["host"].items() if k.startswith(("fp32 master", "Adam", "bf16")))  # noqa
+    assert store(one) <= store(node) <= store(one) + 8 * len(model.units(cfg)) * 14        # padding only
+    assert abs(store(two) - store(node) / 2) <= 16 * len(model.units(cfg)) * 14
+    lay = model.units(cfg)[1].numel                                                       # layer.0
+    for p, ranks, bw in ((node, 8, 360), (two, 16, 45)):
+        assert p["world"] == ranks and p["tokens_per_step"] == ranks * 4 * 4096
+        assert p["visit_s"]["load"] == pytest.approx(one["visit_s"]["load"] / ranks)
+        assert p["visit_s"]["grad"] == pytest.approx(one["visit_s"]["grad"] / ranks)
+        assert p["visit_s"]["all_gather"] == pytest.approx(lay * (ranks - 1) / ranks * 2 / (bw * P.GB))
+        assert p["visit_s"]["reduce_scatter"] == pytest.approx(lay * (ranks - 1) / ranks * 4 / (bw * P.GB))
+        assert p["visit_s"]["fwd"] == pytest.approx(one["visit_s"]["fwd"])                # 4 sequences per GPU
+        key = next(k for k in one["gpu"] if k.startswith("recompute"))
+        assert p["gpu"][key] == one["gpu"][key]
+        assert "embedding rows and dy of the whole step" in p["gpu"] and p["gpu_bytes"] > one["gpu_bytes"]
+        # compute-bound here: R GPUs nearly R times one's tokens/s, never more
+        speedup = p["tokens_per_s"] / one["tokens_per_s"]
+        print(f"{ranks} GPUs: {speedup:.2f}x one GPU's tokens/s; comm lane busy {p['utilization']['comm']:.0%}")
+        assert 0.9 * ranks <= speedup <= ranks * 1.001
+        assert p["bottleneck"] == "compute"
+
+
+def test_sharded_plan_with_a_slow_interconnect_is_bound_by_it():
+    """The collectives are in the schedule: over 1 GB/s between nodes, the comm lane is the bottleneck."""
+    hw = dict(P.HARDWARE["h100"], name="slow", ib_gbs=1)
+    p = P.plan(model.PRESETS["7b"], hw, batch_size=16, seq_len=4096, grad_clip=0.0, gpus=8, nodes=2)
+    fast = P.plan(model.PRESETS["7b"], "h100", batch_size=16, seq_len=4096, grad_clip=0.0, gpus=8, nodes=2)
+    assert p["bottleneck"] == "comm" and p["step_time_s"] > 5 * fast["step_time_s"]
+    assert "InfiniBand at 1 GB/s" in P.format_plan(p) and "host memory per node" in P.format_plan(p)
+
+
+def test_sharded_plan_refuses_a_batch_the_gpus_cannot_split():
+    with pytest.raises(P.PlanError, match="multiple of 16 GPUs x micro-batches 2"):
+        P.plan(model.PRESETS["7b"], "h100", batch_size=16, micro_batches=2, gpus=8, nodes=2)
+    with pytest.raises(P.PlanError, match="integers >= 1"):
+        P.plan(model.PRESETS["7b"], "h100", gpus=0)

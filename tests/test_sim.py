@@ -5,6 +5,8 @@
 - Seeded defects are reported, naming the right buffer: each of the engine's event waits deleted in turn (every
   one is needed: none is implied by another), the one record_stream (Lane.keep), a grad slot zeroed on the
   legacy default stream, the loss read before its event.
+- The sharded engine (megatrain_min/sharded.py, one gloo rank): clean, and each of its event waits deleted in turn
+  is reported -- the collectives on the comm lane are covered like the copies.
 - The CLI: `check --config toy --micro-batches 2` exits 0, lists the host syncs per step and counts the weight
   copies the schedule makes (every layer twice but the last, the head once).
 """
@@ -121,3 +123,52 @@ def test_cli_exit_code_and_bad_input():
     r = subprocess.run([sys.executable, "-m", "megatrain_min.sim", "check", "--config", "nope"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown preset" in r.stderr and "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- the sharded engine's comm lane
+SHARDED = (ROOT / "megatrain_min" / "sharded.py").read_text()
+SHARDED_CONFIGS = [dict(micro_batches=2, grad_clip=1.0), dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True),
+                   dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A gloo process group of one rank in this process: ShardedTrainer's collectives run (trivially) and the
+    checker sees them as ops of the comm lane (cost.COLLECTIVES: what each writes)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/init", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded_races(cls):
+    for kw in SHARDED_CONFIGS:
+        c = race.Checker()
+        sim.run(SPECIAL, [c], 2, trainer_cls=cls, batch=(4, 16), between=between, **kw)
+        if c.races:
+            return c.races
+    return []
+
+
+def test_sharded_engine_is_race_free_and_every_comm_wait_is_needed(one_rank):
+    """sharded.ShardedTrainer on checked lanes (one rank: the schedule and its events are those of N): clean in
+    three settings; each event wait of sharded.py deleted in turn is reported as a race. (Its Lane.keep calls are
+    not needed by this schedule: the host's wait at the end of a step orders the next allocation after them.)"""
+    from megatrain_min import sharded
+    assert sharded_races(sharded.ShardedTrainer) == []
+    waits = [line.strip() for line in SHARDED.splitlines()
+             if re.search(r"\.wait\(self|\.wait\(ready|\.wait\(summed|\.wait\(scattered|\.wait\(shard_ready|"
+                          r"host_wait\(", line) and "def " not in line]
+    assert len(waits) >= 12, waits
+    missed, lines = [], SHARDED.splitlines(keepends=True)
+    for k, line in enumerate(waits):
+        nth = waits[:k].count(line)
+        i = [i for i, text in enumerate(lines) if text.strip() == line][nth]
+        mut = lines[:i] + [re.match(r"\s*", lines[i]).group(0) + "pass  # deleted by the test\n"] + lines[i + 1:]
+        mod = types.ModuleType("sharded_mutant")
+        exec(compile("".join(mut), str(ROOT / "megatrain_min" / "sharded.py"), "exec"), mod.__dict__)
+        found = sharded_races(mod.ShardedTrainer)
+        print(f"{line[:50]:<50} -> {sorted({r['buffer'][:30] for r in found})[:3]}")
+        if not found:
+            missed.append(line)
+    assert not missed, f"deleting these waits went unnoticed: {missed}"
