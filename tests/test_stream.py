@@ -162,6 +162,19 @@ def test_gradient_store_only_when_updates_wait_for_the_global_norm(gen):
 NARROW = model.GPTConfig(vocab_size=256, n_layer=32, n_head=4, n_kv_head=2, d_model=64, d_ff=176, max_seq_len=64)
 
 
+def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
+    """Two steps of both trainers on the same random (B, T) batches; each step's loss within loss_tol (relative).
+    Returns (the worst loss rel diff, the update rel diff after the two steps)."""
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for step in range(2):
+        tok, tgt = random_batch(cfg, B, T, gen)
+        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
+        worst = max(worst, abs(a - b) / abs(b))
+        assert abs(a - b) / abs(b) <= loss_tol, f"step {step}: loss {a} vs {b}"
+    return worst, update_rel(w0, ours.weights(), ref.weights())
+
+
 @pytest.mark.parametrize("clip", [0.0, 1.0], ids=["noclip", "clip"])
 @pytest.mark.parametrize("M", [1, 2])
 def test_bf16_engine_equals_autocast_reference(M, clip):
@@ -171,14 +184,7 @@ def test_bf16_engine_equals_autocast_reference(M, clip):
     w0 = model.init_weights(NARROW, 0)
     ours = Trainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
     ref = ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
-    gen = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for step in range(2):
-        tok, tgt = random_batch(NARROW, 4, 32, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        worst = max(worst, abs(a - b) / abs(b))
-        assert abs(a - b) / abs(b) <= 1e-3, f"step {step}: loss {a} vs {b}"
-    rel = update_rel(w0, ours.weights(), ref.weights())
+    worst, rel = two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=1e-3)
     print(f"bf16 engine vs autocast reference: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
     assert rel <= 1e-2
 
@@ -278,14 +284,7 @@ def test_tiled_engine_equals_reference_at_2048_tokens():
     w0 = model.init_weights(LONG, seed=0)
     ours = Trainer(LONG, w0, device="cpu", micro_batches=2, offload_checkpoints=True, tile_tokens=700, **HP)
     ref = ReferenceTrainer(LONG, w0, micro_batches=2, **HP)
-    gen = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for step in range(2):
-        tok, tgt = random_batch(LONG, 2, 2048, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        worst = max(worst, abs(a - b) / abs(b))
-        assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
-    rel = update_rel(w0, ours.weights(), ref.weights())
+    worst, rel = two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=1e-5)
     print(f"tiled engine vs reference at T=2048: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
     assert rel <= 1e-3
     with pytest.raises(ValueError, match="tile_tokens"):
