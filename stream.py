@@ -81,11 +81,17 @@ def default_dtype(device_type):
     return torch.bfloat16 if device_type == "cuda" else torch.float32
 
 
-def worker_threads(procs=1):
-    """OpenMP threads of the optimizer thread: all cores but two, which stay with the main thread's host
-    work (issuing kernels, the embedding gather) -- else both start a full team and oversubscribe the CPU.
-    procs: engines sharing this host (the ranks of a sharded run on one node), each gets its share."""
-    return max(1, (os.cpu_count() or 1) // procs - 2)
+def cpu_threads(device_type, procs=1):
+    """(main, worker): the OpenMP threads of the thread that runs step() and of the optimizer thread. Their sum is
+    this process's share of the CPUs it may run on (its affinity mask -- taskset, a container, torchrun's
+    --numa-binding -- split among `procs` engines on this host: the ranks of a sharded run), never more: two teams
+    that each span every core oversubscribe them, and OpenMP's spinning barriers then slow both by 10x or more.
+    With CUDA the main thread keeps two (it issues kernels and gathers embedding rows), AdamW gets the rest; on
+    the CPU the main thread computes the model and the worker gets a quarter."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1, usable // procs)
+    worker = max(1, share - 2) if device_type == "cuda" else max(1, share // 4)
+    return max(1, share - worker), worker
 
 
 def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot, seq_len=None,
@@ -166,9 +172,11 @@ class Lanes:
         cuda = device.type == "cuda"
         self.device, self.pin = device, cuda
         self.h2d, self.comp, self.d2h = (Lane(device if cuda else None, sync) for _ in range(3))
-        # one optimizer thread; torch.set_num_threads there sizes its own OpenMP team (a per-thread setting)
+        # one optimizer thread; torch.set_num_threads sizes the calling thread's own OpenMP team (per thread)
+        self.threads = cpu_threads(device.type, procs)             # (main, worker)
+        torch.set_num_threads(self.threads[0])
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw",
-                                         initializer=torch.set_num_threads, initargs=(worker_threads(procs),))
+                                         initializer=torch.set_num_threads, initargs=(self.threads[1],))
 
     def host_wait(self, event):
         """Block the calling host thread until the device passed `event` (no-op on the CPU)."""

@@ -1,8 +1,11 @@
 """Make the repository root importable (model.py, stream.py, optim.py live there) and share helpers: random
 batches, tiny tokenizers, a fast runner of train.py (TrainCLI) and the "nothing lost" check (assert_refused)."""
+import atexit
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,14 +95,17 @@ def gen():
 # ----------------------------------------------------------------------------- train.py as a user runs it, fast
 # Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag. TrainCLI pays it
 # once: a helper process imports train.py's dependencies (and computes nothing, so forking it is safe: no
-# OpenMP team exists yet), then forks one fresh child per run. The child runs train.py as __main__ in its own
-# process -- own pid, cwd, stdout/stderr files, exit code, signals, file locks -- and ends the way the
-# interpreter ends a script: SystemExit's code, or the traceback of an uncaught exception and exit code 1.
+# OpenMP team exists yet), then forks one fresh child per run. The child runs train.py (or another script, or
+# `python -m module`) as __main__ in its own process -- own pid, cwd, stdout/stderr files, exit code, signals,
+# file locks -- and ends the way the interpreter ends a script: SystemExit's code, or the traceback of an
+# uncaught exception and exit code 1.
 ZYGOTE = r"""
 import json, os, resource, runpy, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
 import numpy, torch, tqdm, model, optim, stream  # noqa: the imports train.py would pay for on every run
 from megatrain_min import checkpoint, data, hf, plan, reference  # noqa
+import torch._dynamo, torch._subclasses.fake_tensor  # noqa: the planner's FakeTensorMode imports them (~1.7 s)
+import jinja2, safetensors, tokenizers  # noqa: fine-tuning data and exports
 for line in sys.stdin:
     req = json.loads(line)
     if "wait" in req:
@@ -123,8 +129,14 @@ for line in sys.stdin:
                 if libc.capset(hdr, caps):
                     raise OSError(ctypes.get_errno(), "capset")
             signal.alarm(req["timeout"])                  # a hung run is killed
-            sys.argv = [os.path.join(sys.argv[1], "train.py"), *req["argv"]]
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            os.environ.update(req["env"])
+            if req["module"]:                             # python -m module argv...
+                sys.argv = [req["module"], *req["argv"]]
+                runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [os.path.join(sys.argv[1], req["script"]), *req["argv"]]
+                sys.path[0] = os.path.dirname(sys.argv[0])   # as `python script.py` puts the script's folder first
+                runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1]
@@ -140,7 +152,9 @@ for line in sys.stdin:
 class TrainCLI:
     """cli(*args, cwd=...) -> subprocess.CompletedProcess of `python train.py *args`; cli.start(...) -> a Run
     with .pid, whose result cli.wait(run) gives (runs may overlap: the lock and signal tests).
-    fsize: RLIMIT_FSIZE in bytes; modes: file modes apply even to root (the tests run as root in containers)."""
+    script: another script of the repository (a lesson, a bench), or module: `python -m module *args`;
+    env: variables set in the child; fsize: RLIMIT_FSIZE in bytes; modes: file modes apply even to root (the
+    tests run as root in containers)."""
 
     def __init__(self, tmp):
         self.tmp, self.n = tmp, 0
@@ -152,17 +166,17 @@ class TrainCLI:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
-    def start(self, *args, cwd, fsize=None, modes=False, timeout=120):
+    def start(self, *args, cwd=ROOT, fsize=None, modes=False, timeout=300, script="train.py", module=None, env=None):
         self.n += 1
         out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
         argv = [str(a) for a in args]
         pid = self._ask(dict(argv=argv, cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize, modes=modes,
-                             timeout=timeout))["pid"]
-        return SimpleNamespace(pid=pid, argv=argv, out=out, err=err)
+                             timeout=timeout, script=str(script), module=module, env=env or {}))["pid"]
+        return SimpleNamespace(pid=pid, argv=[module or str(script), *argv], out=out, err=err)
 
     def wait(self, run):
         rc = self._ask({"wait": run.pid})["rc"]
-        return subprocess.CompletedProcess(["train.py", *run.argv], rc, run.out.read_text(), run.err.read_text())
+        return subprocess.CompletedProcess(run.argv, rc, run.out.read_text(), run.err.read_text())
 
     def __call__(self, *args, **kw):
         return self.wait(self.start(*args, **kw))
@@ -172,11 +186,26 @@ class TrainCLI:
         self.proc.wait(timeout=30)
 
 
+_RUNNER = []
+
+
+def runner():
+    """This test process's TrainCLI, started on first use and closed (its files removed) when the process exits."""
+    if not _RUNNER:
+        tmp = Path(tempfile.mkdtemp(prefix="traincli-"))
+        _RUNNER.append(TrainCLI(tmp))
+        atexit.register(lambda: (_RUNNER[0].close(), shutil.rmtree(tmp, ignore_errors=True)))
+    return _RUNNER[0]
+
+
+def train_py(*args, **kw):
+    """`python train.py *args` (or script= / module=, see TrainCLI.start) in a fresh process: CompletedProcess."""
+    return runner()(*args, **kw)
+
+
 @pytest.fixture(scope="session")
-def cli(tmp_path_factory):
-    runner = TrainCLI(tmp_path_factory.mktemp("cli"))
-    yield runner
-    runner.close()
+def cli():
+    return runner()
 
 
 def wait_for_training(out, timeout=120):

@@ -15,8 +15,6 @@ nothing is downloaded. Checked, token for token:
   generation prompt from the exported directory is a prefix of the training rendering.
 """
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import model
-from conftest import ROOT, make_bpe_tokenizer
+from conftest import ROOT, make_bpe_tokenizer, train_py
 from megatrain_min import chat, data
 from megatrain_min.hf import load_hf
 
@@ -562,8 +560,7 @@ def llama_dir(tmp_path_factory):
 
 
 def train(*args):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+    return train_py(*args)
 
 
 def test_train_on_native_rendering_and_export(llama_dir, tmp_path):

@@ -2,15 +2,13 @@
 its tokenizer.json -> python train.py --init-from DIR --data chat.jsonl --save-hf OUT -> OUT loads in
 transformers and gives our logits; --init-from also takes one of our checkpoints."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import model
-from conftest import ROOT, make_bpe_tokenizer
+from conftest import make_bpe_tokenizer, train_py
 from megatrain_min.hf import load_hf
 
 transformers = pytest.importorskip("transformers")
@@ -38,10 +36,9 @@ def test_init_from_hf_sft_and_export(llama_dir, tmp_path):
             {"prompt": "Yes or no?", "completion": " Yes."}] * 4
     chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "hf-out"
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(llama_dir), "--data", str(chat),
-                        "--save-hf", str(out), "--save-hf-dtype", "fp32", "--steps", "3", "--batch-size", "2",
-                        "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--lr", "1e-3",
-                        "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = train_py("--init-from", llama_dir, "--data", chat, "--save-hf", out, "--save-hf-dtype", "fp32", "--steps", 3,
+                 "--batch-size", 2, "--seq-len", 32, "--eval-every", 3, "--eval-batches", 1, "--lr", 1e-3,
+                 "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(l == l for l in losses)
@@ -59,11 +56,9 @@ def test_init_from_hf_sft_and_export(llama_dir, tmp_path):
 
     # --init-from one of our checkpoints: the same weights, a fresh optimizer
     ck = sorted((tmp_path / "run").glob("ckpt-*"))[-1]
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(ck), "--data", str(chat),
-                        "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1",
-                        "--save-hf", str(tmp_path / "again"), "--save-hf-dtype", "fp32", "--lr", "0",
-                        "--weight-decay", "0", "--out", str(tmp_path / "run2")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = train_py("--init-from", ck, "--data", chat, "--steps", 1, "--batch-size", 2, "--seq-len", 32,
+                 "--eval-batches", 1, "--save-hf", tmp_path / "again", "--save-hf-dtype", "fp32", "--lr", 0,
+                 "--weight-decay", 0, "--out", tmp_path / "run2")
     assert r.returncode == 0, r.stderr
     again = load_hf(tmp_path / "again")[1]
     assert all(torch.equal(again[k], w[k]) for k in w)  # lr 0: the checkpoint's weights came through unchanged
@@ -71,8 +66,7 @@ def test_init_from_hf_sft_and_export(llama_dir, tmp_path):
 
 def test_init_from_bad_directory_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(tmp_path / "empty")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = train_py("--init-from", tmp_path / "empty")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
 
 
@@ -86,9 +80,8 @@ def test_seq_len_above_the_sliding_window_is_refused(llama_dir, tmp_path):
     c.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16)
     (d / "config.json").write_text(json.dumps(c))
     np.save(tmp_path / "t.npy", np.arange(2000, dtype=np.uint16) % 100)
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--init-from", str(d), "--data", str(tmp_path / "t.npy"),
-                        "--seq-len", "32", "--steps", "1", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = train_py("--init-from", d, "--data", tmp_path / "t.npy", "--seq-len", 32, "--steps", 1,
+                 "--out", tmp_path / "run")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--seq-len 32: a sequence of 32 tokens is longer than this model's sliding window of 16" in r.stderr
     assert not (tmp_path / "run").exists()

@@ -4,13 +4,17 @@ torch.optim.AdamW) step for step, on the CPU in fp32.
 Tolerances (DESIGN.md section 2): per-step loss <= 1e-5 relative; weight updates <= 1e-3 relative by
 the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import model
 import stream
-from conftest import SPECIAL, losses_agree, random_batch, update_rel
+from conftest import ROOT, SPECIAL, losses_agree, random_batch, update_rel
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
 
@@ -263,13 +267,39 @@ def test_pinned_staging_is_made_once_per_shape():
     assert {k: v.data_ptr() for k, v in t.staging.items()} == first
 
 
-def test_optimizer_thread_has_its_own_thread_budget():
-    """The worker's OpenMP team is capped (cores - 2, at least 1); the main thread keeps its own."""
+def test_cpu_threads_split_the_usable_cpus(monkeypatch):
+    """The main thread's and the optimizer thread's OpenMP teams add up to this process's share of the CPUs in its
+    affinity mask (not os.cpu_count()): with CUDA the main thread keeps 2 and AdamW gets the rest, on the CPU the
+    worker gets a quarter; a Trainer sets both teams (the worker's on its own thread)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert stream.cpu_threads("cuda") == (2, 14) and stream.cpu_threads("cpu") == (12, 4)
+    assert stream.cpu_threads("cuda", procs=4) == (2, 2) and stream.cpu_threads("cuda", procs=8) == (1, 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert stream.cpu_threads("cuda") == stream.cpu_threads("cpu") == (1, 1)
+    monkeypatch.undo()
     before = torch.get_num_threads()
-    cfg = model.PRESETS["toy"]
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
-    assert t.lanes.submit(torch.get_num_threads).result() == stream.worker_threads()
-    assert torch.get_num_threads() == before
+    try:
+        cfg = model.PRESETS["toy"]
+        t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
+        main, worker = t.lanes.threads
+        assert (main, worker) == stream.cpu_threads("cpu") and main + worker == max(2, len(os.sched_getaffinity(0)))
+        assert t.lanes.submit(torch.get_num_threads).result() == worker and torch.get_num_threads() == main
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_cpu_threads_follow_taskset():
+    """Under `taskset -c 0` the process may run on one CPU whatever os.cpu_count() says: one thread each."""
+    code = ("import os, sys, torch; sys.path.insert(0, sys.argv[1]); import model, stream; "
+            "t = stream.Trainer(model.PRESETS['toy'], model.init_weights(model.PRESETS['toy'], 0), device='cpu'); "
+            "print(len(os.sched_getaffinity(0)), os.cpu_count(), *t.lanes.threads, torch.get_num_threads(), "
+            "t.lanes.submit(torch.get_num_threads).result())")
+    r = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    mask, cores, main, worker, main_now, worker_now = map(int, r.stdout.split())
+    assert mask == 1 and (main, worker, main_now, worker_now) == (1, 1, 1, 1), (r.stdout, cores)
 
 
 # ----------------------------------------------------------------------------- long context (issue 15)
