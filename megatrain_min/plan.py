@@ -613,7 +613,9 @@ def suggest(p):
     tries += [(f"--tile-tokens {n}", dict(tile_tokens=n)) for n in (TILE_TOKENS, 2048)
               if n < p["seq_len"] and (not p["tile_tokens"] or n < p["tile_tokens"])]
     B, M = p["batch_size"], p["micro_batches"]
-    tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in range(M + 1, B + 1) if B % m == 0][:4]
+    # the next divisors of B above M: the near ones and M's doublings (a bounded search, whatever B is)
+    near = {*range(M + 1, min(B, M + 64) + 1), *(M << k for k in range(1, 64) if M << k <= B)}
+    tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in sorted(near) if B % m == 0][:4]
     tries += [(f"--batch-size {b} --micro-batches {min(M, b)}", dict(batch_size=b, micro_batches=min(M, b)))
               for b in (B // 2, B // 4, B // 8, 1) if 0 < b < B and b % min(M, b) == 0]
     if p["dtype"] == "bf16" and p["residual_dtype"] == "fp32":  # last: it trades accuracy for memory

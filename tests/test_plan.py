@@ -62,7 +62,7 @@ def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     assert rounded["host_bytes_per_param"] > per_param          # torch's power-of-two pinned blocks
 
 
-def test_120b_lean_fits_h200_with_1536_gb_and_fast():
+def test_120b_lean_fits_h200_with_1536_gb():
     t0 = time.perf_counter()
     p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)
     dt = time.perf_counter() - t0
@@ -73,7 +73,6 @@ def test_120b_lean_fits_h200_with_1536_gb_and_fast():
     table = P.format_plan(p)
     assert "fp32 master" in table and "Adam m" in table and "FITS" in table
     P.check(p)                                                   # fits: no error
-    assert dt < 1.0
     # 8 x 4096 tokens: the fp32 residual checkpoints (122 GB) leave the GPU for the host, past 1.5 TB; the plan
     # names the nearest setting that fits, and a bf16 residual stream fits too
     big = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=8)
@@ -99,17 +98,23 @@ def test_70b_in_23_gb_refuses_in_one_line():
     assert "--config 70b" in msg and "TB of host RAM" in msg and "23 GB" in msg and "Try --config" in msg
 
 
-def test_plan_and_check_are_fast():
-    t0 = time.perf_counter()
+def test_check_plans_a_bounded_number_of_settings(monkeypatch):
+    """check() searches for the nearest setting that fits by re-planning a bounded list of candidates -- a few dozen
+    plans, each arithmetic on the config -- whatever the batch size (its divisors are not all tried)."""
+    calls = []
+    real = P.plan
+    monkeypatch.setattr(P, "plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for name in ("100b", "120b"):
         for hw in ("h200", "gh200"):
             for mode in ("fast", "lean"):
-                p = P.plan(model.PRESETS[name], hw, mode=mode, host_mem_gb=1536, grad_clip=True)
-                try:
-                    P.check(p)                                   # may re-plan a dozen times for a suggestion
-                except P.PlanError:
-                    pass
-    assert time.perf_counter() - t0 < 2.0
+                for batch in (8, 2**20 * 3 * 5 * 7):
+                    calls.clear()
+                    p = P.plan(model.PRESETS[name], hw, mode=mode, host_mem_gb=1536, grad_clip=True, batch_size=batch)
+                    try:
+                        P.check(p)
+                    except P.PlanError:
+                        pass
+                    assert len(calls) <= 60, (name, hw, mode, batch, len(calls))
 
 
 def test_gpu_too_small_suggests_a_setting_that_fits():

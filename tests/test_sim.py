@@ -11,15 +11,13 @@
   copies the schedule makes (every layer twice but the last, the head once).
 """
 import re
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 
 import model
-from conftest import ROOT, SPECIAL
+from conftest import ROOT, SPECIAL, train_py
 from megatrain_min import race, sim
 
 STREAM = (ROOT / "stream.py").read_text()
@@ -108,8 +106,7 @@ def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
 
 
 def test_cli_clean_run_lists_syncs_and_counts_copies():
-    r = subprocess.run([sys.executable, "-m", "megatrain_min.sim", "check", "--config", "toy", "--micro-batches", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = train_py("check", "--config", "toy", "--micro-batches", "2", module="megatrain_min.sim")
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "races: 0" in r.stdout and "host syncs on the main thread" in r.stdout
@@ -120,8 +117,7 @@ def test_cli_clean_run_lists_syncs_and_counts_copies():
 
 
 def test_cli_exit_code_and_bad_input():
-    r = subprocess.run([sys.executable, "-m", "megatrain_min.sim", "check", "--config", "nope"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = train_py("check", "--config", "nope", module="megatrain_min.sim")
     assert r.returncode == 2 and "unknown preset" in r.stderr and "Traceback" not in r.stderr
 
 

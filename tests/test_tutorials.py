@@ -1,14 +1,14 @@
 """Every lesson in tutorials/ runs as the reader would run it (`python tutorials/NN_name.py` from the
-repository root, a fresh process) and ends with its own check: exit code 0 and a last line starting "OK".
+repository root, a fresh process: conftest's runner forks it with torch already imported) and ends with its own check: exit code 0 and a last line starting "OK".
 Lesson 7 needs transformers (a dev dependency) and is skipped without it. Also: tutorials/README.md names
 every lesson and no lesson that does not exist."""
 import importlib.util
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import train_py
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
@@ -26,8 +26,7 @@ def test_lesson_runs_and_checks(path):
         pytest.skip(f"{path.name} needs {', '.join(missing)} (pip install -r requirements-dev.txt)")
     src = path.read_text()
     assert src.startswith("# %% [markdown]\n# # Lesson"), "a lesson opens with a markdown cell and its title"
-    r = subprocess.run([sys.executable, str(path.relative_to(ROOT))], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = train_py(cwd=ROOT, script=path.relative_to(ROOT))      # a fresh process, forked with torch imported
     tail = (r.stdout[-3000:] + "\n--- stderr ---\n" + r.stderr[-3000:])
     assert r.returncode == 0, f"{path.name} exited {r.returncode}\n{tail}"
     last = r.stdout.strip().splitlines()[-1]

@@ -10,15 +10,13 @@
 """
 import dataclasses
 import json
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 
 import model
-from conftest import ROOT
+from conftest import ROOT, train_py
 from megatrain_min import plan as planner
 from megatrain_min import sim, twin
 from megatrain_min.sim import SimEvent
@@ -137,9 +135,8 @@ def test_offload_ring_keeps_peak_memory_flat_in_depth():
 
 def test_cli_timeline_json_and_trace(tmp_path):
     trace = tmp_path / "t.json"
-    r = subprocess.run([sys.executable, "-m", "megatrain_min.sim", "timeline", "--config", "1b", "--n-layer", "2",
-                        "--hardware", "h100", "--batch-size", "2", "--seq-len", "1024", "--json", "--trace", str(trace)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = train_py("timeline", "--config", "1b", "--n-layer", "2", "--hardware", "h100", "--batch-size", "2",
+                 "--seq-len", "1024", "--json", "--trace", trace, module="megatrain_min.sim")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for k in ("step_time_s", "tokens_per_s", "model_tflops", "overlap", "bottleneck", "peak_gpu_bytes",
