@@ -27,7 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXACT = ["--config", "toy", "--n-kv-head", "2", "--batch-size", "8", "--seq-len", "64", "--micro-batches", "2",
-         "--grad-clip", "1.0", "--steps", "8", "--sample-tokens", "0"]
+         "--grad-clip", "1.0", "--steps", "8", "--save-every", "4", "--sample-tokens", "0"]
 
 
 def run(out, flags, world):

@@ -208,6 +208,17 @@ def cli():
     return runner()
 
 
+@pytest.fixture(scope="session")
+def multi_gpu_smoke(tmp_path_factory):
+    """bench/multi_gpu.py --smoke, run once: its directory. Its exact case's runs -- python train.py and torchrun
+    with 2 gloo ranks, the same flags, checkpoints every 4 steps -- are read by tests/test_bench.py (the harness)
+    and tests/test_sharded.py (train.py under torchrun); nothing writes into them."""
+    out = tmp_path_factory.mktemp("multi_gpu")
+    r = train_py("--smoke", "--out", out, script="bench/multi_gpu.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
 def wait_for_training(out, timeout=120):
     """Block until the run writing to `out` has logged its first step."""
     deadline = time.time() + timeout

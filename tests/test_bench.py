@@ -2,10 +2,8 @@
 run on this machine (CUDA-only ones record "skipped: no CUDA"), and the three output files with their fields.
 This checks the harness, not the speed: the numbers only have to exist and be positive."""
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import train_py
 
 SUMMARY_KEYS = {"device", "overlap", "vs_resident", "vs_fsdp2_offload", "model_tflops_7b_wide", "gpu_mem_depth_spread"}
 
@@ -18,8 +16,7 @@ def positive_where_measured(r):
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--profile", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = train_py("--smoke", "--profile", "--out", out, script="bench/gpu.py")
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((out / "results.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
@@ -44,13 +41,10 @@ def test_bench_smoke(tmp_path):
         assert summary["gpu_mem_depth_spread"] is None and summary["model_tflops_7b_wide"] is None
 
 
-def test_multi_gpu_bench_smoke(tmp_path):
+def test_multi_gpu_bench_smoke(multi_gpu_smoke):
     """bench/multi_gpu.py --smoke: the harness of gpu_run.sh's multi-GPU case, on the CPU with 2 gloo ranks. Its
-    exact case is issue 16's acceptance run: the losses of torchrun and of one process agree to 1e-5."""
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu.py"), "--smoke", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    res = json.loads((tmp_path / "multi_gpu.json").read_text())
+    exact case: the losses of torchrun and of one process agree to 1e-5."""
+    res = json.loads((multi_gpu_smoke / "multi_gpu.json").read_text())
     exact, scaling = res["cases"]["exact"], res["cases"]["scaling"]
     assert len(exact["losses_1"]) == len(exact["losses_n"]) == 8 and exact["worst_loss_rel"] <= 1e-5
     assert scaling["tokens_per_s_1"] > 0 and scaling["tokens_per_s_n"] > 0 and res["meta"]["world"] == 2

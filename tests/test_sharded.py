@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import model
-from conftest import ROOT, SPECIAL, random_batch
+from conftest import ROOT, SPECIAL, random_batch, train_py
 from megatrain_min import checkpoint, sharded
 from stream import Trainer
 
@@ -184,13 +184,15 @@ FLAGS = ["--config", "toy", "--n-kv-head", "2", "--batch-size", "8", "--seq-len"
 
 
 def _run(tmp, out, *extra, world=1, check=True, env=None):
-    """python train.py, or torchrun --standalone with `world` CPU ranks; returns the CompletedProcess. One OpenMP
-    thread per process, as torchrun sets it (on a busy 2-core machine a team of 2 spins: 30 s instead of 7)."""
-    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                 "--nproc-per-node", str(world)]
-    r = subprocess.run([*launch, str(ROOT / "train.py"), *FLAGS, "--out", str(tmp / out), *extra], cwd=tmp,
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    """python train.py (forked by conftest's runner), or torchrun --standalone with `world` CPU ranks; returns the
+    CompletedProcess. One OpenMP thread per process, as torchrun sets it."""
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    if world == 1:
+        r = train_py(*FLAGS, "--out", tmp / out, *extra, cwd=tmp, env=env)
+    else:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(world), str(ROOT / "train.py"), *FLAGS, "--out", str(tmp / out), *extra], cwd=tmp,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert r.returncode == 0 or not check, r.stderr[-3000:]
     return r
 
@@ -203,15 +205,20 @@ def _close(a, b):
     return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
 
 
-def test_train_py_under_torchrun_writes_the_losses_of_one_process(tmp_path):
-    """Issue 16's acceptance: torchrun --nproc-per-node 2 train.py ... on the CPU writes the per-step losses of
-    python train.py with the same flags (<= 1e-5 relative) to one metrics.jsonl; only rank 0 prints. Checkpoints
-    made by train.py resume at the same world size bit for bit, and at another (2 -> 1) to 1e-5."""
-    one, two = _run(tmp_path, "one"), _run(tmp_path, "two", world=2)
+def test_train_py_under_torchrun_writes_the_losses_of_one_process(tmp_path, multi_gpu_smoke):
+    """torchrun --nproc-per-node 2 train.py ... on the CPU writes the per-step losses of python train.py with the
+    same flags (<= 1e-5 relative) to one metrics.jsonl; only rank 0 prints. Checkpoints made by train.py resume
+    at the same world size bit for bit, and at another (2 -> 1) to 1e-5. The two runs are bench/multi_gpu.py's
+    exact case (the multi_gpu_smoke fixture): FLAGS with --device cpu --dtype fp32, the defaults here."""
+    for n in (1, 2):                                          # the bench ran train.py with exactly these flags
+        assert " ".join(FLAGS) in (multi_gpu_smoke / f"exact-{n}.log").read_text().splitlines()[0]
+    for name in ("one", "two"):
+        shutil.copytree(multi_gpu_smoke / f"exact-{1 if name == 'one' else 2}", tmp_path / name)
+    stdout = {name: (multi_gpu_smoke / f"exact-{n}.log").read_text() for name, n in (("one", 1), ("two", 2))}
     l1, l2 = _losses(tmp_path / "one" / "metrics.jsonl"), _losses(tmp_path / "two" / "metrics.jsonl")
     print(f"torchrun 2 ranks vs one process: worst loss rel {_close(l2, l1):.1e}")
     assert sorted(l2) == list(range(1, 9)) and _close(l2, l1) <= 1e-5
-    assert two.stdout.count("done: 8 steps") == 1 and one.stdout.count("done: 8 steps") == 1
+    assert stdout["two"].count("done: 8 steps") == 1 and stdout["one"].count("done: 8 steps") == 1
     assert not list((tmp_path / "two").glob("**/*.tmp*")) and json.loads(
         (tmp_path / "two" / "config.json").read_text())["world_size"] == 2
     for src, out, world in (("two", "2to2", 2), ("two", "2to1", 1)):   # 1 -> 2: the checkpoint test above
