@@ -3,7 +3,11 @@ run on this machine (CUDA-only ones record "skipped: no CUDA"), and the three ou
 This checks the harness, not the speed: the numbers only have to exist and be positive."""
 import json
 
+import pytest
+
 from conftest import train_py
+
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
 SUMMARY_KEYS = {"device", "overlap", "vs_resident", "vs_fsdp2_offload", "model_tflops_7b_wide", "gpu_mem_depth_spread"}
 

@@ -26,6 +26,8 @@ from conftest import ROOT, make_bpe_tokenizer, train_py
 from megatrain_min import chat, data
 from megatrain_min.hf import load_hf
 
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
+
 transformers = pytest.importorskip("transformers")
 
 # ----------------------------------------------------------------------------- the published templates

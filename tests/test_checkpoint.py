@@ -228,6 +228,7 @@ for k in range(1, 10_000):
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_previous_checkpoint_whole(tmp_path):
     out = tmp_path / "out"
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(ROOT)), str(out)],

@@ -11,6 +11,8 @@ import model
 from conftest import make_bpe_tokenizer, train_py
 from megatrain_min.hf import load_hf
 
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
+
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 EOS = "<|endoftext|>"

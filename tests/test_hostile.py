@@ -1,5 +1,5 @@
-"""A catalogue of careless and hostile inputs (issue 13's own list, beyond the cases the issue names): flags,
-data files, --init-from / --resume directories, output paths, and the Python API.
+"""A catalogue of careless and hostile inputs: flags, data files, --init-from / --resume directories, output paths,
+and the Python API.
 
 Every case has one verdict: clean (the documented outcome: for a refusal, the exit code, one line on stderr, no
 traceback; through the API a ValueError/TypeError whose one-line message names the argument), traceback (or a
@@ -24,6 +24,8 @@ from conftest import ROOT, files_under, lost, make_bpe_tokenizer
 from megatrain_min import checkpoint, hf
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
+
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
 TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0", "--eval-batches", "1"]
 CFG = model.PRESETS["toy"]

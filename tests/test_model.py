@@ -153,7 +153,7 @@ def test_llama3_rope_bands():
     assert inv[1] / 8 < out[1] < inv[1]
 
 
-# ----------------------------------------------------------------------------- sequence tiling (issue 15)
+# ----------------------------------------------------------------------------- sequence tiling
 def tiled_vs_untiled(cfg, dtype, tiles, B=2, T=48, seed=0):
     """block and block_grad of one layer with tile_tokens 0 (the oracle: one autograd graph) and each of tiles,
     on the same input, weights and output gradient. Returns {tile: (out, dx, {name: fp32 weight grad})}."""

@@ -1,4 +1,4 @@
-"""Issue 13, "Nothing lost": each class of the issue's findings, as a user meets it.
+"""Nothing lost: every way a run writes, stops or refuses, as a user meets it.
 
 The house rule: bad input gets one line on stderr and exit code 2, never a traceback, and every file that existed
 before is still there byte for byte; a run that fails later exits with a documented code (README: Troubleshooting):
@@ -25,6 +25,8 @@ from megatrain_min import checkpoint, hf
 from megatrain_min.checkpoint import CheckpointError, NonFiniteError, SaveError
 from megatrain_min.reference import ReferenceTrainer
 from stream import Trainer
+
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
 TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0", "--eval-batches", "1"]
 LONG = ["--steps", "100000", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0", "--eval-every", "100000"]
@@ -83,7 +85,8 @@ def nan_into(ck, unit="layer.1", element=5):
 
 # ============================================================================= data loss (fix first)
 def test_save_hf_replaces_only_its_own_export(cli, tmp_path, finished):
-    """#1: --save-hf deleted any directory holding a config.json, the run's own --out included, and exited 0."""
+    """--save-hf replaces only an earlier export of save_hf's: never --out itself, never a directory of the user's
+    that merely holds a config.json."""
     r = cli(*TINY, "--save-every", "1", "--out", tmp_path / "a", "--save-hf", tmp_path / "a", cwd=tmp_path)
     assert_refused(r, {}, words=["--save-hf"])
     assert not (tmp_path / "a").exists()                          # refused before anything was written
@@ -111,15 +114,15 @@ def test_save_hf_replaces_only_its_own_export(cli, tmp_path, finished):
 
 @pytest.mark.parametrize("keep", ["-1", "0"])
 def test_keep_below_one_is_refused(cli, tmp_path, keep):
-    """#2: --keep -1 deleted every checkpoint."""
+    """--keep below 1 is refused (it would delete every checkpoint)."""
     r = cli(*TINY, "--keep", keep, "--out", tmp_path / "o", cwd=tmp_path)
     assert_refused(r, {}, words=["--keep"])
     assert not (tmp_path / "o").exists()
 
 
 def test_new_run_into_a_used_out_is_refused(cli, tmp_path, finished):
-    """#2: a new run into another run's --out deleted its own new checkpoint, reported the old run's, truncated
-    metrics.jsonl. Refused: the two ways on are --resume and a fresh --out."""
+    """A new run into another run's --out is refused before it writes: the two ways on are --resume and a fresh
+    --out."""
     run = copy_run(finished, tmp_path)
     before = files_under(tmp_path)
     r = cli(*TINY, "--save-every", "1", "--steps", "12", "--out", run, cwd=tmp_path)
@@ -127,7 +130,7 @@ def test_new_run_into_a_used_out_is_refused(cli, tmp_path, finished):
 
 
 def test_pruning_touches_only_the_same_runs_checkpoints(tmp_path):
-    """#2, #3: keep=K deletes only this run's older checkpoints (meta["run"]); another run's stay, a step saved
+    """keep=K deletes only this run's older checkpoints (meta["run"]); another run's stay, a step saved
     again replaces only its own run's checkpoint, and the temporary directory of a live process is left alone."""
     t = Trainer(CFG, model.init_weights(CFG), device="cpu")
     for step in (1, 2):
@@ -149,8 +152,8 @@ def test_pruning_touches_only_the_same_runs_checkpoints(tmp_path):
 
 
 def test_one_run_per_out_and_sigkill_leaves_no_stale_lock(cli, tmp_path):
-    """#3: two runs on one --out broke each other. A second run is refused within seconds, naming the PID that
-    holds the lock, and writes nothing; after a SIGKILL of the first, a run takes the lock again (--resume)."""
+    """One run per --out: a second run is refused within seconds, naming the PID that holds the lock, and writes
+    nothing; after a SIGKILL of the first, a run takes the lock again (--resume)."""
     out = tmp_path / "o"
     first = cli.start(*LONG, "--save-every", "1", "--out", out, cwd=tmp_path)
     wait_for_training(out)
@@ -169,8 +172,8 @@ def test_one_run_per_out_and_sigkill_leaves_no_stale_lock(cli, tmp_path):
 
 
 def test_outputs_are_checked_writable_before_training(cli, tmp_path, finished):
-    """#4: an unwritable --out or a bad --save-hf target was found only after training (with --resume on a
-    read-only --out, the steps trained were lost to a PermissionError). Now refused before the first step."""
+    """An unwritable --out or a bad --save-hf target is refused before the first step (not after the training,
+    whose steps would be lost)."""
     (tmp_path / "file").write_text("a file\n")
     run = copy_run(finished, tmp_path)
     (tmp_path / "ro").mkdir()
@@ -191,7 +194,7 @@ def test_outputs_are_checked_writable_before_training(cli, tmp_path, finished):
 
 
 def test_write_error_during_a_save_exits_4_with_the_previous_checkpoint_whole(cli, tmp_path, finished):
-    """#4: a write error during a save (here EFBIG: `ulimit -f` of 100 kB, a unit file is bigger) ends with one
+    """A write error during a save (here EFBIG: `ulimit -f` of 100 kB, a unit file is bigger) ends with one
     line and exit code 4; the previous checkpoint is intact and the temporary directory removed."""
     run = copy_run(finished, tmp_path)
     ckpts = files_under(*(p for _, p in checkpoint.checkpoints(run)))
@@ -201,7 +204,7 @@ def test_write_error_during_a_save_exits_4_with_the_previous_checkpoint_whole(cl
 
 
 def test_save_error_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """#4 through the API: a failing fsync (ENOSPC, as on a full disk) raises SaveError (an OSError), removes
+    """Through the API: a failing fsync (ENOSPC, as on a full disk) raises SaveError (an OSError), removes
     the temporary directory and leaves the earlier checkpoint as it was."""
     import errno
     t = Trainer(CFG, model.init_weights(CFG), device="cpu")
@@ -218,9 +221,9 @@ def test_save_error_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_metrics_are_rewritten_atomically_on_resume(cli, tmp_path, finished):
-    """#5: a SIGKILL shortly after --resume started emptied metrics.jsonl. Now it is cut to the checkpoint's step
-    by writing a new file and renaming it over the old one: at no moment does it lack the records up to the
-    checkpoint (a line torn by an earlier kill is dropped), and each step appends one flushed line."""
+    """--resume cuts metrics.jsonl to the checkpoint's step by writing a new file and renaming it over the old
+    one: whenever a SIGKILL comes, it holds the records up to the checkpoint (a line torn by an earlier kill is
+    dropped), and each step appends one flushed line."""
     run = copy_run(finished, tmp_path)
     shutil.rmtree(run / "ckpt-00000002")                      # resume at step 1: record 2 goes, record 1 stays
     kept = (run / "metrics.jsonl").read_text().splitlines()[0] + "\n"
@@ -241,15 +244,16 @@ def test_metrics_are_rewritten_atomically_on_resume(cli, tmp_path, finished):
 @pytest.mark.parametrize("args", [["--lr", "nan"], ["--lr", "inf"], ["--lr", "-0.003"], ["--weight-decay", "inf"],
                                   ["--grad-clip", "nan"]], ids=lambda a: " ".join(a))
 def test_nonfinite_or_negative_hyper_parameters_are_refused(cli, tmp_path, args):
-    """#6: --lr nan turned layer.0 NaN at step 1 and saved it as good; a negative --lr did gradient ascent."""
+    """A non-finite hyper-parameter (which would make the weights NaN at step 1) or a negative one (a negative lr
+    is gradient ascent) is refused, naming the flag."""
     r = cli(*TINY, *args, "--out", tmp_path / "o", cwd=tmp_path)
     assert_refused(r, {}, words=[args[0]])
     assert not (tmp_path / "o").exists()
 
 
 def test_nonfinite_gradient_skips_that_units_update():
-    """#6: the guard looked only at the loss (and, deferred, the norm). Without deferral a unit whose gradient holds
-    a NaN now keeps its weights, m, v and step count, while the other units update; skipped_units says which."""
+    """The guard looks at every unit's gradient, not only the loss: without deferral a unit whose gradient holds a
+    NaN keeps its weights, m, v and step count while the other units update; skipped_units says which."""
     t = Trainer(CFG, model.init_weights(CFG), device="cpu", skip_nonfinite=True, lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2)]
@@ -278,7 +282,7 @@ def test_nonfinite_gradient_skips_that_units_update():
 
 
 def test_nonfinite_master_weights_are_never_saved_nor_loaded(tmp_path):
-    """#6: a checkpoint whose master weights hold a NaN is never written (checked chunk by chunk on the way:
+    """A checkpoint whose master weights hold a NaN is never written (checked chunk by chunk on the way:
     NonFiniteError, no temporary directory left) and never loaded (CheckpointError naming the tensor)."""
     t = Trainer(CFG, model.init_weights(CFG), device="cpu")
     good = checkpoint.save(t, tmp_path, 1)
@@ -310,7 +314,7 @@ def test_save_hf_refuses_nonfinite_weights(tmp_path):
 
 
 # ============================================================================= tracebacks and silent wrong behaviour
-FLAGS = {  # the issue's flag cases: argv, a word the one line must hold
+FLAGS = {  # flag cases: argv, a word the one line must hold
     "eval-every-0": (["--eval-every", "0"], "--eval-every"),
     "device-tpu": (["--device", "tpu"], "tpu"),
     "device-cuda-without-cuda": (["--device", "cuda"], "CUDA"),
@@ -386,7 +390,7 @@ def _nan_safetensors(d):
     save_file(w, d / "model.safetensors", metadata={"format": "pt"})
 
 
-INIT_FROM = {  # the issue's --init-from cases: how to spoil a copy of the HF directory, a word of the one line
+INIT_FROM = {  # --init-from cases: how to spoil a copy of the HF directory, a word of the one line
     "config-is-a-list": (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json"),
     "zero-heads": (lambda d: _edit_config(d, num_attention_heads=0), "n_head"),
     "vocab-size-string": (lambda d: _edit_config(d, vocab_size="300"), "vocab_size"),
@@ -452,7 +456,7 @@ def _batch(T=16, top=256):
 
 ENGINES = {"stream": lambda w=None, **kw: Trainer(CFG, w if w is not None else _w(), device=kw.pop("device", "cpu"), **kw),
            "reference": lambda w=None, **kw: ReferenceTrainer(CFG, w if w is not None else _w(), **kw)}
-API = {  # the issue's API cases: call(engine), exception, words of the one-line message
+API = {  # API cases: call(engine), exception, words of the one-line message
     "init-weights-of-a-name": (lambda e: model.init_weights("toy"), TypeError, ["cfg", "GPTConfig"]),
     "missing-weight": (lambda e: ENGINES[e](_w(norm=None)), ValueError, [model.NORM]),
     "transposed-weight": (lambda e: ENGINES[e](_w(gate=lambda t: t.T)), ValueError, ["gate_proj", "transposed"]),

@@ -80,7 +80,7 @@ def test_120b_lean_fits_h200_with_1536_gb():
     assert "nearest setting that fits: --batch-size 4" in P.format_plan(big)
     assert P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=8,
                   residual_dtype="bf16")["fits"]
-    # with global-norm clipping every fp32 gradient is kept too: 16 B/param, no longer 1.5 TB
+    # with global-norm clipping every fp32 gradient is kept too: 16 B/param, more than 1.5 TB
     clipped = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4, grad_clip=1.0)
     assert not clipped["fits"] and clipped["host_bytes_per_param"] == 16
     with pytest.raises(P.PlanError, match="--grad-clip 0"):
@@ -231,7 +231,7 @@ def test_cpu_run_and_json():
         P.plan(model.PRESETS["toy"], "tpu")
 
 
-# ----------------------------------------------------------------------------- long context (issue 15)
+# ----------------------------------------------------------------------------- long context
 LONG7B = dataclasses.replace(model.PRESETS["7b"], max_seq_len=524288)
 
 
@@ -305,7 +305,7 @@ def test_mfu_only_against_a_known_peak():
 
 
 def test_120b_clipped_names_grad_clip_0_as_the_way_out():
-    """Issue 14 #13: clipping keeps an fp32 gradient store (+4 B/param) that overflows 1.5 TB; the verdict names
+    """Clipping keeps an fp32 gradient store (+4 B/param) that overflows 1.5 TB; the verdict names
     the nearest setting that fits, --grad-clip 0 (1.46 TB), in the table and in --json's "fix"."""
     p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4, grad_clip=1.0)
     assert not p["fits_host"] and p["fits_gpu"]

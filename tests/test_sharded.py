@@ -1,6 +1,6 @@
 """megatrain_min/sharded.py: N ranks (gloo, local processes) train exactly what one process trains on the same global
 batches. Reference: stream.Trainer in one process, itself held to plain PyTorch by tests/test_stream.py.
-Tolerances (issue 16): per-step loss <= 1e-6 relative, weights after 5 steps <= 1e-5 relative (||w_N - w_1|| / ||w_1||).
+Tolerances: per-step loss <= 1e-6 relative, weights after 5 steps <= 1e-5 relative (||w_N - w_1|| / ||w_1||).
 The one process runs N x M micro-batches, the ranks' micro-batch size: both then compute the same matmuls and only
 the order of the fp32 sums of the gradients (gloo's reduce_scatter against the accumulation in one grad slot) differs.
 One spawn per world size runs every case (a spawn costs seconds of imports on 2 cores)."""
@@ -18,6 +18,8 @@ import model
 from conftest import ROOT, SPECIAL, random_batch, train_py
 from megatrain_min import checkpoint, sharded
 from stream import Trainer
+
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
 UNTIED = model.GPTConfig(vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=32)
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

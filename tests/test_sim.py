@@ -39,7 +39,8 @@ COVER = [(0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 1, 1), (0, 0, 1, 1, 1, 0), (1, 1, 0, 0
          (1, 0, 1, 0, 0, 0), (0, 0, 0, 0, 1, 1), (0, 1, 0, 1, 0, 0)]
 
 
-@pytest.mark.parametrize("row", COVER, ids=lambda r: "".join(map(str, r)))
+@pytest.mark.parametrize("row", [pytest.param(r, marks=[pytest.mark.slow] if k else [], id="".join(map(str, r)))
+                                 for k, r in enumerate(COVER)])   # the first row in the fast tier
 def test_engine_is_race_free(row):
     cfg, M, clip, offload, lean, guard = row
     lean_kw = dict(mode="lean", dtype=torch.bfloat16) if lean else {}   # lean streams fp32, casts on the device
@@ -77,6 +78,7 @@ WAITS = [line.strip() for line in STREAM.splitlines()
          if re.search(r"\.wait\(self|\.wait\(ready|host_wait\(", line) and "def " not in line]
 
 
+@pytest.mark.slow
 def test_every_event_wait_is_needed_and_caught():
     """Delete each event wait of stream.py in turn: the checker must report a race (exit 1) naming a buffer."""
     assert len(WAITS) >= 12, WAITS
@@ -89,6 +91,7 @@ def test_every_event_wait_is_needed_and_caught():
     assert not missed, f"deleting these waits went unnoticed: {missed}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("old,nth,new,buffer,what", [
     ("self.h2d.wait(self.slot_free[slot])", 0, None, "wslot", "write on h2d"),   # refill a slot still in use
     ("self.comp.wait(self.slot_loaded[s])", 0, None, "wslot", "read on compute"),  # compute on half-copied weights
@@ -105,6 +108,7 @@ def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
     assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
 
 
+@pytest.mark.slow
 def test_cli_clean_run_lists_syncs_and_counts_copies():
     r = train_py("check", "--config", "toy", "--micro-batches", "2", module="megatrain_min.sim")
     print(r.stdout[-3000:])
@@ -116,6 +120,7 @@ def test_cli_clean_run_lists_syncs_and_counts_copies():
     assert "main   1 x host_wait(event) at stream.py" in r.stdout   # the step's one host sync: its loss
 
 
+@pytest.mark.slow
 def test_cli_exit_code_and_bad_input():
     r = train_py("check", "--config", "nope", module="megatrain_min.sim")
     assert r.returncode == 2 and "unknown preset" in r.stderr and "Traceback" not in r.stderr
@@ -146,6 +151,7 @@ def sharded_races(cls):
     return []
 
 
+@pytest.mark.slow
 def test_sharded_engine_is_race_free_and_every_comm_wait_is_needed(one_rank):
     """sharded.ShardedTrainer on checked lanes (one rank: the schedule and its events are those of N): clean in
     three settings; each event wait of sharded.py deleted in turn is reported as a race. (Its Lane.keep calls are

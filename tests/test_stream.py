@@ -213,7 +213,7 @@ def test_bf16_residual_option_is_explicit_and_drifts_further():
         Trainer(NARROW, w0, device="cpu", dtype=torch.float32, residual_dtype=torch.bfloat16)
 
 
-# ----------------------------------------------------------------------------- hardening (issue 11)
+# ----------------------------------------------------------------------------- failures, threads, buffers
 @pytest.mark.parametrize("clip", [0.0, 1.0], ids=["noclip", "clip"])
 def test_optimizer_thread_failure_is_raised_not_hung(clip, monkeypatch):
     """A failing optimizer update must surface in the main thread (from Trainer.step, within seconds), never
@@ -288,6 +288,7 @@ def test_cpu_threads_split_the_usable_cpus(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
 def test_cpu_threads_follow_taskset():
     """Under `taskset -c 0` the process may run on one CPU whatever os.cpu_count() says: one thread each."""
@@ -302,7 +303,7 @@ def test_cpu_threads_follow_taskset():
     assert mask == 1 and (main, worker, main_now, worker_now) == (1, 1, 1, 1), (r.stdout, cores)
 
 
-# ----------------------------------------------------------------------------- long context (issue 15)
+# ----------------------------------------------------------------------------- long context
 LONG = model.GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=176, max_seq_len=2048,
                        qk_norm=True)
 

@@ -14,6 +14,8 @@ from conftest import ROOT, runner, train_py, wait_for_training
 from megatrain_min import checkpoint
 from megatrain_min import plan as planner
 
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
+
 FAST = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1",
         "--sample-tokens", "0"]
 
@@ -186,7 +188,7 @@ def test_profile_trace_holds_the_optimizer_thread(tmp_path):
 
 
 def test_long_context_tiled_equals_untiled(tmp_path):
-    """Issue 15: --seq-len past the preset's max with --max-seq-len; --tile-tokens 1000 (8192 is no multiple) gives
+    """--seq-len past the preset's max with --max-seq-len; --tile-tokens 1000 (8192 is no multiple) gives
     the losses of --tile-tokens 0 (<= 1e-5): the step's loss and the validation loss after its update. One step of
     a narrowed toy (2 layers, d 64: attention at 8192 tokens is most of the time; the full toy takes ~30 s of CPU
     per run, and gives equal losses too, bench/NOTES.md)."""
@@ -205,7 +207,7 @@ def test_long_context_tiled_equals_untiled(tmp_path):
 
 
 def test_plan_7b_at_512k_on_a_gh200_fits():
-    """Issue 15's acceptance command, as typed (planning takes any --seq-len; training past 4096 needs --max-seq-len)."""
+    """7b at 512k tokens on a GH200 with 480 GB, as typed (planning takes any --seq-len; training past 4096 needs --max-seq-len)."""
     r = run("--config", "7b", "--plan", "--hardware", "gh200", "--host-mem", "480", "--seq-len", "524288",
             "--batch-size", "1")
     assert r.returncode == 0, r.stderr
@@ -266,9 +268,9 @@ finally:
 
 
 def test_sample_context_is_cropped_to_the_trained_seq_len(tmp_path):
-    """#12: the end-of-run sample cropped its context to max_seq_len (256), beyond the --seq-len the model trained
-    at (RoPE positions it never saw): the text degenerated after ~128 characters. Every context that
-    model.forward receives while sampling is now at most --seq-len tokens, and the sample reaches it."""
+    """The end-of-run sample crops its context to the --seq-len the model trained at (RoPE positions past it were
+    never seen, and the text degenerates there), not to max_seq_len: every context that model.forward receives
+    while sampling is at most --seq-len tokens, and the sample reaches it."""
     seq_len, n = 16, 40
     (tmp_path / "sample_context.py").write_text(SAMPLE_CONTEXT)
     r = run(ROOT, "--steps", "1", "--batch-size", "2", "--seq-len", seq_len, "--eval-every", "1", "--eval-batches", "1",

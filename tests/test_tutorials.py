@@ -10,6 +10,8 @@ import pytest
 
 from conftest import train_py
 
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 NEEDS = {"07_finetune_real_checkpoint.py": ("transformers", "tokenizers")}

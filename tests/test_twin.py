@@ -21,6 +21,8 @@ from megatrain_min import plan as planner
 from megatrain_min import sim, twin
 from megatrain_min.sim import SimEvent
 
+pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
+
 UNIT = dict(name="unit", gpu="unit", gpu_mem_gb=1, bf16_tflops=1e-12, fp32_tflops=1e-12, frac=1.0, hbm_gbs=1e-9,
             h2d_gbs=1e-9, d2h_gbs=1e-9, host_mem_gb=1, host_bw_gbs=1e-9)   # 1 FLOP = 1 byte = 1 second
 
@@ -73,7 +75,7 @@ def test_hand_computed_three_layer_forward():
 
 
 def test_1b_at_2048_tokens_twin_and_planner_name_the_same_bottleneck():
-    """Issue 18's acceptance: the 1b preset on an H100 at 1 x 2048 tokens, full depth, host lane on."""
+    """The 1b preset on an H100 at 1 x 2048 tokens, full depth, host lane on."""
     r, p = replay(model.PRESETS["1b"], "h100", B=1, T=2048, grad_clip=1.0)
     print(f"1b @ 1x2048 on h100: twin {r['step_time_s']:.3f} s ({r['bottleneck']}, host busy {r['busy']['host']:.0%}),"
           f" plan {p['step_time_s']:.3f} s ({p['bottleneck']}, host busy {p['utilization']['host']:.0%})")
