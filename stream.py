@@ -175,8 +175,14 @@ class Lanes:
         # one optimizer thread; torch.set_num_threads sizes the calling thread's own OpenMP team (per thread)
         self.threads = cpu_threads(device.type, procs)             # (main, worker)
         torch.set_num_threads(self.threads[0])
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw",
-                                         initializer=torch.set_num_threads, initargs=(self.threads[1],))
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw", initializer=self._worker_init)
+
+    def _worker_init(self):
+        """The optimizer thread's OpenMP team, and its current CUDA device (per thread: else its event waits and
+        any CUDA call would create a context on GPU 0)."""
+        torch.set_num_threads(self.threads[1])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def host_wait(self, event):
         """Block the calling host thread until the device passed `event` (no-op on the CPU)."""
@@ -279,7 +285,7 @@ class Trainer:
             biggest = max(n for n, _ in self.opt.sizes)
             for _ in range(staging_slabs):
                 self.slabs.put(torch.zeros(biggest, pin_memory=self.lanes.pin))
-        self.staging = {}                      # pinned per-step buffers, one per (name, shape, dtype): pinned()
+        self.staging = {}                      # name -> pinned per-step buffer of the last shape: pinned()
         self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=self.lanes.pin)
         self.pending = {}                      # unit -> Future of its update (or of its squared grad norm)
         self.failed = []                       # exceptions raised on the optimizer thread (see _submit)
@@ -291,8 +297,8 @@ class Trainer:
         with self.comp():
             self.wslot = [torch.empty(n_slot, dtype=self.dtype, device=self.dev) for _ in range(2)]
             self.gslot = [torch.zeros(n_slot, dtype=torch.float32, device=self.dev) for _ in range(2)]
-            # lean mode: the fp32 master lands here and is cast into the slot on the GPU (the largest unit in
-            # the store: the head, or a layer; a sharded engine's store holds shards)
+        with self.h2d():  # lean mode: the fp32 master lands here and is cast into the slot on the GPU, all on H2D
+            # (the largest unit in the store: the head, or a layer; a sharded engine's store holds shards)
             self.stage = (torch.empty(max(n for n, _ in self.opt.sizes), dtype=torch.float32, device=self.dev)
                           if shadow is None and self.dtype != torch.float32 else None)
         # Views made once per slot ("stateless layer templates"): every layer has the same layout, so a slot's
@@ -305,11 +311,13 @@ class Trainer:
         self.slot_free = [None, None]          # compute: done reading weight slot s
         self.gslot_free = [None, None]         # D2H: done copying grad slot s out
         # offloaded checkpoints pass through RING device buffers (_ring_slot), each with its two events
-        self.ring = {}                         # shape -> the RING device buffers of that shape
+        self.ring = {}                         # shape -> the RING device buffers (the last shape only)
         self.ring_ready = [None] * RING        # its copy (compute: in; H2D: back) is done
         self.ring_free = [None] * RING         # its reader (D2H: out; compute: the backward) is done
         self.resident = {}                     # unit -> the weight slot holding its current weights
-        self.rope = {}                         # T -> (cos, sin) on the device
+        self.rope = {}                         # T -> (cos, sin) on the device (the last T only)
+        self.batch = None                      # the step being run: its staged input (Batch)
+        self.lanes.synchronize()               # the device buffers exist before any lane's first touch of them
 
     # ------------------------------------------------------------------ what this process holds and sums (hooks)
     # One process holds every unit whole and computes the whole batch. megatrain_min/sharded.py replaces these
@@ -351,6 +359,21 @@ class Trainer:
         return [obj]
 
     # ------------------------------------------------------------------ the surface beyond step()
+    def buffers(self):
+        """{name: tensor} of the buffers the engine holds now, named as a person reads them in a report: weight and
+        grad slots, the lean stage, the host store per unit, the pinned staging, the checkpoint ring, RoPE, the
+        step's targets. The stream checker (megatrain_min/sim.py) names the buffers of its reports by it."""
+        named = {f"wslot[{i}]": w for i, w in enumerate(self.wslot)}
+        named.update({f"gslot[{i}]": g for i, g in enumerate(self.gslot)}, stage=self.stage, loss_host=self.loss_host)
+        for what in ("master", "m", "v", "grad", "shadow"):
+            named.update({f"{what}[{self.units[u].name}]": b for u, b in enumerate(getattr(self.opt, what) or [])})
+        named.update({f"{name} (pinned staging)": b for name, b in self.staging.items()})
+        named.update({f"ring[{i}]": r for ring in self.ring.values() for i, r in enumerate(ring)})
+        named.update({f"rope[{T}]": c for T, cs in self.rope.items() for c in cs})
+        if self.batch is not None:
+            named["targets"] = self.batch.targets
+        return {k: v for k, v in named.items() if v is not None}
+
     def set_lr(self, lr):
         check_hyper(lr=lr)
         self.lr = lr
@@ -434,20 +457,25 @@ class Trainer:
             raise ValueError(f"batch size {B} is not divisible by micro_batches={self.M}")
         tgt_host = self.pinned("targets", (B, T), torch.int64)
         tgt_host.copy_(targets)
-        with self.comp():                        # allocated on its reader's lane: no keep needed when it is freed
+        with self.h2d():  # made on the lane that writes it, kept for compute, which reads it. No event of its own:
+            #               it is the step's first H2D, and compute waits for layer 0's weight copy (slot_loaded),
+            #               queued behind it, before any layer runs
             tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)
-        with self.h2d():  # no event of its own: it is the step's first H2D, and compute waits for layer 0's
-            #               weight copy (slot_loaded), queued behind it, before any layer runs
             tgt.copy_(tgt_host, non_blocking=True)
+        self.comp.keep(tgt)
         with self.comp():
             if T not in self.rope:               # on the compute lane: its only reader
-                self.rope[T] = model.rope_cache(self.cfg, T, self.dev, self.residual_dtype)
+                self.rope = {T: model.rope_cache(self.cfg, T, self.dev, self.residual_dtype)}
         offload = False
         if train:
             if self.offload_checkpoints is None:  # decided once, at the first step
                 self.offload_checkpoints = self._decide_offload(B, T)
             offload = self.offload_checkpoints
-        return Batch(tokens, tgt, n_tok, self.rope[T], offload)
+            if offload:  # the host copies and the device ring, made before any work of the step is issued
+                self.pinned("checkpoints", (len(self.layers), B, T, self.cfg.d_model), self.residual_dtype)
+                self._ring_slot(0, (B, T, self.cfg.d_model))
+        self.batch = Batch(tokens, tgt, n_tok, self.rope[T], offload)
+        return self.batch
 
     def _decide_offload(self, B, T):
         free = self.lanes.free_memory()
@@ -459,12 +487,13 @@ class Trainer:
         return offload_needed(len(self.layers) * act, sum(working.values()), free)
 
     def pinned(self, name, shape, dtype):
-        """A pinned host buffer, made once per (name, shape, dtype) and reused by every step: no cudaHostAlloc or
-        cudaFreeHost per step (cudaFreeHost synchronises the device), no reuse of a cached block of another size."""
-        key = (name, tuple(shape), dtype)
-        if key not in self.staging:
-            self.staging[key] = torch.empty(shape, dtype=dtype, pin_memory=self.lanes.pin)
-        return self.staging[key]
+        """The pinned host buffer `name`, made once and reused by every step of the same shape: no cudaHostAlloc or
+        cudaFreeHost per step (cudaFreeHost synchronises the device). A new shape replaces it (the pinned allocator
+        frees the old one once its copies are done): the buffers stay bounded whatever shapes come."""
+        buf = self.staging.get(name)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
+            buf = self.staging[name] = torch.empty(shape, dtype=dtype, pin_memory=self.lanes.pin)
+        return buf
 
     # ------------------------------------------------------------------ weights in
     def _ready(self, u):
@@ -521,12 +550,12 @@ class Trainer:
         table, d = self._table(src), self.cfg.d_model
         rows = self.pinned("rows", (*b.tokens.shape, d), table.dtype)                 # (B, T, d) pinned
         torch.index_select(table, 0, b.tokens.reshape(-1), out=rows.view(-1, d))
-        with self.comp():                                                     # allocated on its reader's lane
+        with self.h2d():                                     # made on the lane that writes it, kept for compute
             x = torch.empty(rows.shape, dtype=rows.dtype, device=self.dev)
-        with self.h2d():
             x.copy_(rows, non_blocking=True)
             ready = self.h2d.record()
         self.comp.wait(ready)
+        self.comp.keep(x)
         return list(x.to(self.residual_dtype).chunk(self.M))                  # lean + bf16 residual: cast here
 
     def _scatter_embedding(self, tokens, dy_host, dy_ready, lr):
@@ -628,11 +657,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ activations to and from the host
     def _ring_slot(self, i, shape):
-        """Device ring slot of layer i's checkpoint: RING buffers of (B, T, d), made once per shape."""
+        """Device ring slot of layer i's checkpoint: RING buffers of (B, T, d), made for the step's shape (on compute,
+        which writes them first; the H2D of the backward's reloads waits for compute's reads of them)."""
         if shape not in self.ring:
             with self.comp():
-                self.ring[shape] = [torch.empty(shape, dtype=self.residual_dtype, device=self.dev)
-                                    for _ in range(RING)]
+                self.ring = {shape: [torch.empty(shape, dtype=self.residual_dtype, device=self.dev)
+                                     for _ in range(RING)]}
         return i % RING, self.ring[shape][i % RING]
 
     def _offload(self, i, x):

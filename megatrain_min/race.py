@@ -10,11 +10,14 @@ What it is
     Every access (storage, byte range, read or write, actor, the actor's tick) is kept per storage. Two
     accesses conflict when their ranges overlap, at least one writes, and they come from different actors;
     without an edge from the first to the second it is a race: reported with the buffer's name, both ops, both
-    actors and both source lines. Also checked: a device buffer freed on the host and handed by the caching
-    allocator to the next allocation on its stream while another lane may still use it (no Lane.keep /
-    record_stream), and a lane's kernel touching memory made outside any lane (which on the CPU cannot be told
-    apart from work on CUDA's legacy default stream: both are wrong, and both are reported). Counted per step: host syncs with
-    their source lines, bytes per copy lane, weight copies per unit.
+    actors and both source lines.
+    The caching allocator's rules, checked too: a device block belongs to the lane it was allocated on, whose
+    kernels issued before the allocation may still use it (the allocator hands a block freed on a stream to that
+    stream's next allocation at once), so another lane's first touch of it must come after them; a block freed
+    on the host while another lane may still use it goes to the next allocation on its own lane (no Lane.keep /
+    record_stream); and a lane's kernel must not touch memory made outside any lane (which on the CPU cannot be
+    told apart from work on CUDA's legacy default stream: both are wrong, both are reported).
+    Counted per step: host syncs with their source lines, bytes per copy lane, weight copies per unit.
 What it is not
     Not a data-flow analysis of values: it sees what the engine did in this run, on these shapes and options
     (tests/test_sim.py runs the option matrix).
@@ -23,7 +26,10 @@ Reference
 """
 import collections
 
+from megatrain_min import cost
 from megatrain_min.sim import LANES
+
+ALLOCATIONS = {str(f) for f in cost.EMPTY}   # ops that only allocate: no kernel runs on the lane
 
 
 class Clock(dict):
@@ -44,13 +50,18 @@ class Checker:
         self.events, self.tasks, self.ends, self.puts = {}, {}, {}, {}
         self.history = collections.defaultdict(list)    # Storage -> [access]
         self.pending_free = collections.defaultdict(list)   # allocating lane -> storages freed on the host
-        self.races, self.seen, self.limit = [], set(), limit
+        self.made = {}                                  # device Storage -> (lane, its last kernel before, the op)
+        self.kernel = collections.Counter()             # lane -> the tick of its latest op that runs a kernel
+        self.races, self.seen, self.limit, self.unnamed = [], set(), limit, []
         self.rec = None                                 # set by the first op: names come from the recorder
         self.steps, self.k = [], None
 
     # ---- per-step figures
     def step(self, k):
         self.k = k
+        for race, st in self.unnamed:
+            race["buffer"] = self.rec_name(st)
+        self.unnamed = [(race, st) for race, st in self.unnamed if st.name is None]
         self.steps.append(dict(syncs=collections.Counter(), worker_waits=collections.Counter(), h2d_bytes=0,
                                d2h_bytes=0, copies=collections.Counter()))
 
@@ -120,6 +131,9 @@ class Checker:
         if op.fresh and a in LANES:                      # the allocator may hand out blocks freed on this lane
             for st in self.pending_free.pop(a, []):
                 self.check_free(st, a, op)
+            self.made.update({st: (a, self.kernel[a], op) for st in op.fresh if st.where == "device"})
+        if a in LANES and op.name not in ALLOCATIONS:
+            self.kernel[a] = tick
         for st, lo, hi in op.reads:
             self.access(st, lo, hi, False, a, tick, op)
         for st, lo, hi in op.writes:
@@ -144,6 +158,11 @@ class Checker:
     def access(self, st, lo, hi, write, actor, tick, op):
         hist = self.history[st]
         clock = self.vc[actor]
+        lane, before, made = self.made.get(st, (actor, 0, None))
+        if lane != actor and actor in LANES and not clock.knows(lane, before):
+            self.flag(st, f"first touch on {actor} of a block allocated on {lane} before {actor} waited for what "
+                          f"{lane} issued earlier: the caching allocator may hand {lane}'s next allocation a block its "
+                          f"kernels still use (allocate on the lane that writes it, keep it for the others)", made, op)
         for plo, phi, pactor, pwrite, ptick, pop in hist:
             if plo < hi and lo < phi and pactor != actor and (write or pwrite) and not clock.knows(pactor, ptick):
                 self.flag(st, f"{'write' if pwrite else 'read'} on {pactor} / {'write' if write else 'read'} on "
@@ -175,6 +194,8 @@ class Checker:
         self.races.append(dict(buffer=name, what=what, step=self.k,
                                first=dict(op=first.name, actor=first.actor, src=first.src) if first else None,
                                second=dict(op=second.name, actor=second.actor, src=second.src) if second else None))
+        if st.name is None:          # a buffer the engine names only later (the step's targets): named at the next step
+            self.unnamed.append((self.races[-1], st))
 
     def summary(self):
         """The report a person reads: races first, then the per-step figures."""

@@ -120,6 +120,12 @@ class ShardedTrainer(stream.Trainer):
         self.shard_free, self.gshard_free = [None, None], [None, None]   # gather -> H2D, D2H -> reduce_scatter
         lo, hi = self.owned(self.embed)                                   # the table: the unit's first V*d
         self.table_pieces = row_pieces(lo, min(hi, cfg.vocab_size * cfg.d_model), cfg.d_model)
+        self.lanes.synchronize()           # the shards exist before any lane's first touch of them
+
+    def buffers(self):
+        """stream.Trainer's, and the shards H2D lands in and D2H reads (once they exist)."""
+        return {**super().buffers(), **{f"wshard[{i}]": b for i, b in enumerate(getattr(self, "wshard", ()))},
+                **{f"gshard[{i}]": b for i, b in enumerate(getattr(self, "gshard", ()))}}
 
     # ------------------------------------------------------------------ who holds what
     def shard_numel(self, u):

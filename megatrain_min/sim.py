@@ -351,22 +351,11 @@ def span(st, t):
 
 
 def buffer_names(t):
-    """{storage cdata: name} of a stream.Trainer's persistent buffers, from its public attributes."""
-    cd = lambda x: x.untyped_storage()._cdata  # noqa: E731
-    names = {cd(w): f"wslot[{i}]" for i, w in enumerate(t.wslot)}
-    names.update({cd(g): f"gslot[{i}]" for i, g in enumerate(t.gslot)})
-    if t.stage is not None:
-        names[cd(t.stage)] = "stage"
-    for what in ("master", "m", "v", "grad", "shadow"):
-        for u, buf in enumerate(getattr(t.opt, what) or []):
-            if buf is not None and buf.untyped_storage()._cdata not in names:
-                names[cd(buf)] = f"{what}[{t.units[u].name}]"
-    names[cd(t.loss_host)] = "loss_host"
-    for what in ("wshard", "gshard"):          # sharded.ShardedTrainer: the shards H2D lands in / D2H reads
-        names.update({cd(b): f"{what}[{i}]" for i, b in enumerate(getattr(t, what, ()))})
-    names.update({cd(buf): f"{key[0]} (pinned staging)" for key, buf in t.staging.items()})
-    names.update({cd(r): f"ring[{i}]" for ring in t.ring.values() for i, r in enumerate(ring)})
-    names.update({cd(c): f"rope[{T}]" for T, cs in t.rope.items() for c in cs})
+    """{storage cdata: name} of a trainer's buffers, from its public description (Trainer.buffers(); a storage
+    with several names keeps the first: a tied head's master is the embedding's)."""
+    names = {}
+    for name, buf in t.buffers().items():
+        names.setdefault(buf.untyped_storage()._cdata, name)
     return names
 
 
@@ -385,6 +374,8 @@ def add_flags(p):
     p.add_argument("--residual-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--chunk-tokens", type=int, default=0)
+    p.add_argument("--tile-tokens", type=int, default=None,
+                   help="model.block's sequence tile (0 = untiled; default: the planner's choice)")
     p.add_argument("--hardware", default="h100", help=f"one of: {', '.join(planner.HARDWARE)}")
     p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the hardware's)")
     p.add_argument("--host-bw", type=float, default=None, help="host DRAM GB/s seen by AdamW")
@@ -405,7 +396,8 @@ def plan_of(a, cfg):
                         mode=a.mode, dtype=a.dtype or "bf16", grad_clip=a.grad_clip, residual_dtype=a.residual_dtype,
                         offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints],
                         host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, chunk_tokens=a.chunk_tokens or None,
-                        skip_nonfinite=bool(a.skip_nonfinite), host_speed=getattr(a, "host_speed", 1.0))
+                        skip_nonfinite=bool(a.skip_nonfinite), host_speed=getattr(a, "host_speed", 1.0),
+                        tile_tokens=a.tile_tokens)
 
 
 class ZeroWeights(Mapping):

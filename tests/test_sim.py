@@ -50,6 +50,16 @@ def test_engine_is_race_free(row):
     assert len(c.steps) == 3 and all(s["copies"] for s in c.steps[:2])
 
 
+def test_back_to_back_steps_without_clipping_offloaded_and_tiled():
+    """Three steps with nothing between them: without clipping step() returns while the backward still runs, and
+    the next step's staging (targets, embedding rows, checkpoint ring) is allocated while it does. Offload on,
+    the layer in tiles of 8 tokens."""
+    checker = race.Checker()
+    sim.run(TOY, [checker], 3, batch=(4, 16), grad_clip=0.0, micro_batches=2, offload_checkpoints=True, tile_tokens=8)
+    assert not checker.races, checker.summary()
+    assert len(checker.steps) == 4 and all(s["copies"] for s in checker.steps[:3])
+
+
 def mutant(old, new=None, nth=0):
     """stream.py with the nth line containing `old` replaced (by `pass`, keeping the indent), as a module."""
     lines = STREAM.splitlines(keepends=True)
@@ -101,6 +111,9 @@ def test_every_event_wait_is_needed_and_caught():
     ("self.d2h.keep(x)", 0, None, "block_grad", "freed on the host while d2h"),  # a record_stream dropped (dy)
     ("with self.comp():", 0, "        if True:\n", "gslot", "made outside any lane"),  # __init__'s slots zeroed on the default stream
     ("self.lanes.host_wait(loss_ready)", 0, None, "loss_host", "on main"),       # the loss read before its event
+    ("tgt = torch.empty((B, T)", 0,                                              # targets allocated on compute,
+     "            with self.comp(): tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)  # noqa\n",
+     "targets", "first touch on h2d of a block allocated on compute"),          # written on H2D
 ])
 def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
     assert old in STREAM, f"the engine changed: {old!r} is gone; update this seeded defect"

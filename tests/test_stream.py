@@ -253,18 +253,27 @@ def test_offload_is_decided_once(monkeypatch):
         assert t.offload_checkpoints is False
 
 
-def test_pinned_staging_is_made_once_per_shape():
-    """The per-step host buffers (targets, embedding rows, dy, offloaded checkpoints) are allocated once per
-    shape and reused: no pinned allocation (cudaHostAlloc / cudaFreeHost, which syncs the device) per step."""
+def test_pinned_staging_is_made_once_per_shape_and_stays_bounded():
+    """The per-step host buffers (targets, embedding rows, dy, offloaded checkpoints) are allocated once per shape
+    and reused: no pinned allocation (cudaHostAlloc / cudaFreeHost, which syncs the device) per step. Each name
+    keeps only its last shape, as do the checkpoint ring and the RoPE tables: nothing grows with the shapes seen.
+    The checkpoints' host copies and ring exist before the step's first op (they are made in its staging)."""
     cfg = model.PRESETS["toy"]
     t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", offload_checkpoints=True, micro_batches=2, **HP)
     gen = torch.Generator().manual_seed(0)
     t.step(*random_batch(cfg, 4, 16, gen))
     first = {k: v.data_ptr() for k, v in t.staging.items()}
-    assert {k[0] for k in first} == {"targets", "rows", "dy", "checkpoints"}
+    assert set(first) == {"targets", "rows", "dy", "checkpoints"}
     t.step(*random_batch(cfg, 4, 16, gen))
     t.evaluate(*random_batch(cfg, 4, 16, gen))
     assert {k: v.data_ptr() for k, v in t.staging.items()} == first
+    for B, T in ((2, 8), (4, 32), (2, 24), (4, 16)):
+        t.step(*random_batch(cfg, B, T, gen))
+        t.evaluate(*random_batch(cfg, B, T + 1, gen))
+        assert set(t.staging) == set(first) and len(t.ring) == 1 and len(t.rope) == 1
+        assert t.staging["checkpoints"].shape == (cfg.n_layer, B, T, cfg.d_model)
+        assert t.staging["targets"].shape == (B, T + 1) and list(t.rope) == [T + 1]
+    t.wait()
 
 
 def test_cpu_threads_split_the_usable_cpus(monkeypatch):
