@@ -112,7 +112,8 @@ class PingPong:
         self.wviews = [{"layer": leaves(w, lay), "head": leaves(w, head)} for w in self.wslot]
         self.gviews = [{"layer": lay.views(g), "head": head.views(g)} for g in self.gslot]
         self.slot_loaded, self.slot_free, self.gslot_free = [None, None], [None, None], [None, None]
-        self.updated, self.loss_host = {}, torch.zeros((), pin_memory=CUDA)   # updated: unit -> Future of AdamW
+        self.updated = {}                                              # unit -> Future of its last AdamW
+        self.loss_host = torch.zeros((), pin_memory=CUDA)              # the step's loss lands here (host)
 
     def ready(self, u):                        # the host waits for unit u's last update: no half-updated copy
         if u in self.updated:
@@ -155,7 +156,7 @@ class PingPong:
         n_tok = max(1, int((targets != model.IGNORE).sum()))           # the step's loss is sum / n_tok
         with comp():
             rope = model.rope_cache(cfg, tokens.shape[1], DEV)
-            tgt = targets.to(DEV).chunk(M)                             # M x (B/M, T)
+            tgt = targets.to(DEV).chunk(M)                             # M x (B/M, T), on the device
             # ---- forward: layer i computes from slot i % 2 while the next unit is copied into the other
             self.load(1, 0)
             self.ready(0)                                              # the rows come from the updated embedding
@@ -167,7 +168,7 @@ class PingPong:
                 s = i % 2
                 comp.wait(self.slot_loaded[s])
                 comp.op(str(i), [f"wslot[{s}]"])
-                ckpt.append(x)                                         # boundary checkpoints of layer i (lesson 2)
+                ckpt.append(x)                                         # layer i's input (lesson 2), compute lane
                 with torch.no_grad():
                     x = [model.block(cfg, xj, self.wviews[s]["layer"], rope) for xj in x]
                 self.slot_free[s] = comp.record(f"slot_free[{s}]")
@@ -178,11 +179,11 @@ class PingPong:
             comp.wait(self.gslot_free[0])
             comp.op("H", [f"wslot[{s}]"], ["gslot[0]", "loss"])
             self.gslot[0].zero_()
-            loss, dy = torch.zeros((), device=DEV), []
+            loss, dy = torch.zeros((), device=DEV), []                 # fp32 scalar; dy: M x (B/M, T, d)
             for xj, tj in zip(x, tgt):
                 lj, dx = model.head_grad(cfg, xj.reshape(-1, cfg.d_model), self.wviews[s]["head"], tj.reshape(-1),
                                          n_tok, self.gviews[0]["head"], model.default_chunk_tokens(cfg))
-                dy.append(dx.view_as(xj))                              # (B/M, T, d)
+                dy.append(dx.view_as(xj))                              # (B/M, T, d), compute lane
                 loss += lj
             self.loss_host.copy_(loss, non_blocking=True)
             loss_ready = comp.record("loss_ready")
@@ -202,7 +203,7 @@ class PingPong:
                 ckpt[i] = None
                 self.drain(i + 1, s, g)
             # ---- dy of layer 0, (B, T, d), to the host: the embedding's gradient, behind layer 0's on d2h
-            dy_host = torch.empty((*tokens.shape, cfg.d_model), pin_memory=CUDA)
+            dy_host = torch.empty((*tokens.shape, cfg.d_model), pin_memory=CUDA)   # (B, T, d), host
             with self.d2h():
                 self.d2h.op("dy", ["dy"], ["dy_host"])
                 for dst, dyj in zip(dy_host.chunk(M), dy):
@@ -337,9 +338,10 @@ print(f"forgetful h2d lane: same losses {same}; {len(bad)} races, e.g. {a.lane} 
 # backward of layer 1, `g1` its gradient to the host, `a1` its AdamW; `dy` and `aE`: the embedding's.
 
 # %%
-col, end = [], {}
-for o in ops:                                 # starts after the last op of each lane that happens before o
-    col.append(max([end[lane, t - (lane == o.lane)] for lane, t in o.clock.items() if t - (lane == o.lane)] + [0]))
+col, end = [], {}                             # the column each op starts in; (lane, tick) -> the column after it
+for o in ops:
+    last = [(lane, t - (lane == o.lane)) for lane, t in o.clock.items()]     # each lane's last op before o
+    col.append(max([end[p] for p in last if p[1] > 0] + [0]))
     end[o.lane, o.tick] = col[-1] + 1
 at = lambda lane, what: [c for o, c in zip(ops, col) if (o.lane, o.what) == (lane, what)]   # noqa: E731
 width = at("compute", "0")[2]                 # up to step 3's first layer
@@ -353,8 +355,9 @@ for lane in (*DEVICE_LANES, "cpu adam"):
 # %% [markdown]
 # In the forward each copy runs beside the compute before it (`1>B` under `0`). The head sits in slot A, which
 # layer 2 needs next, so `2>A` waits for `H`; layer 3 needs no copy in the backward. Gradients leave one visit
-# behind the compute, AdamW runs one behind them. Step 2's first copy waits for `a0`: the backward ends with
-# layer 0, which the next forward needs first -- a large part of a 4-layer step, a small one of 32 layers.
+# behind the compute, AdamW runs one behind them. Step 2's first copy waits for `a0` and its first layer for
+# `aE` (the rows come from the updated embedding): the backward ends with the units the next forward needs
+# first. That bubble is a large part of a 4-layer step and a small one of a 32-layer step.
 #
 # ## Check
 #
