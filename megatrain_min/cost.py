@@ -123,8 +123,9 @@ def elementwise_bytes(cfg, dtype=torch.bfloat16, residual_dtype=torch.float32):
     of its recompute + backward (model.block_grad: one call per micro-batch, whose fp32 gradient accumulation is
     the per-call part), and of the loss head forward + backward (model.head_grad; a call per loss chunk), as the
     engine runs them (bf16 autocast on the residual dtype). Measured at two sizes under FakeTensorMode: per token
-    they do not depend on T (attention's own work is FLOPs)."""
-    return _measured(json.dumps(cfg.to_dict(), sort_keys=True), dtype, residual_dtype)
+    they do not depend on T (attention's own work is FLOPs), nor on max_seq_len, which is left out of the cache's key:
+    plan.max_context plans one config at many lengths, each with its own max_seq_len, and measures once."""
+    return _measured(json.dumps(dict(cfg.to_dict(), max_seq_len=None), sort_keys=True), dtype, residual_dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,27 +1,25 @@
 # %% [markdown]
-# # Lesson 4 -- three streams, proven without a GPU
+# # Lesson 4 -- three streams and a ping-pong, built by hand
 #
 # **What you will learn**
 #
-# * how a GPU overlaps copies with compute: **streams** (queues that run concurrently) and **events**
-#   (a marker one queue records and another waits for), and the engine's double buffer built on them;
-# * how to prove the ordering on a laptop: run the real engine on *checked lanes*, where every op knows its
-#   stream and every wait is a happens-before edge -- then break one wait and read the checker's report;
-# * the **twin**: the same engine at full size on fake tensors, replayed on an H100 profile -- a timeline of a
-#   Llama-2-7B step drawn in ASCII, the step time, and what bounds it;
-# * (with CUDA) the same picture from a real `torch.profiler` trace.
+# * how a GPU overlaps copies with compute: **streams** (queues that run concurrently) and **events**;
+# * the engine's ping-pong, from scratch: two weight slots -- layer i computes from one while layer i+1 is
+#   copied into the other -- two gradient slots, the events that make reusing them safe, and the hand-off of
+#   each gradient to AdamW on a CPU thread while the GPU moves on;
+# * the proof: the hand-written schedule gives `stream.Trainer`'s losses and weights bit for bit, and the
+#   order of operations it issued obeys every ordering rule -- checked, and drawn as a timeline.
 #
-# Lessons 2-3 gave us a schedule (forward, head, backward with recompute) and weights in host memory.
-# Done naively -- copy, wait, compute, copy, wait, ... -- the GPU would idle during every copy.
+# Lessons 2-3 gave us the maths (forward without a graph, head, backward by recompute) and a host store with
+# AdamW. Done naively -- copy, wait, compute, copy, wait -- the GPU would idle during every copy.
 #
-# Run it: `python tutorials/04_three_streams.py` (half a minute on a CPU).
+# Run it: `python tutorials/04_three_streams.py` (~3-15 s on a 2-core CPU; with CUDA the lanes are real streams).
 
 # %%
-import dataclasses
-import json
-import os
+import contextlib
 import sys
-import tempfile
+from collections import Counter, namedtuple
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,235 +28,350 @@ ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
-from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min import race, sim, twin  # noqa: E402
+from optim import HostAdamW  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+torch.backends.cuda.matmul.allow_tf32 = False            # fp32 means fp32 (the engine does the same)
 
 # %% [markdown]
-# ## 1. Streams, events, slots
+# ## 1. Lanes that keep a log
 #
-# The engine (`stream.py`) issues work on three CUDA streams -- its *lanes*:
-#
-# * **H2D** copies a unit's flat buffer (lesson 1) from pinned host memory (lesson 3) into a weight slot;
-# * **compute** runs `block` forward, the head, and the recompute + backward;
-# * **D2H** copies each finished fp32 layer gradient back into the host store, where a CPU worker thread
-#   runs AdamW on it (lesson 3) while the GPU moves on.
-#
-# Each stream runs its own work in order; different streams run concurrently. Correctness comes from events,
-# each one line in `stream.py` (its docstring lists them all):
-#
-# | event | recorded on | waited on by | guarantees |
-# |---|---|---|---|
-# | `slot_loaded[s]` | H2D, after the copy into slot s | compute, before using slot s | never compute on half-copied weights |
-# | `slot_free[s]` | compute, after the last use of slot s | H2D, before refilling slot s | never overwrite weights still in use |
-# | `gslot_free[g]` | D2H, after the gradient copy out of grad slot g | compute, before zeroing grad slot g | never zero a gradient not yet saved |
-# | `ring_ready` / `ring_free` | the writer / the reader of a checkpoint ring slot | the other | offloaded checkpoints pass through 2 device slots |
-# | grad landed | D2H | the CPU worker (it waits on the host) | AdamW reads a complete gradient |
-# | `loss_ready` | compute, after the loss reached pinned memory | the host | the loss is read after it is written |
-#
-# Without clipping, gradients land in one of a few pinned staging slabs; the worker hands a slab back after
-# that unit's update and the engine's host thread waits for a free one before it queues the next gradient
-# copy. Without CUDA, `stream.Lane` is a no-op and every copy is synchronous: the same code, in program
-# order. So a laptop runs the *order* but not the *concurrency* -- a missing wait would pass every CPU test.
-
-# %% [markdown]
-# ## 2. Checked lanes: the real engine, every op on a stream
-#
-# `megatrain_min.sim` gives `stream.Trainer` another backend of its `Lanes`: each lane has an identity, a
-# TorchDispatchMode attributes every aten op to a lane (or to the main / optimizer thread) with the bytes it
-# reads and writes, and every record, wait, host wait, future and slab hand-off is an edge. `race.Checker`
-# keeps a vector clock per lane and thread (PyTorch's CUDA sanitizer does the same on a GPU): two accesses to
-# the same bytes, one a write, from two lanes with no edge between them, is a race. The engine runs
-# unchanged. Two steps of the toy model, 2 micro-batches, checkpoints offloaded:
+# A stream runs its work in issue order; two streams run concurrently. An event recorded on a stream fires once
+# the work issued before it is done; a stream that waits for it starts nothing issued after the wait before
+# then, and the host can block on it. The engine has three streams -- **h2d** copies weights in, **compute**
+# runs the layers, **d2h** copies gradients out -- and a CPU thread for AdamW. Our `Lane` is a stream that also
+# logs what it ran (with the buffers read and written) and which events it recorded and waited for. With CUDA
+# it wraps a `torch.cuda.Stream`; on the CPU it has none and the work runs synchronously in program order.
+# The host and the AdamW thread are lanes without a stream, so that their waits are logged too.
 
 # %%
-cfg = model.PRESETS["toy"]
-clean = race.Checker()
-sim.run(cfg, [clean], 2, batch=(4, 16), micro_batches=2, offload_checkpoints=True, grad_clip=0.0)
-print(clean.summary())
+Event = namedtuple("Event", "name cuda")   # cuda: the torch.cuda.Event, None on the CPU or between host threads
+
+
+class Lane:
+    def __init__(self, name, log, device=False):
+        self.name, self.log, self.forgetful = name, log, False
+        self.stream = torch.cuda.Stream(DEV) if device and CUDA else None
+
+    def __call__(self):                        # `with lane():` issues the work inside on this stream
+        return torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+
+    def op(self, what, reads=(), writes=()):   # logs the work issued next: a name, the buffers it touches
+        self.log.append((self.name, "op", what, tuple(reads), tuple(writes)))
+
+    def record(self, name):
+        ev = Event(name, self.stream.record_event() if self.stream else None)
+        self.log.append((self.name, "record", ev, (), ()))
+        return ev
+
+    def wait(self, ev):                        # ev None: nothing recorded yet (a slot's first use)
+        if ev is not None and not self.forgetful:
+            self.log.append((self.name, "wait", ev, (), ()))
+            if self.stream:
+                self.stream.wait_event(ev.cuda)    # the stream waits, the host goes on
+            elif ev.cuda is not None:
+                ev.cuda.synchronize()              # a host thread blocks until the device got there
 
 # %% [markdown]
-# No races. Per step the main thread syncs with the device once (`host_wait`: the loss) and waits for the
-# optimizer thread at each staging slab it takes (without clipping, a gradient needs a free slab); the weight
-# copies are what the schedule says: every layer twice (forward, backward) but the last, which is still in its
-# slot when the backward starts, and the head once.
+# ## 2. The schedule
 #
-# ## 3. A deliberately broken engine
+# The host store is lesson 3's `HostAdamW`: fp32 master, m, v and gradient per unit, numbered as `model.units`
+# lists them (0 the embedding, 1..L the layers, L+1 the head). On the device: weight slots A and B, two fp32
+# gradient slots, each as big as the largest unit that visits, with views made once per slot (every layer has
+# the same layout, lesson 1); layer i always sits in slot i % 2. The events, named as in `stream.py`:
 #
-# Now an H2D lane that forgets its waits -- what a refactoring slip would do. `SimLanes` is the checked
-# backend; we make one whose H2D lane ignores every event it is told to wait for:
+# | event | recorded by | after | waited for by | so that |
+# |---|---|---|---|---|
+# | `slot_loaded[s]` | h2d | the copy into slot s | compute | no compute on half-copied weights |
+# | `slot_free[s]` | compute | its last read of slot s | h2d; d2h | no copy over weights in use; a whole gradient |
+# | `gslot_free[g]` | d2h | the copy out of grad slot g | compute; AdamW | no gradient zeroed before it left |
+# | `loss_ready` | compute | the loss's copy to the host | the host | the loss is read after it is written |
+#
+# And a hand-off on the host: a unit is copied in only after its last AdamW finished (`updated[u]`).
 
 # %%
-class ForgetfulLanes(sim.SimLanes):
-    def __init__(self, rec, device_bytes=None):
-        super().__init__(rec, device_bytes)
-        self.h2d.wait = lambda event: None           # the H2D stream no longer waits for anything
+class PingPong:
+    def __init__(self, cfg, weights, micro_batches, **adamw):
+        self.cfg, self.M, self.log, self.steps = cfg, micro_batches, [], []   # steps: where each begins in log
+        self.units = model.units(cfg)
+        self.label = ["E", *map(str, range(cfg.n_layer)), "H"]     # unit -> its name in the timeline
+        self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], pin=CUDA, **adamw)
+        for u, lay in enumerate(self.units):
+            for key, view in lay.key_views(self.opt.master[u]).items():
+                view.copy_(weights[key])
+        self.h2d, self.comp, self.d2h = (Lane(n, self.log, device=True) for n in ("h2d", "compute", "d2h"))
+        self.host, self.adam = Lane("host", self.log), Lane("cpu adam", self.log)
+        self.worker = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,))   # the AdamW thread
+        n = max(lay.numel for lay in self.units[1:])
+        with self.comp():                                              # made on the lane that uses them first
+            self.wslot = [torch.empty(n, device=DEV) for _ in range(2)]   # (n,) fp32: weight slots A, B
+            self.gslot = [torch.zeros(n, device=DEV) for _ in range(2)]   # (n,) fp32: gradient slots
+        lay, head = self.units[1], self.units[-1]
+        leaves = lambda flat, layout: {k: v.detach().requires_grad_() for k, v in layout.views(flat).items()}  # noqa
+        self.wviews = [{"layer": leaves(w, lay), "head": leaves(w, head)} for w in self.wslot]
+        self.gviews = [{"layer": lay.views(g), "head": head.views(g)} for g in self.gslot]
+        self.slot_loaded, self.slot_free, self.gslot_free = [None, None], [None, None], [None, None]
+        self.updated = {}                                              # unit -> Future of its last AdamW
+        self.loss_host = torch.zeros((), pin_memory=CUDA)              # the step's loss lands here (host)
 
+    def ready(self, u):                        # the host waits for unit u's last update: no half-updated copy
+        if u in self.updated:
+            self.host.wait(self.updated.pop(u).result())
 
-class ForgetfulTrainer(stream.Trainer):
-    def __init__(self, cfg, weights, lanes=None, **kw):
-        super().__init__(cfg, weights, lanes=ForgetfulLanes(lanes.rec), **kw)
+    def wait(self):
+        for u in list(self.updated):
+            self.ready(u)
 
+    def load(self, u, s):                      # h2d: unit u's fp32 master into weight slot s, one copy
+        self.ready(u)
+        with self.h2d():
+            self.h2d.wait(self.slot_free[s])
+            self.h2d.op(f"{self.label[u]}>{'AB'[s]}", [f"master[{u}]"], [f"wslot[{s}]"])
+            self.wslot[s][:self.units[u].numel].copy_(self.opt.master[u], non_blocking=True)
+            self.slot_loaded[s] = self.h2d.record(f"slot_loaded[{s}]")
 
-broken = race.Checker()
-sim.run(cfg, [broken], 2, trainer_cls=ForgetfulTrainer, batch=(4, 16), micro_batches=2, offload_checkpoints=True,
-        grad_clip=0.0)
-print("\n".join(broken.summary().splitlines()[:9]))
+    def drain(self, u, s, g):                  # compute is done with unit u in weight slot s, grad slot g
+        self.slot_free[s] = done = self.comp.record(f"slot_free[{s}]")
+        with self.d2h():
+            self.d2h.wait(done)                                        # grad slot g holds the whole gradient
+            self.d2h.op(f"g{self.label[u]}", [f"gslot[{g}]"], [f"grad[{u}]"])
+            self.opt.grad[u].copy_(self.gslot[g][:self.units[u].numel], non_blocking=True)
+            self.gslot_free[g] = landed = self.d2h.record(f"gslot_free[{g}]")
+        self.hand_over(u, landed, [f"grad[{u}]"])
+
+    def hand_over(self, u, landed, reads, scatter=None):   # AdamW of unit u on the CPU thread once it landed
+        def task():
+            self.adam.wait(landed)
+            self.adam.op(f"a{self.label[u]}", reads, [f"grad[{u}]"] * bool(scatter) + [f"master[{u}]"])
+            if scatter:
+                scatter()
+            self.opt.step(u)                                           # fused AdamW on the unit's flat buffers
+            return self.adam.record(f"updated[{u}]")
+        self.updated[u] = self.worker.submit(task)
+
+    def step(self, tokens, targets):
+        cfg, M, L, comp = self.cfg, self.M, self.cfg.n_layer, self.comp
+        self.steps.append(len(self.log))
+        n_tok = max(1, int((targets != model.IGNORE).sum()))           # the step's loss is sum / n_tok
+        with comp():
+            rope = model.rope_cache(cfg, tokens.shape[1], DEV)
+            tgt = targets.to(DEV).chunk(M)                             # M x (B/M, T), on the device
+            # ---- forward: layer i computes from slot i % 2 while the next unit is copied into the other
+            self.load(1, 0)
+            self.ready(0)                                              # the rows come from the updated embedding
+            self.host.op("rows", ["master[0]"])
+            x = self.units[0].views(self.opt.master[0])["embed"][tokens]             # (B, T, d), on the host
+            x = list(x.to(DEV).chunk(M))                               # M x (B/M, T, d), compute lane
+            ckpt = []
+            for i in range(L):
+                s = i % 2
+                comp.wait(self.slot_loaded[s])
+                comp.op(str(i), [f"wslot[{s}]"])
+                ckpt.append(x)                                         # layer i's input (lesson 2), compute lane
+                with torch.no_grad():
+                    x = [model.block(cfg, xj, self.wviews[s]["layer"], rope) for xj in x]
+                self.slot_free[s] = comp.record(f"slot_free[{s}]")
+                self.load(i + 2, 1 - s)                                # layer i+1, or the head after the last
+            # ---- head, forward and backward at once: loss, dy of the last layer, its gradient in grad slot 0
+            s = L % 2
+            comp.wait(self.slot_loaded[s])
+            comp.wait(self.gslot_free[0])
+            comp.op("H", [f"wslot[{s}]"], ["gslot[0]", "loss"])
+            self.gslot[0].zero_()
+            loss, dy = torch.zeros((), device=DEV), []                 # fp32 scalar; dy: M x (B/M, T, d)
+            for xj, tj in zip(x, tgt):
+                lj, dx = model.head_grad(cfg, xj.reshape(-1, cfg.d_model), self.wviews[s]["head"], tj.reshape(-1),
+                                         n_tok, self.gviews[0]["head"], model.default_chunk_tokens(cfg))
+                dy.append(dx.view_as(xj))                              # (B/M, T, d), compute lane
+                loss += lj
+            self.loss_host.copy_(loss, non_blocking=True)
+            loss_ready = comp.record("loss_ready")
+            self.drain(L + 1, s, 0)
+            # ---- backward: layer L-1 is still in its slot; layer i-1 is copied in while layer i recomputes
+            for i in reversed(range(L)):
+                s, g = i % 2, (L - i) % 2
+                if i > 0:
+                    self.load(i, 1 - s)                                # unit i = layer i-1
+                comp.wait(self.slot_loaded[s])
+                comp.wait(self.gslot_free[g])
+                comp.op(f"{i}'", [f"wslot[{s}]"], [f"gslot[{g}]"] + ["dy"] * (i == 0))
+                self.gslot[g].zero_()
+                for j in range(M):                                     # fp32 accumulation over micro-batches
+                    dy[j] = model.block_grad(cfg, ckpt[i][j], self.wviews[s]["layer"], rope, dy[j],
+                                             self.gviews[g]["layer"])
+                ckpt[i] = None
+                self.drain(i + 1, s, g)
+            # ---- dy of layer 0, (B, T, d), to the host: the embedding's gradient, behind layer 0's on d2h
+            dy_host = torch.empty((*tokens.shape, cfg.d_model), pin_memory=CUDA)   # (B, T, d), host
+            with self.d2h():
+                self.d2h.op("dy", ["dy"], ["dy_host"])
+                for dst, dyj in zip(dy_host.chunk(M), dy):
+                    if CUDA:
+                        dyj.record_stream(self.d2h.stream)             # made on compute, read here
+                    dst.copy_(dyj, non_blocking=True)
+                dy_ready = self.d2h.record("dy_ready")
+        table = self.opt.grad[0].view(cfg.vocab_size, cfg.d_model)     # (V, d): the embedding's gradient
+        scatter = lambda: table.zero_().index_add_(0, tokens.reshape(-1), dy_host.reshape(-1, cfg.d_model))  # noqa
+        self.hand_over(0, dy_ready, ["dy_host"], scatter)
+        self.host.wait(loss_ready)
+        self.host.op("loss", ["loss"])
+        return self.loss_host.item()
 
 # %% [markdown]
-# Read the report. `wslot[0]` is the first weight slot: the compute lane read it (`model.py`: the first ops of
-# a layer, its norm and projections) and the H2D lane wrote it (`stream.py`, `load_unit`) with no happens-before
-# edge between the two -- on a GPU the copy of layer i+2 could overwrite the weights layer i is still
-# computing with. Each report names the buffer, both ops, both lanes and both source lines. The
-# test suite deletes every event wait of `stream.py` in turn and asserts the checker catches each
-# (`tests/test_sim.py`): none of them is redundant, and none can go missing unnoticed.
+# ## 3. The same numbers as the engine
 #
-# ## 4. The twin: a Llama-2-7B step on an H100
-#
-# The same recorder runs the engine under FakeTensorMode: tensors have shapes and dtypes but no data, so a
-# 7B layer costs nothing to "allocate". `twin.Twin` replays the op stream on a hardware profile from
-# `megatrain_min.plan.HARDWARE`: each stream in issue order, each op at the roofline (FLOPs at the achievable
-# FLOP/s, bytes at the HBM bandwidth), copies at the link bandwidth, the host issuing every op (~10 us each on
-# the CPU it was measured on: lesson 5's host lane), the optimizer thread's AdamW at DRAM speed. Four of the
-# 32 layers, at 4 x 4096 and 8 x 4096 tokens per step:
+# Three steps of the toy model (4 layers, lesson 1), 2 micro-batches, some targets ignored, fp32, from the same
+# weights on the same batches: the same ops in the same order on the same values -- so the same bits.
 
 # %%
-C7 = dataclasses.replace(model.PRESETS["7b"], n_layer=4)
-H100 = planner.HARDWARE["h100"]
-
-
-def predicted(B, T=4096):
-    p = planner.plan(C7, "h100", batch_size=B, seq_len=T, grad_clip=0.0)
-    tw = twin.Twin(dict(H100, name="h100"))
-    sim.run(C7, [tw], 3, fake=True, sources=False, costs=True, batch=(B, T), dtype=torch.bfloat16, grad_clip=0.0,
-            staging_slabs=p["staging_slabs"], skip_nonfinite=True, offload_checkpoints=p["offload_checkpoints"])
-    return tw, tw.result_of(C7, B * T), p
-
-
-MARK = {"host": ".", "h2d": ">", "compute": "#", "d2h": "<", "cpu_adam": "a"}
-
-
-def render(tw, width=96):
-    """One step of the replay (between the starts of its last two steps) as ASCII, a row per lane."""
-    t0, t1 = tw.first_compute[-3].start, tw.first_compute[-2].start
-    rows = []
-    for lane, mark in MARK.items():
-        row = [" "] * width
-        for s in tw.spans:
-            if s.actor == lane and s.label != "wait" and s.end > t0 and s.start < t1:
-                a, b = int((max(s.start, t0) - t0) / (t1 - t0) * width), int((min(s.end, t1) - t0) / (t1 - t0) * width)
-                row[a:max(a + 1, b)] = mark * (max(a + 1, b) - a)
-        rows.append(f"  {lane:<8}|" + "".join(row) + "|")
-    return "\n".join(rows)
-
-
-timelines = {}
-for B in (4, 8):
-    tw, r, p = predicted(B)
-    timelines[B] = (tw, r, p)
-    print(f"\n{B} x 4096 tokens: step {r['step_time_s'] * 1e3:.0f} ms (plan.py: {p['step_time_s'] * 1e3:.0f} ms), GPU busy "
-          f"{r['overlap']:.0%}, bottleneck {r['bottleneck']}, peak GPU memory {r['peak_gpu_bytes'] / 1e9:.1f} GB")
-    print(render(tw))
+cfg, HP = model.PRESETS["toy"], dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+w0 = model.init_weights(cfg, seed=0)
+gen = torch.Generator().manual_seed(0)
+batches = [torch.randint(0, 256, (2, 4, 32), generator=gen) for _ in range(3)]    # tokens, targets: (B, T) each
+for _, tgt in batches:
+    tgt[:, :4] = model.IGNORE                                          # no loss on the first 4 tokens
+engine = stream.Trainer(cfg, w0, device=DEV, dtype=torch.float32, grad_clip=0.0, micro_batches=2, **HP)
+ours = PingPong(cfg, w0, micro_batches=2, **HP)
+losses = [(ours.step(*b), engine.step(*b)) for b in batches]
+ours.wait()
+w_engine = engine.weights()
+w_ours = {k: v for u, lay in enumerate(ours.units) for k, v in lay.key_views(ours.opt.master[u]).items()}
+diff = {k: w_ours[k] - w_engine[k] for k in w0}
+loss_rel = max(abs(a - b) / b for a, b in losses)
+w_abs = max(d.abs().max().item() for d in diff.values())
+w_rel = (sum(d.pow(2).sum() for d in diff.values()) / sum(w.pow(2).sum() for w in w_engine.values())).sqrt().item()
+bitwise = all(a == b for a, b in losses) and w_abs == 0
+print("losses, by hand / stream.Trainer:", "   ".join(f"{a:.9f} / {b:.9f}" for a, b in losses))
+print(f"losses max rel diff {loss_rel:.1e}; weights max |diff| {w_abs:.1e}, ||diff|| / ||w|| {w_rel:.1e}; "
+      f"bit for bit: {bitwise}")
 
 # %% [markdown]
-# Read the two pictures (`#` compute, `>` H2D, `<` D2H, `a` the CPU's AdamW, `.` the host issuing ops):
+# ## 4. What the schedule issued
 #
-# * **4 x 4096** -- the step opens with the GPU idle: without clipping, layer 0 is updated last (the backward
-#   runs L-1 .. 0), and the next forward starts with layer 0's copy, which waits for that update. With four
-#   layers that bubble is a fifth of the step; the CPU AdamW (~38 B/param of DRAM traffic) is busy most of it.
-# * **8 x 4096** -- twice the tokens per layer visit: every copy hides under a longer compute, the compute
-#   row is nearly solid, and each update finishes while the GPU is still working on lower layers.
-#
-# The planner (`plan.py`) models the same schedule analytically; the two are independent and agree to a few
-# tenths of a percent (`bench/twin_vs_plan.py`: every row of the README's 100b/120b table). All 32 layers of
-# the 7B model, from the planner, which answers in milliseconds:
+# On the CPU every op ran as it was issued: the numbers cannot tell a missing wait from a present one, the log
+# can. Step 2 begins with the host waiting for step 1's AdamW of layer 0 (unit 1):
 
 # %%
-for B in (1, 4, 8):
-    p = planner.plan(model.PRESETS["7b"], "h100", batch_size=B, seq_len=4096, grad_clip=0.0)
-    print(f"{B} x 4096 tokens, 32 layers: step {p['step_time_s']:5.2f} s, {p['tokens_per_s']:6,.0f} tokens/s, "
-          f"GPU busy {p['utilization']['compute']:.0%}, bound by {p['bottleneck']}")
+for lane, kind, what, reads, writes in [e for e in ours.log[ours.steps[1]:] if e[0] != "cpu adam"][:9]:
+    print(f"  {lane:<8} {kind:<7}", f"{what:<4} {', '.join(reads)} -> {', '.join(writes)}" if kind == "op"
+          else what.name)
 
 # %% [markdown]
-# Lesson 5 turns this into the rule "tokens per layer visit >= F * bytes / (2 * BW)".
+# ## 5. Happens-before, checked
 #
-# ![twin timeline](figures/timeline.png)
+# On a GPU op a surely finishes before op b starts only if lane order and events chain a to b. Replay the log
+# with a **vector clock** per lane (how many ops of each lane it knows finished): an op ticks its own lane,
+# `record` copies the lane's clock into the event, `wait` takes the maximum with it, and the device lanes take
+# in the host's clock (the host issues their work). Then a happens before b when b's clock has counted a, and:
 #
-# (`python tutorials/make_figures.py` draws these two replays.)
-#
-# ## 5. On a GPU: the real timeline
-#
-# With CUDA, profile one step of `stream.Trainer` (after a warm-up step) on a small model and draw the
-# same ASCII picture from the trace: every kernel and copy the GPU ran, by stream. The full trace is
-# written as JSON; open it in https://ui.perfetto.dev to see the same rows (`python train.py --profile`
-# does this for a training run, the optimizer thread included).
+# * two ops on two lanes touching one buffer, one writing it, must be ordered -- else on a GPU the result
+#   depends on timing, a **race** (`wslot`: slot_loaded and slot_free; `gslot`: gslot_free; `grad`: the
+#   landed gradient; `master`: an update before the next copy; `loss`: loss_ready);
+# * an op that reads a weight slot must read the unit that the last copy ordered before it put there.
 
 # %%
-def profile_rows(trace_path, width=96):
-    """Busy intervals per CUDA stream from a Chrome trace: kernels '#', H2D '>', D2H '<', memset '.'."""
-    events = [e for e in json.load(open(trace_path))["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not events:
-        print("  the trace holds no GPU activity (is CUPTI available?); open it in Perfetto to see why")
-        return 0.0, None
-    t0 = min(e["ts"] for e in events)
-    t1 = max(e["ts"] + e["dur"] for e in events)
-    rows, busy = {}, {}
-    for e in events:
-        sid = e.get("args", {}).get("stream", e.get("tid"))
-        row = rows.setdefault(sid, [" "] * (width + 1))
-        mark = "#" if e["cat"] == "kernel" else "." if e["cat"] == "gpu_memset" else \
-            ">" if "HtoD" in e["name"] else "<" if "DtoH" in e["name"] else "="
-        a, b = int((e["ts"] - t0) / (t1 - t0) * width), int((e["ts"] + e["dur"] - t0) / (t1 - t0) * width)
-        for c in range(a, max(a + 1, b)):
-            row[c] = mark
-        busy[sid] = busy.get(sid, 0.0) + e["dur"]
-    for sid in sorted(rows):
-        print(f"  stream {str(sid):<4}" + "".join(rows[sid]).rstrip() + f"   busy {busy[sid] / 1e3:.1f} ms")
-    return (t1 - t0) / 1e3, len(rows)
+Op = namedtuple("Op", "lane tick clock what reads writes")
+DEVICE_LANES = ("h2d", "compute", "d2h")
 
 
-if torch.cuda.is_available():
-    gcfg = dataclasses.replace(model.PRESETS["toy"], n_layer=6, d_model=1024, n_head=8, n_kv_head=8, d_ff=2816)
-    gt = stream.Trainer(gcfg, model.init_weights(gcfg, 0), device="cuda", micro_batches=2)
-    gen = torch.Generator().manual_seed(0)
-    batch = (torch.randint(0, 256, (8, 512), generator=gen), torch.randint(0, 256, (8, 512), generator=gen))
-    gt.step(*batch)                                   # warm-up: allocations, kernel selection
-    gt.weights()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        gt.step(*batch)
-        gt.weights()
-        torch.cuda.synchronize()
-    trace = os.path.join(tempfile.gettempdir(), "megatrain_min_lesson04_trace.json")
-    prof.export_chrome_trace(trace)
-    print(f"real step on {torch.cuda.get_device_name()} (6 layers, d=1024, 8 x 512 tokens): trace {trace}")
-    span_ms, n_streams = profile_rows(trace)
-    if n_streams:
-        print(f"  GPU span {span_ms:.1f} ms on {n_streams} streams")
-else:
-    n_streams = None
-    print("no CUDA: skipping the real profile (the twin above replays the same op stream)")
+def replay(log):
+    clocks, recorded, ops = {}, {}, []
+    join = lambda c, other: c.update({k: max(c.get(k, 0), t) for k, t in other.items()})  # noqa: E731
+    for lane, kind, what, reads, writes in log:
+        c = clocks.setdefault(lane, {})
+        if lane in DEVICE_LANES:
+            join(c, clocks.get("host", {}))
+        if kind == "record":
+            recorded[id(what)] = dict(c)                           # an event is known by its identity
+        elif kind == "wait":
+            join(c, recorded[id(what)])
+        else:
+            c[lane] = c.get(lane, 0) + 1
+            ops.append(Op(lane, c[lane], dict(c), what, reads, writes))
+    return ops
+
+
+def check(ops):
+    """(races, ordered conflicting pairs per kind of buffer, reads of a weight slot holding the wrong unit)."""
+    before = lambda a, b: b.clock.get(a.lane, 0) >= a.tick                 # noqa: E731
+    races, ordered, wrong = [], Counter(), []
+    for k, a in enumerate(ops):
+        for b in ops[k + 1:]:
+            shared = (set(a.writes) & set(b.reads + b.writes)) | (set(a.reads) & set(b.writes))
+            if a.lane != b.lane and shared and (before(a, b) or before(b, a)):
+                ordered.update(buf.split("[")[0] for buf in shared)
+            elif a.lane != b.lane and shared:
+                races.append((a, b, sorted(shared)))
+        for slot in [r for r in a.reads if r.startswith("wslot")]:
+            copies = [c for c in ops if slot in c.writes and before(c, a)]
+            if not copies or copies[-1].what.split(">")[0] != a.what.rstrip("'"):
+                wrong.append(a)
+    return races, ordered, wrong
+
+
+ops = replay(ours.log)
+races, ordered, wrong = check(ops)
+print(f"{len(ops)} ops in 3 steps; {sum(ordered.values())} conflicting pairs on two lanes, all ordered "
+      f"({', '.join(f'{k} {n}' for k, n in ordered.items())}); {len(races)} races; {len(wrong)} wrong slot reads")
 
 # %% [markdown]
+# A slip a refactoring could make: an h2d lane that forgets its waits. On the CPU no number changes -- every op
+# still runs in program order -- but the checker sees copies into a slot that compute may still be reading:
+
+# %%
+forgetful = PingPong(cfg, w0, micro_batches=2, **HP)
+forgetful.h2d.forgetful = True
+same = [forgetful.step(*b) for b in batches[:2]] == [a for a, _ in losses[:2]]
+forgetful.wait()
+bad = check(replay(forgetful.log))[0]
+a, b, bufs = bad[0]
+print(f"forgetful h2d lane: same losses {same}; {len(bad)} races, e.g. {a.lane} {a.what!r} / {b.lane} {b.what!r} "
+      f"on {bufs}")
+
+# %% [markdown]
+# ## 6. The timeline
+#
+# Give every op the same duration and start it once all that happens before it has finished: the overlap the
+# events allow (lesson 10 replays the engine with real durations). Steps 1 and 2, one column per op: `1>B`
+# copies layer 1 into slot B, `1` is its forward, `H` the head (forward and backward), `1'` the recompute and
+# backward of layer 1, `g1` its gradient to the host, `a1` its AdamW; `dy` and `aE`: the embedding's.
+
+# %%
+col, end = [], {}                             # the column each op starts in; (lane, tick) -> the column after it
+for o in ops:
+    last = [(lane, t - (lane == o.lane)) for lane, t in o.clock.items()]     # each lane's last op before o
+    col.append(max([end[p] for p in last if p[1] > 0] + [0]))
+    end[o.lane, o.tick] = col[-1] + 1
+at = lambda lane, what: [c for o, c in zip(ops, col) if (o.lane, o.what) == (lane, what)]   # noqa: E731
+width = at("compute", "0")[2]                 # up to step 3's first layer
+for lane in (*DEVICE_LANES, "cpu adam"):
+    cells = [" " * 4] * width
+    for o, c in zip(ops, col):
+        if o.lane == lane and c < width:
+            cells[c] = f"{o.what:<4}"
+    print(f"  {lane:<8}|{''.join(cells).rstrip()}")
+
+# %% [markdown]
+# In the forward each copy runs beside the compute before it (`1>B` under `0`). The head sits in slot A, which
+# layer 2 needs next, so `2>A` waits for `H`; layer 3 needs no copy in the backward. Gradients leave one visit
+# behind the compute, AdamW runs one behind them. Step 2's first copy waits for `a0` and its first layer for
+# `aE` (the rows come from the updated embedding): the backward ends with the units the next forward needs
+# first. That bubble is a large part of a 4-layer step and a small one of a 32-layer step.
+#
 # ## Check
 #
-# * the engine on checked lanes has no race, one device sync per step, and the schedule's weight copies;
-# * an H2D lane that does not wait is caught, naming the weight slot it races on;
-# * the twin and the planner agree on the step time within 10%, overlap pays (the GPU computes most of the
-#   8 x 4096 step), and with CUDA the trace shows work on at least 3 streams.
+# By hand == `stream.Trainer` (bit for bit on the CPU, within 1e-6 anywhere); every conflicting pair ordered,
+# every slot read the right unit, a forgetful h2d lane caught; the forward copies overlap the compute before
+# them, and step 2 starts right after `a0`.
 
 # %%
-assert not clean.races and len(clean.steps) == 3
-for s in clean.steps[:2]:
-    assert sum(n for where, n in s["syncs"].items() if where.startswith("host_wait")) == 1
-    assert s["copies"] == {f"layer.{i}": 2 for i in range(cfg.n_layer - 1)} | {f"layer.{cfg.n_layer - 1}": 1, "head": 1}
-assert any(r["buffer"].startswith("wslot") for r in broken.races), broken.summary()
-for B, (tw, r, p) in timelines.items():
-    assert 0.9 <= r["step_time_s"] / p["step_time_s"] <= 1.1, (B, r["step_time_s"], p["step_time_s"])
-assert timelines[8][1]["overlap"] >= 0.8 and timelines[8][1]["overlap"] > timelines[4][1]["overlap"]
-if n_streams is not None:
-    assert n_streams >= 3, n_streams
-print(f"OK  clean engine: 0 races; forgetful H2D lane: {len(broken.races)} races, first on {broken.races[0]['buffer']}; "
-      f"twin/plan {timelines[8][1]['step_time_s'] / timelines[8][2]['step_time_s']:.3f} at 8 x 4096, GPU busy "
-      f"{timelines[8][1]['overlap']:.0%}")
+assert loss_rel <= 1e-6 and w_rel <= 1e-6, (loss_rel, w_rel)
+assert bitwise or CUDA, "on the CPU the same ops in the same order give the same bits"
+assert not races and not wrong and ordered["wslot"] and ordered["gslot"] and ordered["grad"]
+assert (same or CUDA) and any("wslot[0]" in bufs or "wslot[1]" in bufs for _, _, bufs in bad)   # GPU: a real race
+assert all(at("h2d", f"{i + 1}>{'AB'[(i + 1) % 2]}")[0] == at("compute", str(i))[0] for i in range(cfg.n_layer - 1))
+assert at("h2d", "0>A")[2] == at("cpu adam", "a0")[0] + 1
+print(f"OK  by hand == stream.Trainer over 3 steps: losses {loss_rel:.0e}, weights max |diff| {w_abs:.0e} "
+      f"(bit for bit: {bitwise}); {sum(ordered.values())} conflicting pairs ordered, 0 races; "
+      f"forgetful h2d: {len(bad)} races")

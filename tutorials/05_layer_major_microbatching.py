@@ -11,10 +11,10 @@
 # * how `megatrain_min.plan` turns those rules into a step-time prediction, and what micro-batches buy
 #   (GPU memory), and what they do not (time).
 #
-# Lesson 4 showed the timeline: with 4k tokens per visit a 7B layer's copy outlasted its forward and the
-# GPU idled; with 32k it did not. Here we find the threshold.
+# Lesson 4 built the ping-pong: the copy of layer i+1 runs beside the compute of layer i. It is hidden only
+# when that compute takes longer than the copy. Here we find how many tokens that takes.
 #
-# Run it: `python tutorials/05_layer_major_microbatching.py` (a few seconds on a CPU).
+# Run it: `python tutorials/05_layer_major_microbatching.py` (~5-15 s on a 2-core CPU).
 
 # %%
 import sys
@@ -110,14 +110,15 @@ print(f"loss M=1 {losses[1]:.7f}, M=4 {losses[4]:.7f} (rel diff {loss_rel:.1e});
 # Likewise the gradient hides behind the backward when 6 P T / F >= 4 P / BW, i.e. T >= 2 F / (3 BW),
 # and the CPU update of the whole model hides behind the whole step's compute (8 P T per layer) when
 # T >= 38 F / (8 BW_dram). Only the number of tokens per layer visit appears -- and layer-major
-# micro-batching is what makes that the tokens of the *whole step*, not of one micro-batch.
+# micro-batching is what makes that the tokens of the *whole step*, not of one micro-batch. With the
+# example numbers of [docs/design.md](../docs/design.md) -- 500 TFLOP/s, bf16, 55 GB/s -- about 9k tokens:
 
 # %%
 def min_tokens(F, bw_h2d, bw_d2h, bw_dram, b=2, adam_bytes=38):
     return dict(h2d=F * b / (2 * bw_h2d), d2h=F * 4 / (6 * bw_d2h), cpu_adam=F * adam_bytes / (8 * bw_dram))
 
 
-print("DESIGN.md's example, 500 TFLOP/s, bf16, 55 GB/s:",
+print("docs/design.md's example, 500 TFLOP/s, bf16, 55 GB/s:",
       f"T >= {min_tokens(500e12, 55e9, 55e9, 200e9)['h2d']:,.0f} tokens per step")
 ours = {}
 for name in ("h100", "gh200"):

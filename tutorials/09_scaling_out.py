@@ -15,7 +15,7 @@
 # Lessons 3-5 put the store in host memory and streamed it through one GPU. Here the same engine runs on N
 # processes joined by torch.distributed (gloo on this CPU; NCCL on GPUs, launched by torchrun).
 #
-# Run it: `python tutorials/09_scaling_out.py` (~10-30 s on a 2-core CPU: it starts 2 processes).
+# Run it: `python tutorials/09_scaling_out.py` (~10-20 s on a 2-core CPU: it starts 3 processes).
 
 # %%
 import json

@@ -3,9 +3,9 @@
     pip install -r requirements-docs.txt     # matplotlib: a docs-only dependency
     python tutorials/make_figures.py         # rewrites tutorials/figures/*.png (a few seconds)
 
-timeline.png    lesson 4's twin replay (4 layers of Llama-2-7B on the h100 profile) at 4 x 4096 and 8 x 4096
+timeline.png    lesson 10's twin replay (4 layers of Llama-2-7B on the h100 profile) at 4 x 4096 and 8 x 4096
                 tokens per step: the lanes host, H2D, compute, D2H, CPU AdamW. The spans come from running
-                lesson 4 itself (its `timelines`), so picture and lesson cannot drift apart.
+                lesson 10 itself (its `timelines`), so picture and lesson cannot drift apart.
 throughput.png  lesson 5: megatrain_min.plan's tokens/s for 7b against tokens per step on h100 and gh200,
                 with the thresholds T >= F b / (2 BW) etc. marked.
 memory.png      lesson 6: host memory of 120b by component (planner), fast/lean x clipping, against 1.5 TB.
@@ -32,13 +32,13 @@ OUT = HERE / "figures"
 OUT.mkdir(exist_ok=True)
 COLORS = {"host": "#937860", "h2d": "#4c72b0", "compute": "#55a868", "d2h": "#dd8452", "cpu_adam": "#c44e52"}
 
-# ----------------------------------------------------------------------------- timeline (lesson 4)
+# ----------------------------------------------------------------------------- timeline (lesson 10)
 with contextlib.redirect_stdout(io.StringIO()):
-    lesson4 = runpy.run_path(str(HERE / "04_three_streams.py"))
+    lesson10 = runpy.run_path(str(HERE / "10_proving_the_schedule.py"))
 lanes = list(COLORS)
-fig, axes = plt.subplots(len(lesson4["timelines"]), 1, figsize=(10, 2.4 * len(lesson4["timelines"])),
+fig, axes = plt.subplots(len(lesson10["timelines"]), 1, figsize=(10, 2.4 * len(lesson10["timelines"])),
                          constrained_layout=True)
-for ax, (B, (tw, r, p)) in zip(axes, lesson4["timelines"].items()):
+for ax, (B, (tw, r, p)) in zip(axes, lesson10["timelines"].items()):
     t0, t1 = tw.first_compute[-3].start, tw.first_compute[-2].start
     for s_ in tw.spans:
         if s_.label != "wait" and s_.end > t0 and s_.start < t1 and s_.end > s_.start:
