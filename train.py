@@ -47,8 +47,10 @@ from optim import HyperParameterError, check_hyper, lr_at
 from stream import Trainer, default_dtype
 
 
-# torchrun sets these: rank RANK of WORLD_SIZE processes (megatrain_min/sharded.py); a plain run is rank 0 of 1
+# torchrun sets these: rank RANK of WORLD_SIZE processes (megatrain_min/sharded.py), LOCAL_WORLD_SIZE of them on each
+# node; a plain run is rank 0 of 1
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+GPUS = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))    # ranks (GPUs) per node
 if RANK:
     sys.stdout = open(os.devnull, "w")  # only rank 0 prints; errors: see fail
 quiet = RANK > 0                        # until the outputs section, every rank finds the same errors: rank 0 says them
@@ -209,8 +211,8 @@ try:
     cfg.check()
 except ValueError as e:
     fail(str(e))
-try:
-    device = model.check_device(args.device)
+try:  # under torchrun: this rank's GPU, made current before anything touches CUDA (else a context on GPU 0)
+    device = sharded.rank_device(args.device) if WORLD > 1 else model.check_device(args.device)
 except ValueError as e:
     fail(f"--device: {e}")
 dtype = planner.DTYPES[args.dtype] if args.dtype else default_dtype(device.type)
@@ -252,7 +254,8 @@ def make_plan(hardware):
                             dtype=args.dtype or (None if hardware != "local" else planner.DTYPE_NAMES[dtype]),
                             grad_clip=args.grad_clip, offload_checkpoints=offload, residual_dtype=args.residual_dtype,
                             chunk_tokens=args.chunk_tokens or None, host_mem_gb=args.host_mem,
-                            host_bw_gbs=args.host_bw, name=args.config, tile_tokens=args.tile_tokens)
+                            host_bw_gbs=args.host_bw, name=args.config, tile_tokens=args.tile_tokens,
+                            gpus=GPUS, nodes=WORLD // GPUS, device=device)   # torchrun: N GPUs, this rank's
     except ValueError as e:  # an unknown --hardware, say
         fail(str(e))
 
@@ -282,8 +285,10 @@ if args.engine == "stream":  # refuse before anything is allocated
 print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}")
 print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual stream | "
       f"engine {args.engine} | {tokens_per_step:,} tokens/step in {args.micro_batches} micro-batch(es)")
-print(f"plan: host {pl['host_bytes'] / 1e9:.2f} GB ({pl['host_bytes_per_param']:.1f} B/param in the store), "
-      f"device {pl['gpu_bytes'] / 1e9:.2f} GB, checkpoints {'offloaded' if offload else 'on the device'}, "
+print(f"plan{f' for {WORLD} ranks ({GPUS} per node)' if WORLD > 1 else ''}: "
+      f"host {pl['host_bytes'] / 1e9:.2f} GB{' per node' if WORLD > 1 else ''} "
+      f"({pl['host_bytes_per_param']:.1f} B/param in the store), "
+      f"device {pl['gpu_bytes'] / 1e9:.2f} GB{' per GPU' if WORLD > 1 else ''}, checkpoints {'offloaded' if offload else 'on the device'}, "
       f"layer {planner.tiling(pl)}; "
       f"predicted {pl['tokens_per_s']:,.0f} tokens/s, bound by {pl['bottleneck']} (--plan for the breakdown)")
 
@@ -593,7 +598,9 @@ print(f"done: {args.steps} steps in {elapsed:.0f}s, final val loss {val_loss:.4f
 
 # ----------------------------------------------------------------------------- export and sample
 if hf_dir is not None:
-    final = trainer.weights(copy=False) if args.engine == "stream" else trainer.weights()  # torchrun: every rank
+    # torchrun: a collective, every rank calls it; the whole model lands on rank 0 alone, which writes it
+    final = trainer.weights(to=0) if WORLD > 1 else trainer.weights(copy=False) if args.engine == "stream" else \
+        trainer.weights()
     try:
         if RANK == 0:
             hf.save_hf(cfg, final, hf_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.save_hf_dtype],
@@ -605,7 +612,7 @@ if hf_dir is not None:
              f"checkpoint is {checkpoint.latest(out) or 'none'}", 4)
     print(f"saved a Hugging Face checkpoint to {hf_dir} ({args.save_hf_dtype})")
 if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
-    final = trainer.weights()  # torchrun: a collective, every rank; rank 0 samples
+    final = trainer.weights(to=0) if WORLD > 1 else trainer.weights()  # torchrun: a collective; rank 0 samples
     ctx = torch.tensor([list(b"\n")], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     # the sample's context: the trained length (RoPE positions past --seq-len were never seen: the text degenerates

@@ -113,16 +113,19 @@ def host_available_bytes():
     return avail
 
 
-def local_hardware():
-    """This machine, detected now. A GPU: its free memory, speeds from the matching profile (unknown
-    GPUs get modest guesses). No GPU: the CPU computes and copies are memcpys; GPU memory 0."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
+def local_hardware(device=None):
+    """This machine, detected now, for a run on `device` (None: the current CUDA device when there is one, else the
+    CPU). A GPU: its free memory, speeds from the matching profile (unknown GPUs get modest guesses). The CPU:
+    it computes and copies are memcpys; GPU memory 0. Nothing touches a GPU other than `device`'s."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        name = torch.cuda.get_device_name(dev)
         key = next((k for k in ("gh200", "h200", "h100", "a100", "rtx4090")   # gh200 before h200
                     if k.removeprefix("rtx") in name.lower()), None)
         hw = dict(HARDWARE[key]) if key else dict(bf16_tflops=100, fp32_tflops=20, frac=0.5, hbm_gbs=1000,
                                                   h2d_gbs=25, d2h_gbs=25, host_bw_gbs=50, nvlink_gbs=12, ib_gbs=10)
-        hw.update(gpu=name, gpu_mem_gb=torch.cuda.mem_get_info(0)[0] / GB, profiled=key is not None)
+        hw.update(gpu=name, gpu_mem_gb=torch.cuda.mem_get_info(dev)[0] / GB, profiled=key is not None)
     else:  # ~0.1 TFLOP/s per core in fp32 (AVX2/AVX-512 FMA), bf16 matmuls much slower on most CPUs
         cores, bw = os.cpu_count() or 1, 20
         hw = dict(gpu="cpu", gpu_mem_gb=0, bf16_tflops=0.02 * cores, fp32_tflops=0.1 * cores, frac=0.5,
@@ -131,11 +134,11 @@ def local_hardware():
     return dict(hw, name="local", host_mem_gb=host_available_bytes() / GB)
 
 
-def resolve_hardware(hardware, host_mem_gb=None, host_bw_gbs=None):
+def resolve_hardware(hardware, host_mem_gb=None, host_bw_gbs=None, device=None):
     if isinstance(hardware, dict):
         hw = dict(hardware)
     elif hardware == "local":
-        hw = local_hardware()
+        hw = local_hardware(device)
     elif hardware in HARDWARE:
         hw = dict(HARDWARE[hardware], name=hardware)
     else:
@@ -168,7 +171,7 @@ def peak_tflops(hw, dtype):
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
          grad_clip=0.0, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
          residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
-         tile_tokens=None, gpus=1, nodes=1):
+         tile_tokens=None, gpus=1, nodes=1, device=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
     hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
@@ -182,6 +185,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     finite_only), never a gradient store. pinned_pow2: model torch's pinned allocator as it
     is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice (tile_for).
+    device: with hardware "local", the device the run trains on (its free memory; None: local_hardware's choice).
     gpus, nodes: megatrain_min/sharded.py on gpus per node x nodes ranks (N), batch_size the global batch: each
     rank computes batch_size / N sequences in micro_batches and holds 1/N of the host store; host memory is then
     per node, GPU memory per GPU. Each visit adds an all_gather of the unit (compute dtype) and a reduce_scatter
@@ -189,7 +193,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     within a node, InfiniBand per GPU (ib_gbs) as soon as the ring crosses nodes. The node's AdamW threads share its
     DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few bytes), collective latency.
     """
-    hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs)
+    hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs, device)
     cuda = hw["gpu_mem_gb"] > 0
     dtype = dtype or DTYPE_NAMES[stream.default_dtype("cuda" if cuda else "cpu")]
     seq_len = seq_len or cfg.max_seq_len
@@ -235,7 +239,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         if world > 1:  # sharded.py: H2D lands in a weight shard, reduce_scatter writes a grad shard (2 each); the
             # embedding's rows of the whole step cross PCIe before their reduce_scatter, dy is all_gathered whole
             gpu[f"shards: 2 weight + 2 fp32 grad of {count(shard(n_slot))}"] = 2 * shard(n_slot) * (cb + 4)
-            gpu["embedding rows and dy of the whole step"] = tokens_step * cfg.d_model * max(row_b, rb)
+            # (made on the H2D and comm lanes: blocks of their own pools, which compute's allocations cannot reuse)
+            gpu["embedding rows and dy of the whole step"] = tokens_step * cfg.d_model * (row_b + rb)
         gpu.update(stream.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
                                             chunk_tokens or model.default_chunk_tokens(cfg), n_slot,
                                             seq_len=seq_len, tile_tokens=tile))
@@ -567,7 +572,8 @@ def _replan(p, **change):
               micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
               offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
               residual_dtype=p["residual_dtype"], staging_slabs=p["staging_slabs_asked"],
-              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], host_speed=p["host_speed"], tile_tokens=p["tile_asked"])
+              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], host_speed=p["host_speed"],
+              tile_tokens=p["tile_asked"], gpus=p["gpus"], nodes=p["nodes"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the maths has no limit)

@@ -118,6 +118,7 @@ class ShardedTrainer(stream.Trainer):
             self.finite_dev = torch.ones(len(self.units), dtype=torch.float32, device=self.dev)
         self.finite = torch.ones(len(self.units), dtype=torch.float32, pin_memory=self.lanes.pin)   # host copy
         self.shard_free, self.gshard_free = [None, None], [None, None]   # gather -> H2D, D2H -> reduce_scatter
+        self.rows_written = (None, [])     # the pinned rows buffer and the (tokens, columns) last written in it
         lo, hi = self.owned(self.embed)                                   # the table: the unit's first V*d
         self.table_pieces = row_pieces(lo, min(hi, cfg.vocab_size * cfg.d_model), cfg.d_model)
         self.lanes.synchronize()           # the shards exist before any lane's first touch of them
@@ -263,10 +264,16 @@ class ShardedTrainer(stream.Trainer):
             src = self.opt.shadow[self.embed]
         tokens = b.tokens.reshape(-1)                                         # (B*T,) the whole step's ids
         part = self.pinned("rows", (tokens.numel(), d), src.dtype)           # (B*T, d) pinned
-        part.zero_()
+        if self.rows_written[0] is not part:                                  # a new buffer: zeros, once
+            part.zero_()
+        for sel, c0, c1 in self.rows_written[1]:                              # else only last step's rows: the
+            part[sel, c0:c1] = 0                                              # work shrinks with N, not the batch
+        written = []
         for r0, r1, c0, c1, o in self.table_pieces:
             sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
             part[sel, c0:c1] = src[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)[tokens[sel] - r0]
+            written.append((sel, c0, c1))
+        self.rows_written = (part, written)
         B, T = b.tokens.shape
         with self.h2d():                                  # made on the lane that writes it, read on comm (keep)
             full = torch.empty(part.shape, dtype=part.dtype, device=self.dev)
@@ -319,10 +326,11 @@ class ShardedTrainer(stream.Trainer):
             self.finite[self.embed] = float(ok)
 
     # ------------------------------------------------------------------ the whole model, on every rank
-    def weights(self, copy=True):
-        """{key: fp32 CPU tensor} of the whole model, on every rank (a collective: every rank calls it): each
-        unit's master shards gathered through grad slot 0. Always copies; the whole model is then in every rank's
-        host memory -- for samples and exports of models that fit; checkpoints are the way to keep a big one."""
+    def weights(self, copy=True, to=None):
+        """{key: fp32 CPU tensor} of the whole model (a collective: every rank calls it): each unit's master shards
+        gathered on the device through grad slot 0, one unit at a time, then copied to the host of rank `to` only
+        (the others get {} and hold nothing: an export of 70b is 280 GB), or of every rank (to=None: for samples of
+        models that fit). Always copies; checkpoints are the way to keep a big model."""
         self.wait()
         out = {}
         for u, lay in enumerate(self.units):
@@ -330,21 +338,35 @@ class ShardedTrainer(stream.Trainer):
             with self.comm():   # the device is idle (wait): blocking copies, the host waits for each
                 self.gshard[0][:s].copy_(self.opt.master[u])
                 self._gather(self.gslot[0][:self.world * s], self.gshard[0][:s])
-                full = self.gslot[0][:lay.numel].to("cpu", copy=True)
-            out.update(lay.key_views(full))
+                if to is None or to == self.rank:
+                    out.update(lay.key_views(self.gslot[0][:lay.numel].to("cpu", copy=True)))
         return out
 
 
 # ----------------------------------------------------------------------------- joining a run
+def rank_device(device=None):
+    """This rank's torch.device, made current: with CUDA, cuda:LOCAL_RANK -- or cuda:0 when the launcher gave each
+    rank one GPU of its own (CUDA_VISIBLE_DEVICES) -- else the CPU. Call it before anything touches CUDA: the first
+    CUDA call of a thread makes a context on its current device (GPU 0 unless set). ValueError (one line) when
+    LOCAL_RANK names a GPU this process does not see."""
+    dev = model.check_device(device)
+    if dev.type != "cuda":
+        return dev
+    local, seen = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if seen > 1 and local >= seen:
+        raise ValueError(f"LOCAL_RANK {local} but this process sees {seen} CUDA devices; give each rank its own GPU "
+                         f"(torchrun --nproc-per-node at most {seen}) or one visible device per rank")
+    dev = torch.device("cuda", local if seen > 1 else 0)
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def init_from_env(device=None):
     """Join the run torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-    in the environment): NCCL with each rank on its own GPU, cuda:LOCAL_RANK, or gloo on CPUs. device: "cuda",
-    "cpu" or None (cuda when there is one). Returns the torch.device of this rank."""
-    local = int(os.environ["LOCAL_RANK"])
-    dev = model.check_device(device)
+    in the environment): NCCL with each rank on its own GPU (rank_device), or gloo on CPUs. device: "cuda", "cpu"
+    or None (cuda when there is one). Returns the torch.device of this rank."""
+    dev = rank_device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
         dist.init_process_group("nccl", device_id=dev, timeout=TIMEOUT)
     else:
         dist.init_process_group("gloo", timeout=TIMEOUT)

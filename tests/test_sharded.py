@@ -236,6 +236,33 @@ def test_train_py_under_torchrun_writes_the_losses_of_one_process(tmp_path, mult
             assert _close(got, want) <= 1e-5
 
 
+def test_the_plan_under_torchrun_is_for_its_ranks(tmp_path, multi_gpu_smoke):
+    """Under torchrun the plan is made for the run's ranks (LOCAL_WORLD_SIZE GPUs per node, WORLD_SIZE in all):
+    host memory per node, the device's per GPU -- not for one GPU (which refuses runs that fit on N)."""
+    r = _run(tmp_path, "o", "--plan", "--json", env=dict(RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2"))
+    p = json.loads(r.stdout)
+    assert (p["gpus"], p["nodes"], p["world"]) == (2, 2, 4), r.stdout[:300]
+    one = json.loads(_run(tmp_path, "o", "--plan", "--json").stdout)
+    master, master1 = p["host"]["fp32 master"], one["host"]["fp32 master"]
+    assert one["world"] == 1 and master1 / 2 <= master <= master1 / 2 + 4 * 4 * 10   # half the store per node
+    log = (multi_gpu_smoke / "exact-2.log").read_text()
+    assert "plan for 2 ranks (2 per node): host" in log and "per GPU" in log, log[:2000]
+
+
+def _export_rank():
+    """A 2-rank ShardedTrainer's weights(to=0): every tensor on rank 0, nothing on the others."""
+    cfg = UNTIED
+    t = sharded.ShardedTrainer(cfg, model.init_weights(cfg, 0), device="cpu")
+    return {k: v.shape for k, v in t.weights(to=0).items()}, sorted(t.weights())
+
+
+def test_an_export_gathers_the_weights_on_rank_0_alone():
+    (w0, every0), (w1, every1) = sharded.spawn(_export_rank, 2)[0]
+    keys = sorted(model.init_weights(UNTIED, 0))
+    assert sorted(w0) == keys == every0 == every1 and w1 == {}
+    assert all(tuple(w0[k]) == tuple(v.shape) for k, v in model.init_weights(UNTIED, 0).items())
+
+
 def test_train_py_under_torchrun_refuses_a_batch_the_ranks_cannot_split(tmp_path):
     """Checked before the ranks join (so torchrun's environment alone shows it): one line, exit 2, nothing made."""
     r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=dict(RANK="0", WORLD_SIZE="2"))
