@@ -51,6 +51,7 @@ from stream import Trainer, default_dtype
 # node; a plain run is rank 0 of 1
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 GPUS = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))    # ranks (GPUs) per node
+SHUTDOWN_S = 30   # torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
 if RANK:
     sys.stdout = open(os.devnull, "w")  # only rank 0 prints; errors: see fail
 quiet = RANK > 0                        # until the outputs section, every rank finds the same errors: rank 0 says them
@@ -437,7 +438,10 @@ for p in held:  # under the lock: nobody else writes here now
 if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RANK), or gloo on CPUs
     device = sharded.init_from_env(args.device)
     print(f"torchrun: {WORLD} ranks, each holding 1/{WORLD} of the host store and computing "
-          f"{args.batch_size // WORLD} of the {args.batch_size} sequences of a step")
+          f"{args.batch_size // WORLD} of the {args.batch_size} sequences of a step; a checkpoint writes "
+          f"{12 * n_params / (WORLD // GPUS) / 1e9:.1f} GB per node. A SIGTERM to torchrun stops the ranks with a "
+          f"save, and torchrun SIGKILLs them {SHUTDOWN_S} s later unless launched with --shutdown-timeout SECONDS: "
+          f"the first save says how long one takes")
 weights = init_weights if init_weights is not None else model.LazyInit(cfg, seed=args.seed)  # read unit by unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 try:  # a tensor of --init-from that is not finite, say: one line naming it
@@ -515,14 +519,25 @@ signal.signal(signal.SIGINT, request_stop)
 def save(step_done):
     if args.engine != "stream":
         return None
+    t0 = time.time()
     try:
-        return checkpoint.save(trainer, out, step_done, {"run": run_id, "data": train_batches.state_dict(),
+        path = checkpoint.save(trainer, out, step_done, {"run": run_id, "data": train_batches.state_dict(),
                                                          "rng": checkpoint.rng_state(), "args": vars(args),
                                                          "skips": n_skips, "val_loss": val_loss}, keep=args.keep)
     except checkpoint.NonFiniteError as e:
         fail(f"{e}; the last good checkpoint is {checkpoint.latest(out) or 'none'}. Try a lower --lr", 3)
     except checkpoint.SaveError as e:
         fail(f"{e}. Free space (or fix the permission), then continue with --resume", 4)
+    took = time.time() - t0
+    if WORLD > 1 and not saved_once:   # a stop on SIGTERM saves within torchrun's --shutdown-timeout, or is killed
+        saved_once.append(took)
+        tqdm.write(f"checkpoint {path.name} took {took:.1f} s" + (
+            f": more than half of torchrun's default {SHUTDOWN_S} s between its SIGTERM and SIGKILL; launch it with "
+            f"--shutdown-timeout {math.ceil(3 * took)} so that a stop can save" if took > SHUTDOWN_S / 2 else ""))
+    return path
+
+
+saved_once = []  # the first save's seconds (torchrun)
 
 
 peak = planner.peak_tflops(pl["hardware"], pl["dtype"])  # MFU only against a known peak: a profiled GPU, not a CPU

@@ -20,6 +20,9 @@ What it is not
 Fairness: every engine runs the same model, shapes and micro-batches, and none syncs the host inside a step
     (the peers accumulate their loss on the device and read it once, as the engine does); compute_only uses
     the engine's own per-visit functions (model.block_grad, model.head_grad) at the trainer's micro-batches.
+    Each peer runs in a process of its own (`--peer NAME`): the engine's pinned-allocator settings
+    (optim.pin_exact_sizes: big pinned blocks exact-sized, never cached) would make FSDP2's per-step pinned
+    copies pay cudaHostAlloc / cudaFreeHost, which synchronise. Every engine's batch comes from pinned memory.
 Run
     python bench/gpu.py [--out DIR] [--only pinned,sweep,peers,wide] [--profile]   # one GPU, ~5 min
     python bench/gpu.py --smoke --out /tmp/b   # tiny shapes, any machine, < 1 min (tests/test_bench.py)
@@ -109,8 +112,10 @@ def rss():
 
 
 def batch(cfg, B, T, seed=0):
+    """(tokens, targets) (B, T), pinned with CUDA: a non_blocking copy from pageable memory is synchronous."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.vocab_size, (B, T), generator=g), torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    b = torch.randint(0, cfg.vocab_size, (B, T), generator=g), torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    return tuple(t.pin_memory() for t in b) if CUDA else b
 
 
 def time_steps(step, b, warmup, steps, drain=lambda: None):
@@ -319,7 +324,7 @@ def tokens_for(cfg, S):
     return B, T, B
 
 
-def peers_case(S, peak):
+def peers_case(S, peak, smoke, out_dir):
     cfg = dataclasses.replace(S["wide"], n_layer=S["peers_depth"])
     B, T, M = tokens_for(cfg, S)
     out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg), stream=stream_case(cfg, B, T, M, S, peak, offload=False))
@@ -328,24 +333,41 @@ def peers_case(S, peak):
     for name, fused in runs:  # fsdp2 with torch's default AdamW only if the fused CPU kernel failed on it
         if name in out and "error" not in out[name]:
             continue
-        try:
-            if name == "resident_no_ckpt":  # megatrain_min.reference: keeps every activation, no recompute
-                if not CUDA:
-                    out[name] = {"skipped": "no CUDA"}
-                    continue
-                step = ReferenceTrainer(cfg, SameLayers(cfg), device="cuda", dtype=torch.bfloat16, micro_batches=M).step
-            else:
-                step = (resident_ckpt_trainer if name == "resident" else fsdp2_trainer)(cfg, SameLayers(cfg), M, fused)
-            r = time_steps(step, batch(cfg, B, T), S["warmup"], S["steps"])
-            out[name] = rates(cfg, B, T, dict(r, engine=name, n_layer=cfg.n_layer, adamw="fused" if fused else "default",
-                                              earlier_error=out.get(name, {}).get("error")))
-            out[f"vs_{name}"] = out["stream"]["tokens_per_s"] / out[name]["tokens_per_s"]
-        except Exception as e:  # noqa: BLE001 -- an OOM or an FSDP2 failure is a result, not a crash
-            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "earlier_error": out.get(name, {}).get("error"),
-                         "did_not_fit": isinstance(e, torch.OutOfMemoryError)}
-        step = None
-        free_memory()
+        if name == "resident_no_ckpt" and not CUDA:
+            out[name] = {"skipped": "no CUDA"}
+            continue
+        res = out_dir / f"peer-{name}.json"                    # its own process: the allocator settings it finds
+        cmd = [sys.executable, __file__, "--peer", name, "--out", str(res)] + ["--smoke"] * smoke + \
+            ["--default-adamw"] * (not fused)
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        r = json.loads(res.read_text()) if p.returncode == 0 and res.is_file() else \
+            {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+        res.unlink(missing_ok=True)
+        if "error" not in r:
+            r = rates(cfg, B, T, dict(r, engine=name, n_layer=cfg.n_layer, adamw="fused" if fused else "default",
+                                      earlier_error=out.get(name, {}).get("error")))
+            out[f"vs_{name}"] = out["stream"]["tokens_per_s"] / r["tokens_per_s"]
+        else:
+            r["earlier_error"] = out.get(name, {}).get("error")
+        out[name] = r
     return out
+
+
+def peer_main(name, S, fused, path):
+    """One peer of the peers case, timed in this (fresh) process; its timing dict written to `path` as JSON."""
+    cfg = dataclasses.replace(S["wide"], n_layer=S["peers_depth"])
+    B, T, M = tokens_for(cfg, S)
+    try:
+        if name == "resident_no_ckpt":  # megatrain_min.reference: keeps every activation, no recompute
+            step = ReferenceTrainer(cfg, SameLayers(cfg), device="cuda", dtype=torch.bfloat16, micro_batches=M).step
+        else:
+            step = (resident_ckpt_trainer if name == "resident" else fsdp2_trainer)(cfg, SameLayers(cfg), M, fused)
+        r = time_steps(step, batch(cfg, B, T), S["warmup"], S["steps"])
+    except Exception as e:  # noqa: BLE001 -- an OOM or an FSDP2 failure is a result, not a crash
+        r = {"error": f"{type(e).__name__}: {str(e)[:300]}", "did_not_fit": isinstance(e, torch.OutOfMemoryError)}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # the FSDP2 peer's one-process group
+    Path(path).write_text(json.dumps(r, default=str))
 
 
 def wide_case(S, peak, profile_dir=None, save=lambda out: None):
@@ -447,8 +469,13 @@ def main():
     ap.add_argument("--out", help="output directory (default bench/results/<date>-<device>)")
     ap.add_argument("--only", default="pinned,sweep,peers,wide", help="comma-separated cases: pinned,sweep,peers,wide")
     ap.add_argument("--profile", action="store_true", help="write OUT/trace.json: 3 steps of the wide case (torch.profiler)")
+    ap.add_argument("--peer", choices=["resident", "resident_no_ckpt", "fsdp2_offload"],
+                    help="(internal) time one peer of the peers case in this process, its JSON to --out")
+    ap.add_argument("--default-adamw", action="store_true", help="(internal, with --peer) torch's default AdamW")
     args = ap.parse_args()
     S, only = SMOKE if args.smoke else FULL, args.only.split(",")
+    if args.peer:
+        return peer_main(args.peer, S, not args.default_adamw, args.out)
     if bad := set(only) - {"pinned", "sweep", "peers", "wide"}:
         ap.error(f"unknown case(s) {sorted(bad)} in --only; choose from pinned,sweep,peers,wide")
     res = dict(meta=meta(args), definitions=DEFS, cases={})
@@ -470,7 +497,7 @@ def main():
           f"available, cases {only}, out {out}", flush=True)
     peak = res["cases"]["pinned"] = pinned_case(S)  # always: the copy peak is the yardstick of every case
     peak = peak if peak and "h2d_gbs" in peak else None
-    for name, fn in (("sweep", lambda: sweep_case(S, peak)), ("peers", lambda: peers_case(S, peak)),
+    for name, fn in (("sweep", lambda: sweep_case(S, peak)), ("peers", lambda: peers_case(S, peak, args.smoke, out)),
                      ("wide", lambda: wide_case(S, peak, out if args.profile else None, save))):
         if name in only:
             t0 = time.time()
@@ -480,8 +507,6 @@ def main():
             free_memory()
             write()
             print(f"bench: {name} done in {time.time() - t0:.0f}s", flush=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # the FSDP2 peer's one-process group
     write()
     print(markdown(res))
     print(f"bench: wrote {out}/results.json, results.md, summary.json")

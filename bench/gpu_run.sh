@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# The one command a GPU session runs (issue 6): the GPU tests, then the benchmark; logs and results in $OUT.
+# The one command a GPU session runs: the GPU tests, the single-GPU benchmark (the headline), the host's issue cost
+# fitted on this GPU, then -- with 2 or more GPUs and time left -- the multi-GPU case. Logs and results in $OUT.
 #   OUT=/abs/dir bash bench/gpu_run.sh     # ~6-9 min on one H100/H200 with ~128 GB of host RAM
 #   BENCH_ARGS="--smoke --profile" bash bench/gpu_run.sh   # dry run of this script on any machine (< 1 min)
 # Installs nothing (the GPU box has no network): torch with CUDA, pytest and transformers must be importable.
-# The bench runs even when the tests fail; the exit status is non-zero if either failed. Timeouts keep the whole
-# under the 10-minute limit of one device command (the bench gets what the tests left of 570 s); the bench
-# writes its results after every case, so a timeout still leaves what was measured.
-# With 2 or more GPUs it first runs bench/multi_gpu.py (torchrun: N GPUs against one, same losses? tokens/s?)
-# into $OUT/multi/multi_gpu.json, in at most 180 s taken from the bench's share.
-# To commit: copy "$OUT/bench" (and "$OUT/multi/multi_gpu.json") to bench/results/<date>-<device>/ (trace.json.gz
-# is large: keep it out of git).
+# Every part runs even when an earlier one failed; the exit status is non-zero if any failed. Timeouts keep the
+# whole under the 10-minute limit of one device command (570 s): the tests get 150 s, the bench what they left
+# (less 60 s kept for the calibration), the multi-GPU case what remains. Each part writes into a directory of its
+# own under $OUT, made fresh (a rerun with the same $OUT replaces its results), and writes after every case, so a
+# timeout still leaves what was measured.
+# To commit: copy "$OUT/bench", "$OUT/host_op.json" (and "$OUT/multi/multi_gpu.json") to
+# bench/results/<date>-<device>/ (trace.json.gz is large: keep it out of git).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out-gpu}"
 mkdir -p "$OUT"
+rm -rf "$OUT/bench" "$OUT/multi" "$OUT/host_op.json"
 { date -Is; nvidia-smi || true; free -g; nproc; git log -1 --oneline 2>/dev/null || true
   python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
   python -c "import pytest, transformers" 2>&1 || echo "note: pytest/transformers missing (pip install -r requirements-dev.txt)"
@@ -23,16 +25,23 @@ timeout 150 python -m pytest -q tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.l
 tests=${PIPESTATUS[0]}
 echo "tests/test_gpu.py exit status: $tests" | tee -a "$OUT/test_gpu.log"
 
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+timeout $((510 - SECONDS)) python bench/gpu.py --out "$OUT/bench" ${BENCH_ARGS:---profile} 2>&1 | tee "$OUT/bench.log"
+bench=${PIPESTATUS[0]}
+echo "bench exit status: $bench" | tee -a "$OUT/bench.log"
+
+device=cpu
+python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null && device=cuda
+timeout $((570 - SECONDS)) python bench/host_overhead.py --calibrate --rounds 2 --device "$device" \
+  --json "$OUT/host_op.json" 2>&1 | tee "$OUT/host_op.log"
+calib=${PIPESTATUS[0]}
+echo "host_overhead --calibrate exit status: $calib" | tee -a "$OUT/host_op.log"
+
 multi=0
 ngpu=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$ngpu" -gt 1 ]; then
-  timeout 180 python bench/multi_gpu.py --out "$OUT/multi" 2>&1 | tee "$OUT/multi.log"
+if [ "$ngpu" -gt 1 ] && [ $((570 - SECONDS)) -gt 60 ]; then
+  timeout $((570 - SECONDS)) python bench/multi_gpu.py --out "$OUT/multi" 2>&1 | tee "$OUT/multi.log"
   multi=${PIPESTATUS[0]}
   echo "bench/multi_gpu.py ($ngpu GPUs) exit status: $multi" | tee -a "$OUT/multi.log"
 fi
-
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout $((570 - SECONDS)) python bench/gpu.py --out "$OUT/bench" ${BENCH_ARGS:---profile} 2>&1 | tee "$OUT/bench.log"
-bench=${PIPESTATUS[0]}
-echo "bench exit status: $bench" | tee -a "$OUT/bench.log"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$multi" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$calib" -eq 0 ] && [ "$multi" -eq 0 ]

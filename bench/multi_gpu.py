@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,8 @@ def main():
     device = ["--device", "cpu"] if a.smoke else ["--device", "cuda"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("exact-*"), *out.glob("scaling-*")]:    # this bench's own runs of an earlier call: a
+        shutil.rmtree(old) if old.is_dir() else old.unlink()      # rerun into the same --out starts them afresh
     res = dict(meta=dict(date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
                          world=world, device=torch.cuda.get_device_name(0) if not a.smoke else "cpu (smoke)"),
                definitions=dict(worst_loss_rel="max over steps of |loss_N - loss_1| / loss_1, same flags",

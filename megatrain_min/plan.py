@@ -73,9 +73,10 @@ HARDWARE = {
                     frac=0.6, hbm_gbs=1008, h2d_gbs=25, d2h_gbs=25, host_mem_gb=128, host_bw_gbs=60, nvlink_gbs=12,
                     ib_gbs=10),
 }
-# The host issues every op -- Python, the dispatcher, autograd's engine: ~10.5 us each, whether issued from Python
-# or run by autograd (bench/host_overhead.py --calibrate, 2026-11-22: the 2-core dev CPU, torch 2.13, one OpenMP
-# thread, a least-squares fit over 5 depths x micro-batch counts of the real engine with negligible tensors).
+# The host issues every op -- Python, the dispatcher, autograd's engine: HOST_OP_S each, whether issued from Python
+# or run by autograd. Fitted on the CPU backend (bench/host_overhead.py --calibrate: a 2-core CPU, one OpenMP
+# thread, the real engine with negligible tensors at 5 depths x micro-batch counts), so it leaves out what CUDA
+# eager ops add (cudaLaunchKernel, autograd's device thread): bench/gpu_run.sh refits it on a GPU (host_op.json).
 # plan(host_speed=) and the twin's --host-speed scale it for a faster host. The engine's own ops around the model's
 # (copies, zeroing, the step's staging; counted with megatrain_min.sim's recorder): per layer visit, per step, and
 # per unit update on the optimizer thread.
