@@ -360,3 +360,16 @@ def test_sharded_plan_refuses_a_batch_the_gpus_cannot_split():
         P.plan(model.PRESETS["7b"], "h100", batch_size=16, micro_batches=2, gpus=8, nodes=2)
     with pytest.raises(P.PlanError, match="integers >= 1"):
         P.plan(model.PRESETS["7b"], "h100", gpus=0)
+
+
+def test_local_hardware_asks_only_the_run_s_device(monkeypatch):
+    """The plan of a run on cuda:2 reads cuda:2's name and free memory, and touches no other GPU (each rank of a
+    torchrun would else make a CUDA context on GPU 0); a run on the CPU plans for the CPU even with a GPU."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: asked.append(("name", str(d))) or "NVIDIA H100 80GB")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(("free", str(d))) or (70e9, 80e9))
+    hw = P.local_hardware(torch.device("cuda", 2))
+    assert asked == [("name", "cuda:2"), ("free", "cuda:2")] and hw["gpu_mem_gb"] == 70 and hw["profiled"]
+    asked.clear()
+    assert P.local_hardware("cpu")["gpu"] == "cpu" and asked == []

@@ -249,6 +249,22 @@ def test_the_plan_under_torchrun_is_for_its_ranks(tmp_path, multi_gpu_smoke):
     assert "plan for 2 ranks (2 per node): host" in log and "per GPU" in log, log[:2000]
 
 
+@pytest.mark.parametrize("local,seen,want", [(1, 4, "cuda:1"), (1, 1, "cuda:0"), (3, 1, "cuda:0"), (5, 4, None)])
+def test_rank_device_from_local_rank(monkeypatch, local, seen, want):
+    """torchrun's LOCAL_RANK picks the GPU; a launcher that gives each rank one visible GPU (CUDA_VISIBLE_DEVICES)
+    leaves cuda:0; a LOCAL_RANK past the GPUs this process sees is refused in one line. The GPU is made current."""
+    current = []
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: seen)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    if want is None:
+        with pytest.raises(ValueError, match=f"LOCAL_RANK {local} but this process sees {seen} CUDA devices"):
+            sharded.rank_device("cuda")
+    else:
+        assert str(sharded.rank_device("cuda")) == want and [str(d) for d in current] == [want]
+
+
 def _export_rank():
     """A 2-rank ShardedTrainer's weights(to=0): every tensor on rank 0, nothing on the others."""
     cfg = UNTIED

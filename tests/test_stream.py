@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -295,6 +296,19 @@ def test_cpu_threads_split_the_usable_cpus(monkeypatch):
         assert t.lanes.submit(torch.get_num_threads).result() == worker and torch.get_num_threads() == main
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_optimizer_thread_selects_the_trainers_gpu(monkeypatch):
+    """CUDA's current device is per thread: the optimizer thread selects the trainer's GPU itself (else its event
+    waits and first CUDA call would make a context on GPU 0). CUDA is stood in for: what matters is who asks."""
+    import threading
+    asked = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: types.SimpleNamespace(device=device))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: asked.append((threading.current_thread().name, d)))
+    lanes = stream.Lanes(torch.device("cuda", 3))
+    assert lanes.submit(lambda: threading.current_thread().name).result().startswith("adamw")
+    assert [(who.startswith("adamw"), str(d)) for who, d in asked] == [(True, "cuda:3")], asked
+    lanes.worker.shutdown()
 
 
 @pytest.mark.slow
