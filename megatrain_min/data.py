@@ -28,7 +28,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from megatrain_min.chat import SPECIAL_NAMES, check_messages, chat_tokens, load_template  # noqa: F401 (API)
 
@@ -84,6 +83,7 @@ class Batches:
     def next(self):
         starts = self.rng.integers(0, len(self.tokens) - self.T, size=self.B)
         win = np.stack([np.asarray(self.tokens[s:s + self.T + 1], dtype=np.int64) for s in starts])  # (B, T+1)
+        import torch   # here, not at the top: the prepare command (prepare.py) runs without torch (1.3 s to import)
         win = torch.from_numpy(win)
         return win[:, :-1], win[:, 1:].contiguous()  # (B, T) tokens, (B, T) targets
 
@@ -332,6 +332,7 @@ class SFTBatches:
         self.order, self.pos = self.rng.permutation(len(self.examples)), 0
 
     def next(self):
+        import torch   # (see Batches.next)
         x = torch.full((self.B, self.T), self.pad, dtype=torch.int64)
         y = torch.full((self.B, self.T), IGNORE, dtype=torch.int64)
         for b in range(self.B):

@@ -290,15 +290,17 @@ class _Corpus:
                 else:
                     ids, supervised = data.example_tokens(obj, self.tok, self.chat_format)
                     self._split("sft", f"{path}:{n}")[split].add_example(ids, supervised)
+            except PrepareError:
+                raise
             except ValueError as e:   # JSON, a malformed example, a chat template that fails: one line
                 raise PrepareError(f"{path}:{n}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
         if docs:
             self.splits[split].add_tokens(self._encode(docs, self.end), documents=len(docs))
 
-    def run(self, sources, bar):
+    def run(self, inputs, sources, bar):
         base = 0
-        for src in sources:
-            path, line = Path(src["path"]), 0
+        for path, src in zip(map(Path, inputs), sources):           # messages name a file as it was given
+            line = 0
             for at, chunk in _chunks(path):
                 # the split point: lines whose last byte lies before self.cut go to train, the rest to val
                 lo = base + at
@@ -316,7 +318,7 @@ class _Corpus:
                 raise PrepareError(f"{path} changed while it was being prepared; run again when it is written")
             base += src["bytes"]
         if self.kind is None:
-            raise PrepareError(f"{', '.join(s['path'] for s in sources)}: no records, only blank lines")
+            raise PrepareError(f"{', '.join(map(str, inputs))}: no records, only blank lines")
         return {s: self.splits[s].close() for s in SPLITS}
 
 
@@ -411,10 +413,10 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
         corpus = _Corpus(tmp, tok, dtype, chat_format, cut=total - int(val_fraction * total))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"prepare {out.name}",
                   disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
-            done = corpus.run(sources, bar)
+            done = corpus.run(inputs, sources, bar)
         if done["train"][1]["tokens"] == 0:
-            raise PrepareError(f"the train split is empty: all of the input lies in the last {val_fraction} of its "
-                               f"bytes (one line or record); lower --val-fraction")
+            raise PrepareError(f"the train split is empty: every line holds some of the last {val_fraction:.0%} of "
+                               f"the input bytes (--val-fraction {val_fraction}); lower --val-fraction")
         meta = {"format": FORMAT, **settings, "kind": corpus.kind, "dtype": dtype.name,
                 "chat_format": chat_format if corpus.kind == "sft" else None,
                 "tokenizer_dir": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
