@@ -166,6 +166,29 @@ def test_sft_equals_load_sft_jsonl(tmp_path, tok_dirs, small_batches, native):
     assert len(p.examples("train", 24 if native else 60)) < 12     # (the short seq_len did drop some)
 
 
+@pytest.mark.filterwarnings("ignore:.*were cut")
+def test_sft_cut_and_drop_at_every_seq_len(tmp_path, tok_dirs):
+    """An example is dropped exactly when its first supervised target lies at or beyond seq_len, as in data.py."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CONVS))
+    tok = data.HFTokenizer(tok_dirs["gpt2"])
+    prepare.prepare([path], tmp_path / "out", tok_dirs["gpt2"], val_fraction=0)
+    p, kept = PreparedTokens(tmp_path / "out"), set()
+
+    def outcome(examples):
+        try:
+            return [(x.tolist(), y.tolist()) for x, y in examples()]
+        except ValueError as e:                    # both refuse a seq_len that leaves no example
+            assert "no example with a supervised token within seq_len=" in str(e)
+            return []
+
+    for seq_len in range(1, 64):
+        want = outcome(lambda: data.load_sft_jsonl(path, tok, seq_len))
+        assert outcome(lambda: p.examples("train", seq_len)) == want, seq_len
+        kept.add(len(want))
+    assert len(kept) >= 4                          # the range crosses the first target of every example
+
+
 def test_sft_val_split_is_the_tail(tmp_path, tok_dirs):
     path = tmp_path / "chat.jsonl"
     lines = [json.dumps(r) + "\n" for r in CONVS * 2]
