@@ -396,12 +396,9 @@ DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def export_source(ckpt, model_dir):
     """(cfg, weights) of checkpoint `ckpt` for an export to model_dir, after every check that needs no writing:
     ckpt is a checkpoint whose files verify (checkpoint.read_weights), model_dir is one save_hf may replace
-    (check_export_dir) and does not hold ckpt. Raises CheckpointError or HFError (both ValueErrors), one line."""
-    ckpt, out = Path(ckpt), Path(model_dir)
+    (check_export_dir: so never a directory that holds ckpt). Raises CheckpointError or HFError, one line."""
     checkpoint.read_meta(ckpt)                          # a run directory: the message names its latest checkpoint
-    check_export_dir(out)
-    if out.resolve() == ckpt.resolve() or out.resolve() in ckpt.resolve().parents:
-        raise HFError(f"{out} holds the checkpoint {ckpt}; an export replaces its whole directory: write it elsewhere")
+    check_export_dir(model_dir)
     return checkpoint.read_weights(ckpt)
 
 
