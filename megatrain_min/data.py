@@ -137,8 +137,12 @@ def config_ids(model_dir):
     """{bos/eos/pad_token_id: value} of a model directory's config.json; for one of our checkpoints (no config.json)
     the copy of them that checkpoint.save recorded in its meta.json under "tokenizer"."""
     d = Path(model_dir)
-    conf = _read_json(d / "config.json") if (d / "config.json").is_file() else _read_json(d / "meta.json").get(
-        "tokenizer", {}).get("config_ids", {})
+    if (d / "config.json").is_file():
+        conf = _read_json(d / "config.json")
+    else:
+        conf = _read_json(d / "meta.json")
+        conf = conf.get("tokenizer") if isinstance(conf, dict) else None
+        conf = conf.get("config_ids") if isinstance(conf, dict) else None
     return {k: conf[k] for k in CONFIG_IDS if k in conf} if isinstance(conf, dict) else {}
 
 
@@ -355,7 +359,6 @@ class SFTBatches:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["prepare"]:          # the prepare command lives in its own file
-        sys.path.insert(0, str(ROOT))
         from megatrain_min import prepare
         sys.exit(prepare.main(sys.argv[2:]))
     toks = load_tokens(DEFAULT_DATA)

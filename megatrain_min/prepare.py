@@ -8,8 +8,9 @@ What it is
         train.mask.npy, val.mask.npy        SFT only: bool per token, True where it is supervised (carries loss)
         train.examples.npy, val.examples.npy    SFT only: int64 (n, 3) per example: start, end, first target
         meta.json                           written last: format version, tokenizer sha256 ("bytes" without
-                                            --tokenizer), vocabulary size, dtype, token and example counts,
-                                            the sources with sizes and mtimes, the settings
+                                            --tokenizer), vocabulary size, dtype, per split the tokens, the
+                                            .jsonl records (documents or examples) and the largest id, the
+                                            sources with sizes and mtimes, the settings
     What an input becomes:
     * .txt: the text line by line -- each line with its newline encoded on its own, the ids concatenated, as
       transformers' run_clm.py does with keep_linebreaks. A tokenizer that merges across a line end (Llama 3
@@ -17,9 +18,10 @@ What it is
       Nothing is put between files.
     * .jsonl lines {"text": ...}: one document per line, encoded whole, then eos (a newline for a tokenizer
       without one, as data.example_tokens ends a turn): documents never run into each other.
-    * .jsonl lines {"messages": [...]} or {"prompt", "completion"}: SFT examples through data.example_tokens --
-      the model's own chat template (chat.py) and its supervised mask, what data.load_sft_jsonl trains on --
-      stored one after the other with their boundaries, so that each batch row holds one example (SFTBatches).
+    * .jsonl lines {"messages": [...]} or {"prompt", "completion"} (whatever else they hold, "text" too): SFT
+      examples through data.example_tokens -- the model's own chat template (chat.py) and its supervised mask,
+      what data.load_sft_jsonl trains on -- stored one after the other with their boundaries, so that each batch
+      row holds one example (SFTBatches). One directory holds one kind: mixing them is refused.
     The validation split is the tail of the input: the last floor(F * total) bytes of all inputs (in the order
     given), widened to whole lines and records -- a line goes to val when its last byte lies there. The same
     contiguous tail that data.split takes of a token array, and fixed before anything is tokenized, so it streams.
@@ -241,7 +243,7 @@ class _Corpus:
     def __init__(self, tmp, tok, dtype, chat_format, cut):
         self.tmp, self.tok, self.dtype, self.chat_format, self.cut = tmp, tok, dtype, chat_format, cut
         self.t0 = time.time()
-        self.kind, self.first, self.splits, self.lines = None, None, None, 0
+        self.kind, self.first, self.splits = None, None, None
         self.end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")   # after each "text" document
         fast = getattr(getattr(tok, "tok", None), "encode_batch_fast", None)      # the same ids, no offsets
         self.encode_batch = fast or getattr(getattr(tok, "tok", None), "encode_batch", None)
