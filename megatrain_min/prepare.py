@@ -328,6 +328,8 @@ def _alive(pid):
     """Is `pid` (the tail of a .tmp-* name) a running process? A tail that is no PID counts as alive."""
     if not pid.isdigit():
         return True
+    if int(pid) == os.getpid():                 # a directory of ours from before: a process of this PID that died
+        return False
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -337,13 +339,13 @@ def _alive(pid):
     return True
 
 
-def _existing(out, differs, force):
+def _existing(out, given, differs, force):
     """True when out already holds this preparation (nothing to do); False when prepare may write it; else
     PrepareError. differs(meta): what differs between that meta.json's preparation and this one, or None."""
     if not out.exists():
         return False
     if not out.is_dir():
-        raise PrepareError(f"--out {out} exists and is not a directory; pick a new or empty directory")
+        raise PrepareError(f"--out {given} exists and is not a directory; pick a new or empty directory")
     names = {p.name for p in out.iterdir()}
     if not names:
         return False
@@ -353,7 +355,7 @@ def _existing(out, differs, force):
         meta = {}
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("files"), dict)
             and names <= set(meta["files"]) | {META}):
-        raise PrepareError(f"--out {out} exists and holds files that prepare did not write; nothing there is "
+        raise PrepareError(f"--out {given} exists and holds files that prepare did not write; nothing there is "
                            f"replaced: pick a new or empty directory")
     try:
         PreparedTokens(out)
@@ -364,7 +366,7 @@ def _existing(out, differs, force):
     if what is None and not force:
         return True
     if not force:
-        raise PrepareError(f"--out {out} holds an earlier preparation with {what}; pass --force to replace it, "
+        raise PrepareError(f"--out {given} holds an earlier preparation with {what}; pass --force to replace it, "
                            f"or pick another --out")
     return False
 
@@ -373,11 +375,11 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
     """Tokenize the files `inputs` into directory `out` (see the module docstring); returns its meta.json as a
     dict, with "up_to_date": True when out already held this preparation. tokenizer: a directory with
     tokenizer.json, or None for bytes. chat_format: "native", "fixed" or None (native when the tokenizer has a
-    chat template), for SFT records. progress: a tqdm bar (None: when stderr is a terminal).
+    chat template), for SFT records. progress: a tqdm bar on stderr (None: when stderr is a terminal).
     Raises PrepareError (a ValueError; HFTokenizer's own for an unreadable tokenizer) with one line before
     anything is written, or while reading; OSError when an output cannot be written. Either way out is unchanged."""
     from tqdm import tqdm
-    sources, out = _sources(inputs), Path(out)
+    sources, given, out = _sources(inputs), out, Path(out).resolve()      # messages name out as given
     if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
         raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {val_fraction}")
     if chat_format not in (None, "native", "fixed"):
@@ -385,22 +387,24 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
     tok = data.HFTokenizer(tokenizer) if tokenizer is not None else data.ByteTokenizer()
     if chat_format == "native" and tok.chat_template is None:
         raise PrepareError(f"--chat-format native: {tokenizer or 'the byte tokenizer'} has no chat_template")
-    n_ids = tok.vocab_size                                     # ids below it; an added token may lie beyond
-    n_ids = max(n_ids, max(tok.tok.get_vocab(with_added_tokens=True).values()) + 1) if tokenizer is not None else n_ids
+    n_ids = tok.vocab_size                                     # ids below it (an added token may lie beyond)
+    if tokenizer is not None:
+        n_ids = max(n_ids, max(tok.tok.get_vocab(with_added_tokens=True).values()) + 1)
     dtype = id_dtype(n_ids)
     settings = {"version": VERSION, "sources": sources, "val_fraction": val_fraction,
                 "tokenizer": {"sha256": tokenizer_hash(tokenizer), "vocab_size": n_ids,
                               "chat_template_sha256": _sha(tok.chat_template)}}
     chat_format = chat_format or ("native" if tok.chat_template is not None else "fixed")
+
     def differs(m):
         was, now = m.get("tokenizer", {}), settings["tokenizer"]
-        return ("other sources (a file added, removed or changed since)" if m["sources"] != settings["sources"] else
+        return ("other sources (a file added, removed or changed since)" if m.get("sources") != sources else
                 f"another tokenizer ({was.get('sha256', '?')[:12]}, now {now['sha256'][:12]})" if was != now else
-                f"val_fraction {m['val_fraction']} (now {val_fraction})" if m["val_fraction"] != val_fraction else
-                f"chat format {m['chat_format']} (now {chat_format})" if m["kind"] == "sft" and
-                m["chat_format"] != chat_format else None)
+                f"val_fraction {m.get('val_fraction')} (now {val_fraction})" if m.get("val_fraction") != val_fraction
+                else f"chat format {m.get('chat_format')} (now {chat_format})" if m.get("kind") == "sft" and
+                m.get("chat_format") != chat_format else None)
 
-    if _existing(out, differs, force):
+    if _existing(out, given, differs, force):
         return {**_read_meta(out), "up_to_date": True}
     for stale in out.parent.glob(f".tmp-{out.name}-*"):        # what a killed prepare left, never a live one's
         if not _alive(stale.name.rsplit("-", 1)[-1]):
