@@ -73,7 +73,8 @@ def make_corpus(path, n_bytes, seed=0, n_words=50_000):
             for n in rng.integers(3, 25, size=20_000):
                 if at + n > len(idx):
                     break
-                out.append(b" ".join(words[idx[at:at + n]]) + (b".\n" if n % 3 else b",\n") + (b"\n" if n == 3 else b""))
+                end = (b".\n" if n % 3 else b",\n") + (b"\n" if n == 3 else b"")
+                out.append(b" ".join(words[idx[at:at + n]]) + end)
                 at += n
             blob = b"".join(out)[:n_bytes - written]
             f.write(blob)

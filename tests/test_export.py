@@ -86,7 +86,8 @@ def test_export_round_trip_through_transformers(trained, llama_dir, tmp_path):
     assert cfg2 == cfg and all(torch.equal(w2[k], weights[k]) for k in weights)     # fp32: bit for bit
     # the tokenizer came along: transformers renders the conversation as from the source, and as we train on it
     assert chat_ids(out, CONV) == chat_ids(llama_dir, CONV) == data.chat_tokens(data.HFTokenizer(ck), CONV)[0].tolist()
-    assert chat_ids(out, CONV[:1], add_generation_prompt=True) == chat_ids(llama_dir, CONV[:1], add_generation_prompt=True)
+    prompt = dict(add_generation_prompt=True)
+    assert chat_ids(out, CONV[:1], **prompt) == chat_ids(llama_dir, CONV[:1], **prompt)
     src_conf, out_conf = (json.loads((d / "config.json").read_text()) for d in (llama_dir, out))
     assert (out_conf["eos_token_id"], out_conf["pad_token_id"]) == (src_conf["eos_token_id"], src_conf["pad_token_id"])
     # bf16 (the default): the same weights rounded once; an earlier export is replaced

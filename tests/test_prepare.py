@@ -41,10 +41,9 @@ CONVS = [
 
 
 def bpe(d, style="gpt2", template=CHATML):
-    conf = {"eos_token": "<|im_end|>", "pad_token": EOS}
+    conf = {"eos_token": "<|im_end|>", "pad_token": EOS, "chat_template": template}
     make_bpe_tokenizer(d, [TEXT, "Be brief. Capitale du Japon Tōkyō Séoul yes No"] * 3, 400,
-                       [EOS, "<|im_start|>", "<|im_end|>"], {**conf, **({"chat_template": template} if template else {})},
-                       style=style)
+                       [EOS, "<|im_start|>", "<|im_end|>"], conf, style=style)
     return d
 
 
