@@ -89,7 +89,8 @@ def train_tokenizer(corpus, model_dir, vocab):
     with open(corpus, "rb") as f:
         sample = f.read(2 << 20).decode("utf-8", errors="ignore").splitlines()
     tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
     model_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
