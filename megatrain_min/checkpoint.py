@@ -9,6 +9,11 @@ What it is
     .tmp-* directory, is fsynced, and is renamed into place: a crash at any moment leaves every earlier
     checkpoint whole. load() checks everything (format version, config, layout, every file's size and
     CRC, streamed a chunk at a time) before it touches the trainer, then reads straight into the store.
+    save(..., tokenizer_from=MODEL_DIR) puts the model's tokenizer files beside the units (data.TOKENIZER_FILES,
+    and its config.json's bos/eos/pad ids into meta.json): the checkpoint is then a tokenizer source itself
+    (data.HFTokenizer(ckpt)) and `python -m megatrain_min.hf export` takes them along.
+    read_weights(path) -> (cfg, weights): the fp32 master weights as a lazy mapping, read tensor by tensor from
+    the unit files (verified first, as load() does) without a trainer: what hf.export and --init-from need.
 Sharded (megatrain_min/sharded.py: N ranks, each holding [lo, hi) of every unit)
     Every rank writes its part of every unit, name.partR.bin = master | m | v of [lo, hi), into the one .tmp-*
     directory rank 0 made (every rank must see --out: one filesystem, shared between nodes); rank 0 writes
@@ -36,6 +41,7 @@ On disk
     out/ckpt-00000100/meta.json     {"format", "version", "step", "config", "units": [{"name", "numel",
                                       "step", "file", "bytes", "crc32"}, ...], "meta": {...}, "crc32"}
     out/ckpt-00000100/layer.0.bin   master | m | v, numel fp32 each, in the recorded byte order
+    out/ckpt-00000100/tokenizer.json ...  with tokenizer_from: meta.json's "tokenizer" {"files", "config_ids"}
     sharded (version 2): units [{"name", "numel", "step", "parts": [{"file": "layer.0.part1.bin", "lo", "hi",
     "bytes", "crc32"}, ...]}]; layer.0.part1.bin = master | m | v of elements [lo, hi) of the unit
 Try it
@@ -52,6 +58,7 @@ import shutil
 import sys
 import warnings
 import zlib
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,6 +66,7 @@ import numpy as np
 import torch
 
 import model
+from megatrain_min.data import copy_tokenizer_files
 
 FORMAT, VERSION = "megatrain-min checkpoint", 1
 SHARDED = 2                     # the version of a checkpoint written by N > 1 ranks: parts per unit
@@ -131,11 +139,12 @@ def _lock_holder(f):
 
 
 # ----------------------------------------------------------------------------- save
-def save(trainer, out_dir, step, meta=None, keep=None):
+def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
     """Write trainer's host store to out_dir/ckpt-{step:08d}/ and return that path. meta: a JSON-able dict
     that load() gives back; meta["run"] names the run (train.py: a random id kept across resumes). keep: then
     delete all but the newest `keep` (>= 1) checkpoints of the same run; None: keep all. A checkpoint of the
     same step is replaced only when it is the same run's (else CheckpointError, nothing written).
+    tokenizer_from: a model directory (or checkpoint) whose tokenizer files go into the checkpoint too.
     Raises NonFiniteError for master weights with a NaN or an infinity, SaveError for a write error.
     Call it between steps; it waits for the optimizer updates still in flight. A sharded trainer: every rank
     calls it (collectives); each writes its parts, rank 0 the meta; every rank returns or raises the same."""
@@ -189,6 +198,8 @@ def save(trainer, out_dir, step, meta=None, keep=None):
             doc = {"format": FORMAT, "version": SHARDED if sharded else VERSION, "step": step,
                    "config": trainer.cfg.to_dict(), "dtype": "float32", "byteorder": sys.byteorder,
                    "states": list(STATES), "units": units, "meta": meta}
+            if tokenizer_from is not None:       # {"files", "config_ids"}: written before meta.json, renamed with it
+                doc["tokenizer"] = copy_tokenizer_files(tokenizer_from, tmp)
             f = open(tmp / "meta.json", "w")
             json.dump({**doc, "crc32": _doc_crc(doc)}, f, indent=1)
             _fsync_close(f)
@@ -475,6 +486,62 @@ def load(trainer, path, verify_first=True):
         opt.set_step_count(u, unit["step"])
         opt.refresh_shadow(u)
     return {**doc["meta"], "step": doc["step"]}
+
+
+# ----------------------------------------------------------------------------- the weights alone, no trainer
+class CheckpointWeights(Mapping):
+    """{key: fp32 CPU tensor} of a checkpoint's master weights, read from the unit files on every access (nothing
+    is cached), like hf.HFWeights: iterates in forward order, and read_into(key, view) fills a store view directly."""
+
+    def __init__(self, path, doc, layouts):
+        self.path, self.parts = Path(path), [parts(unit) for unit in doc["units"]]
+        self.where = {e.key: (u, e) for u, lay in enumerate(layouts) for e in lay.entries}
+
+    def __getitem__(self, key):
+        return self.read_into(key, torch.empty(self.where[key][1].shape, dtype=torch.float32))
+
+    def read_into(self, key, out):
+        """Copy tensor `key` -- elements [offset, offset + numel) of its unit's master -- into out, from whichever
+        parts (one per rank that saved it) hold them. Returns out."""
+        u, e = self.where[key]
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        flat = (out if direct else torch.empty(e.shape, dtype=torch.float32)).view(-1)
+        lo, hi = e.offset, e.offset + e.numel
+        for p in self.parts[u]:
+            a, b = _overlap(p, lo, hi)
+            if a >= b:
+                continue
+            with open(self.path / p["file"], "rb") as f:
+                f.seek(4 * (a - p["lo"]))                      # the part's master comes first in its file
+                mv = bytes_of(flat[a - lo:b - lo])
+                if f.readinto(mv) != len(mv):
+                    raise CheckpointError(f"{self.path / p['file']} shrank while it was read; the checkpoint changed")
+        return out if direct else out.copy_(flat.view(e.shape))
+
+    def __contains__(self, key):  # Mapping's default would read the tensor
+        return key in self.where
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self):
+        return len(self.where)
+
+
+def read_weights(path, verify=True):
+    """(GPTConfig, CheckpointWeights) of checkpoint `path` (one process's or sharded parts): its model and fp32
+    master weights, without a trainer. verify: first check every file's size, CRC-32 and finite master weights, as
+    load() does (CheckpointError naming what is wrong); then each tensor is read when it is asked for."""
+    path = Path(path)
+    doc = read_meta(path)
+    try:
+        cfg = model.GPTConfig(**doc["config"]).check()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}/meta.json: its config is not a model config ({e})") from None
+    check_model(path, doc, cfg)                  # byte order, and units that match the config
+    layouts = model.units(cfg)
+    verify_files(path, doc, crc=verify, layouts=layouts)
+    return cfg, CheckpointWeights(path, doc, layouts)
 
 
 # ----------------------------------------------------------------------------- RNG states for meta

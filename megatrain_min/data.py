@@ -9,20 +9,25 @@ What it is
     prompt/completion .jsonl files with the loss on the answers only, and a padded batch sampler.
     Conversations are rendered in the model's own chat_template by chat.py (chat_tokens), or in a fixed
     format when the directory has none.
+    The tokenizer files of a model directory (TOKENIZER_FILES) and copy_tokenizer_files, which hf.save_hf and
+    checkpoint.save use to carry them along: any directory holding them is a tokenizer source for HFTokenizer.
+    A corpus tokenized once into memory-mapped files: prepare.py (`python -m megatrain_min.data prepare`).
 What it is not
     No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
     package), no multi-process loading: a pretraining batch is B random windows of T+1 tokens, which
     costs microseconds.
 Try it
     python -m megatrain_min.data      # prints corpus size and one decoded batch
+    python -m megatrain_min.data prepare corpus.txt --out tokens/ [--tokenizer MODEL_DIR]   # see prepare.py
     python -m pytest tests/test_data_sft.py
 """
 import json
+import shutil
+import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from megatrain_min.chat import SPECIAL_NAMES, check_messages, chat_tokens, load_template  # noqa: F401 (API)
 
@@ -78,6 +83,7 @@ class Batches:
     def next(self):
         starts = self.rng.integers(0, len(self.tokens) - self.T, size=self.B)
         win = np.stack([np.asarray(self.tokens[s:s + self.T + 1], dtype=np.int64) for s in starts])  # (B, T+1)
+        import torch   # here, not at the top: the prepare command (prepare.py) runs without torch (1.3 s to import)
         win = torch.from_numpy(win)
         return win[:, :-1], win[:, 1:].contiguous()  # (B, T) tokens, (B, T) targets
 
@@ -114,6 +120,12 @@ class Batches:
 IGNORE = -100   # = model.IGNORE (data.py imports nothing of the model)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+CONFIG_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")   # what a model's config.json says of its tokenizer
+
+
 def _read_json(path):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
@@ -121,12 +133,41 @@ def _read_json(path):
         return {}
 
 
+def config_ids(model_dir):
+    """{bos/eos/pad_token_id: value} of a model directory's config.json; for one of our checkpoints (no config.json)
+    the copy of them that checkpoint.save recorded in its meta.json under "tokenizer"."""
+    d = Path(model_dir)
+    if (d / "config.json").is_file():
+        conf = _read_json(d / "config.json")
+    else:
+        conf = _read_json(d / "meta.json")
+        conf = conf.get("tokenizer") if isinstance(conf, dict) else None
+        conf = conf.get("config_ids") if isinstance(conf, dict) else None
+    return {k: conf[k] for k in CONFIG_IDS if k in conf} if isinstance(conf, dict) else {}
+
+
+def copy_tokenizer_files(src, dst):
+    """Copy src's tokenizer files (TOKENIZER_FILES and additional_chat_templates/) into the directory dst.
+    Returns {"files": [names copied], "config_ids": config_ids(src)}: what dst needs to be the same tokenizer
+    source as src (hf.save_hf writes the ids into its config.json, checkpoint.save into its meta.json)."""
+    src, dst = Path(src), Path(dst)
+    files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    for f in files:
+        shutil.copyfile(src / f, dst / f)
+    if (src / "additional_chat_templates").is_dir():             # named chat templates beside the default
+        shutil.copytree(src / "additional_chat_templates", dst / "additional_chat_templates")
+        files.append("additional_chat_templates")
+    return {"files": files, "config_ids": config_ids(src)}
+
+
 class HFTokenizer:
     """A model directory's tokenizer.json through the `tokenizers` package (no transformers at run time).
+    model_dir: a Hugging Face model directory, or one of our checkpoints that carries the tokenizer files.
 
-    eos_id: the eos token named by tokenizer_config.json or special_tokens_map.json, else config.json's or
-    generation_config.json's eos_token_id, else None. bos_id: the bos token named by those tokenizer files
-    (and not switched off by add_bos_token: false), else None -- Qwen has none, Llama and Mistral do.
+    eos_id: the eos token named by tokenizer_config.json or special_tokens_map.json, else generation_config.json's
+    or config.json's eos_token_id (config_ids: a checkpoint's record of them), else None. bos_id: the bos token
+    named by those tokenizer files (and not switched off by add_bos_token: false), else None -- Qwen has none,
+    Llama and Mistral do.
     chat_template: the directory's template (chat.load_template) or None; special_tokens: the named ones
     ({"bos_token": "<s>", ...}) that a template sees.
     """
@@ -144,7 +185,7 @@ class HFTokenizer:
         files = [_read_json(d / "tokenizer_config.json"), _read_json(d / "special_tokens_map.json")]
         self.eos_id = self._named(files, "eos_token")
         if self.eos_id is None:
-            for conf in (_read_json(d / "generation_config.json"), _read_json(d / "config.json")):
+            for conf in (_read_json(d / "generation_config.json"), config_ids(d)):
                 ids = conf.get("eos_token_id")
                 ids = ids[0] if isinstance(ids, list) and ids else ids
                 if isinstance(ids, int):
@@ -226,6 +267,12 @@ def example_tokens(obj, tok, chat_format="fixed"):
     return ids, np.array([s for p, s in pieces for _ in p], dtype=bool)
 
 
+def example_xy(ids, supervised, seq_len):
+    """(x, y) int32 of one example's (ids, supervised) cut to seq_len: y[i] = ids[i+1] if supervised, else IGNORE."""
+    ids = np.asarray(ids).astype(np.int32)
+    return ids[:-1][:seq_len], np.where(supervised[1:], ids[1:], IGNORE)[:seq_len].astype(np.int32)
+
+
 def load_sft_jsonl(path, tokenizer, seq_len, chat_format=None):
     """[(x, y)] per example: int32 arrays of equal length <= seq_len, y[i] = the token after x[i] where that
     token is supervised, IGNORE elsewhere. Longer examples are cut to seq_len (a warning counts them);
@@ -250,8 +297,7 @@ def load_sft_jsonl(path, tokenizer, seq_len, chat_format=None):
                 ids, sup = example_tokens(json.loads(line), tokenizer, chat_format)
             except ValueError as e:   # json.JSONDecodeError and chat.ChatTemplateError are ValueErrors too
                 raise ValueError(f"{path}:{n}: {e}") from None
-            ids = ids.astype(np.int32)
-            x, y = ids[:-1][:seq_len], np.where(sup[1:], ids[1:], IGNORE)[:seq_len].astype(np.int32)
+            x, y = example_xy(ids, sup, seq_len)
             cut += len(ids) - 1 > seq_len
             if (y == IGNORE).all():
                 dropped += 1
@@ -290,6 +336,7 @@ class SFTBatches:
         self.order, self.pos = self.rng.permutation(len(self.examples)), 0
 
     def next(self):
+        import torch   # (see Batches.next)
         x = torch.full((self.B, self.T), self.pad, dtype=torch.int64)
         y = torch.full((self.B, self.T), IGNORE, dtype=torch.int64)
         for b in range(self.B):
@@ -311,6 +358,9 @@ class SFTBatches:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["prepare"]:          # the prepare command lives in its own file
+        from megatrain_min import prepare
+        sys.exit(prepare.main(sys.argv[2:]))
     toks = load_tokens(DEFAULT_DATA)
     tr, va = split(toks)
     print(f"{DEFAULT_DATA.name}: {len(toks):,} bytes -> train {len(tr):,}, val {len(va):,}")

@@ -16,6 +16,10 @@ What it is
     the index, config.json and the tokenizer files, into a temporary directory renamed into place, with a
     marker (EXPORT_MARKER) listing what it wrote: an existing dir is replaced only when it is empty or
     provably one of these exports and nothing more (check_export_dir; train.py asks before training).
+    export(ckpt, dir) / `python -m megatrain_min.hf export CKPT DIR`: one of our checkpoints (checkpoint.save,
+    one process's or sharded) through save_hf, its master weights read tensor by tensor from the unit files
+    (checkpoint.read_weights, CRCs verified first; no trainer, no optimizer state in memory), with the
+    tokenizer files the checkpoint carries.
 What it is not
     Not a general converter. Anything model.py does not compute fails with HFError naming it, never a
     silently different model: other architectures, mixture-of-experts, quantized weights, RoPE scaling
@@ -38,20 +42,25 @@ Reference
     this is a rename-free copy); the safetensors format: 8-byte little-endian header length, a JSON
     header {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes.
 Try it
-    python -m pytest tests/test_hf.py           # logits vs transformers, round trips, training, errors
+    python -m megatrain_min.hf export out/ckpt-00000400 my-model [--dtype bf16|fp32]
+    python -m pytest tests/test_hf.py tests/test_export.py   # logits vs transformers, round trips, errors
     python bench/hf_load_memory.py              # peak extra RSS while loading a ~1B bf16 checkpoint
 """
+import argparse
 import json
 import math
 import os
 import re
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from megatrain_min import checkpoint
+from megatrain_min.data import TOKENIZER_FILES, copy_tokenizer_files  # noqa: F401 (TOKENIZER_FILES: API)
 from model import HEAD, GPTConfig, check_finite, units
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -60,9 +69,6 @@ DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 ST_NAME = {v: k for k, v in DTYPES.items()}
 CHUNK = 64 << 20   # bytes of fp32 per converted slice: bounds what a read makes beside its destination
 EXPORT_MARKER = "megatrain-min-export.json"   # {"format", "files"}: what save_hf wrote into the directory
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
 
 
 class HFError(ValueError):
@@ -311,7 +317,7 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
 
     dtype: torch.bfloat16 or torch.float32 (an fp32 round trip is exact). Shards hold at most
     shard_size bytes (one tensor may exceed it). tokenizer_from: a directory whose tokenizer files
-    (and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
+    (data.copy_tokenizer_files: and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
     An existing model_dir is replaced only when check_export_dir allows it (empty, or an earlier export).
     """
     if dtype not in ST_NAME:
@@ -340,16 +346,8 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
             index = {"metadata": {"total_size": sum(math.prod(s) * esize for _, s in entries)},
                      "weight_map": {key: name for name, shard in zip(names, shards) for key, _ in shard}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        src = Path(tokenizer_from) if tokenizer_from else None
-        if src is not None:
-            for f in TOKENIZER_FILES:
-                if (src / f).is_file():
-                    shutil.copyfile(src / f, tmp / f)
-            if (src / "additional_chat_templates").is_dir():         # named chat templates beside the default
-                shutil.copytree(src / "additional_chat_templates", tmp / "additional_chat_templates")
-            if (src / "config.json").is_file():
-                old = json.loads((src / "config.json").read_text())
-                config.update({k: old[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in old})
+        if tokenizer_from:                                            # a model directory or one of our checkpoints
+            config.update(copy_tokenizer_files(tokenizer_from, tmp)["config_ids"])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         written = sorted(p.name for p in tmp.iterdir())
         (tmp / EXPORT_MARKER).write_text(json.dumps({"format": "megatrain-min save_hf", "files": written}) + "\n")
@@ -389,3 +387,57 @@ def check_export_dir(model_dir):
         raise HFError(f"{d} holds {added[0]!r}, which its export did not write ({len(added)} such files); "
                       f"pick a new or empty directory, nothing there is replaced")
     return d
+
+
+# ----------------------------------------------------------------------------- export: our checkpoint -> transformers
+DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def export_source(ckpt, model_dir):
+    """(cfg, weights) of checkpoint `ckpt` for an export to model_dir, after every check that needs no writing:
+    ckpt is a checkpoint whose files verify (checkpoint.read_weights), model_dir is one save_hf may replace
+    (check_export_dir: so never a directory that holds ckpt). Raises CheckpointError or HFError, one line."""
+    checkpoint.read_meta(ckpt)                          # a run directory: the message names its latest checkpoint
+    check_export_dir(model_dir)
+    return checkpoint.read_weights(ckpt)
+
+
+def export(ckpt, model_dir, dtype=torch.bfloat16):
+    """Write checkpoint `ckpt` as a transformers directory (save_hf), with the tokenizer files it carries."""
+    cfg, weights = export_source(ckpt, model_dir)
+    return save_hf(cfg, weights, model_dir, dtype=dtype, tokenizer_from=ckpt)
+
+
+def main(argv=None):
+    """`python -m megatrain_min.hf export CKPT OUT_DIR`: exit 0 done, 2 bad input (one line, nothing written),
+    4 the export could not be written (nothing at OUT_DIR replaced)."""
+    def fail(msg, code=2):
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(code)
+
+    p = argparse.ArgumentParser(prog="python -m megatrain_min.hf", description="Hugging Face checkpoints out.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="one of our checkpoints -> a directory transformers loads")
+    e.add_argument("ckpt", help="a checkpoint directory (OUT/ckpt-NNNNNNNN) written by train.py / checkpoint.save")
+    e.add_argument("out_dir", help="new or empty directory, or an earlier export (replaced)")
+    e.add_argument("--dtype", choices=DTYPE_FLAGS, default="bf16", help="tensor dtype written (default: %(default)s)")
+    p.error = e.error = fail                            # argparse's complaints: one line and exit code 2 too
+    a = p.parse_args(argv)
+    try:
+        cfg, weights = export_source(a.ckpt, a.out_dir)
+    except (ValueError, OSError) as err:
+        fail(str(err) if isinstance(err, ValueError) else f"{a.ckpt}: cannot read {err.filename} ({err.strerror})")
+    try:
+        save_hf(cfg, weights, a.out_dir, dtype=DTYPE_FLAGS[a.dtype], tokenizer_from=a.ckpt)
+    except ValueError as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"could not write the export {a.out_dir} ({err.strerror or err}); nothing there was replaced", 4)
+    carried = [f for f in TOKENIZER_FILES if (Path(a.out_dir) / f).is_file()]
+    print(f"exported {a.ckpt} to {a.out_dir} ({a.dtype}, {sum(u.numel for u in units(cfg)):,} params); "
+          f"tokenizer files: {', '.join(carried) or 'none in the checkpoint'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,609 @@
+"""prepare.py -- a corpus tokenized once, into memory-mapped token files that a run opens in no time.
+
+What it is
+    python -m megatrain_min.data prepare INPUT... --out DIR [--tokenizer MODEL_DIR] [--val-fraction 0.1]
+    streams text (.txt) or JSON lines (.jsonl) through a tokenizer (MODEL_DIR's tokenizer.json -- a Hugging Face
+    model directory or one of our checkpoints that carries it -- else bytes) and writes DIR:
+        train.npy, val.npy                  token ids, uint16 when the vocabulary fits, else uint32
+        train.mask.npy, val.mask.npy        SFT only: bool per token, True where it is supervised (carries loss)
+        train.examples.npy, val.examples.npy    SFT only: int64 (n, 3) per example: start, end, first target
+        meta.json                           written last: format version, tokenizer sha256 ("bytes" without
+                                            --tokenizer), vocabulary size, dtype, per split the tokens, the
+                                            .jsonl records (documents or examples) and the largest id, the
+                                            sources with sizes and mtimes, the settings
+    What an input becomes:
+    * .txt: the text line by line -- each line with its newline encoded on its own, the ids concatenated, as
+      transformers' run_clm.py does with keep_linebreaks. A tokenizer that merges across a line end (Llama 3
+      makes one token of "\\n\\n") gives a few other ids there than one encode() of the whole file would.
+      Nothing is put between files.
+    * .jsonl lines {"text": ...}: one document per line, encoded whole, then eos (a newline for a tokenizer
+      without one, as data.example_tokens ends a turn): documents never run into each other.
+    * .jsonl lines {"messages": [...]} or {"prompt", "completion"} (whatever else they hold, "text" too): SFT
+      examples through data.example_tokens -- the model's own chat template (chat.py) and its supervised mask,
+      what data.load_sft_jsonl trains on -- stored one after the other with their boundaries, so that each batch
+      row holds one example (SFTBatches). One directory holds one kind: mixing them is refused.
+    The validation split is the tail of the input: the last floor(F * total) bytes of all inputs (in the order
+    given), widened to whole lines and records -- a line goes to val when its last byte lies there. The same
+    contiguous tail that data.split takes of a token array, and fixed before anything is tokenized, so it streams.
+    Memory is bounded by a batch, never by the corpus: input is read BATCH_BYTES at a time cut at a line end,
+    encoded by the tokenizers package's encode_batch on all usable cores (RAYON_NUM_THREADS = the CPUs this
+    process may run on), and appended to the output files. Measured: bench/prepare_throughput.py, bench/NOTES.md.
+    Nothing half-written is ever taken for finished: everything goes into DIR's sibling .tmp-DIR-PID, is fsynced,
+    meta.json last, and is renamed to DIR; the reader refuses a directory without a complete meta.json, and a
+    rerun removes what a killed one left. A rerun into a finished DIR does nothing when the sources, tokenizer
+    and settings are the same (like make); otherwise it refuses unless --force, which replaces only a
+    directory that prepare wrote.
+    PreparedTokens(DIR): the arrays memory-mapped (start-up does not grow with the corpus), vocab_size and
+    tokenizer_hash, data.Batches over the ids, data.SFTBatches over the examples, and check_model(MODEL_DIR,
+    vocab_size): the same tokenizer (and chat template) as the model that will train on them.
+What it is not
+    No shuffling, deduplication or filtering; no packing of SFT examples (data.py says why); no CRC of the token
+    files (sizes are checked; they are written once and renamed into place). SFT examples are rendered one at a
+    time in Python (a chat template is a jinja program); text goes through encode_batch.
+Reference
+    nanoGPT's data/openwebtext/prepare.py (flat uint16 ids, np.memmap to read them); Megatron-LM's
+    tools/preprocess_data.py (documents with an index, an end-of-document token); transformers' run_clm.py.
+Try it
+    python -m megatrain_min.data prepare data/tinyshakespeare.txt --out /tmp/shakespeare   # bytes, ~1 s
+    python -m pytest tests/test_prepare.py
+    python bench/prepare_throughput.py        # against plain Tokenizer.encode_batch, with peak RSS of each
+"""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
+from megatrain_min import data
+
+FORMAT, VERSION = "megatrain-min prepared tokens", 1
+META = "meta.json"
+BATCH_BYTES = 4 << 20   # input per encode_batch call: ~1M tokens, ~100 MB of the package's Encodings in flight
+LINE_MAX = 64 << 20     # a line is never cut: a longer one would make a batch that large, and is refused
+SPLITS = ("train", "val")
+
+
+class PrepareError(ValueError):
+    """Input, tokenizer or output that prepare refuses, or a directory that the reader refuses. One line."""
+
+
+def id_dtype(n_ids):
+    """The dtype of token ids below n_ids: uint16 up to 65,536 of them, else uint32; PrepareError beyond."""
+    if n_ids <= 1 << 16:
+        return np.dtype(np.uint16)
+    if n_ids <= 1 << 32:
+        return np.dtype(np.uint32)
+    raise PrepareError(f"a vocabulary of {n_ids:,} ids does not fit uint32 token files")
+
+
+def tokenizer_hash(model_dir):
+    """sha256 (hex) of model_dir/tokenizer.json's bytes; "bytes" for the byte tokenizer (model_dir None)."""
+    if model_dir is None:
+        return "bytes"
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise PrepareError(f"{model_dir} has no tokenizer.json")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _sha(text):
+    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
+
+
+def _read_meta(path):
+    """DIR/meta.json of a finished prepare (format and version checked), else PrepareError."""
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PrepareError(f"{path} is not a prepared directory (no {META}; a prepare that did not finish leaves "
+                           f"none): run `python -m megatrain_min.data prepare ... --out {path}`") from None
+    except (OSError, ValueError) as e:
+        raise PrepareError(f"{path}/{META} cannot be read ({e}); prepare the data again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PrepareError(f"{path}/{META} is not a prepared-tokens meta.json (no format {FORMAT!r})")
+    if meta.get("version") != VERSION:
+        raise PrepareError(f"{path} has prepared-tokens format version {meta.get('version')!r}; this code reads "
+                           f"version {VERSION}: prepare the data again")
+    return meta
+
+
+# ----------------------------------------------------------------------------- writing
+class _Npy:
+    """A .npy file written front to back: the header of an empty array first, rows appended, the real shape
+    written over it at the end (numpy leaves room in the header for the length to grow: its size stays)."""
+
+    def __init__(self, path, dtype, row=()):
+        self.f, self.dtype, self.row, self.n = open(path, "wb", buffering=1 << 20), np.dtype(dtype), row, 0
+        self._header()
+        self.start = self.f.tell()
+
+    def _header(self):
+        np.lib.format.write_array_header_1_0(self.f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                      "fortran_order": False, "shape": (self.n, *self.row)})
+
+    def append(self, a):
+        a = np.ascontiguousarray(a, dtype=self.dtype)
+        self.f.write(memoryview(a.reshape(-1).view(np.uint8)))
+        self.n += len(a)
+
+    def close(self):
+        """Final header, fsync, close; returns the file's size in bytes."""
+        end = self.f.tell()
+        self.f.seek(0)
+        self._header()
+        assert self.f.tell() == self.start, "the .npy header changed size"
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return end
+
+
+class _Split:
+    """The files of one split in the temporary directory: ids, and for SFT data the mask and the example index."""
+
+    def __init__(self, d, name, dtype, sft):
+        self.ids = _Npy(d / f"{name}.npy", dtype)
+        self.mask = _Npy(d / f"{name}.mask.npy", bool) if sft else None
+        self.index = _Npy(d / f"{name}.examples.npy", np.int64, (3,)) if sft else None
+        self.name, self.limit, self.max_id, self.examples, self.supervised = name, np.iinfo(dtype).max, -1, 0, 0
+
+    def add_tokens(self, ids, documents=0):
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
+            if self.max_id > self.limit:    # the tokenizer made an id beyond the vocabulary it declared
+                raise PrepareError(f"token id {self.max_id} does not fit {self.ids.dtype}; the tokenizer's "
+                                   f"vocabulary size understates its ids")
+        self.ids.append(ids)
+        self.examples += documents
+
+    def add_example(self, ids, supervised):
+        """One SFT example: its ids, its mask, and (start, end, first target) -- the first i with supervised[i + 1],
+        the position of its first supervised target in data.example_xy's y, or -1."""
+        start, targets = self.ids.n, np.flatnonzero(supervised[1:])
+        self.add_tokens(ids, documents=1)
+        self.mask.append(supervised)
+        self.index.append(np.array([[start, self.ids.n, targets[0] if len(targets) else -1]]))
+        self.supervised += int(supervised.sum())
+
+    def close(self):
+        files = {f"{self.name}.npy": self.ids.close()}
+        if self.mask is not None:
+            files.update({f"{self.name}.mask.npy": self.mask.close(), f"{self.name}.examples.npy": self.index.close()})
+        stats = {"tokens": self.ids.n, "examples": self.examples, "max_id": self.max_id}
+        return files, stats if self.mask is None else {**stats, "supervised": self.supervised}
+
+
+def _sources(inputs):
+    """[{"path", "bytes", "mtime_ns"}] of the inputs, each a readable non-empty .txt or .jsonl file."""
+    out = []
+    for name in inputs:
+        p = Path(name)
+        if p.suffix not in (".txt", ".jsonl"):
+            raise PrepareError(f"{p}: expected a .txt (text) or .jsonl (one JSON object per line) file")
+        if not p.is_file():
+            raise PrepareError(f"{p} {'is not a file' if p.exists() else 'does not exist'}")
+        try:
+            open(p, "rb").close()
+        except OSError as e:
+            raise PrepareError(f"{p}: cannot read it ({e.strerror})") from None
+        st = p.stat()
+        if st.st_size == 0:
+            raise PrepareError(f"{p} is empty")
+        out.append({"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def _chunks(path):
+    """(offset, bytes) of the file in pieces of about BATCH_BYTES, each ending at a line end (or the file's end).
+    A read error is a PrepareError (an error of the caller's, between the pieces, is not caught here)."""
+    def read(f):
+        try:
+            return f.read(BATCH_BYTES)
+        except OSError as e:
+            raise PrepareError(f"{path}: cannot read it ({e.strerror})") from None
+
+    with open(path, "rb") as f:
+        rest, at = b"", 0
+        while block := read(f):
+            buf = rest + block
+            end = buf.rfind(b"\n") + 1
+            if end == 0 and len(buf) > LINE_MAX:
+                raise PrepareError(f"{path}: a line of more than {LINE_MAX >> 20} MiB at byte {at:,}; text is "
+                                   f"tokenized line by line: break it into lines")
+            if end:
+                yield at, buf[:end]
+                at, rest = at + end, buf[end:]
+            else:
+                rest = buf
+        if rest:
+            yield at, rest
+
+
+def _decode(piece, path, line, at):
+    """piece as text, or PrepareError naming the line and byte of the first byte that is not UTF-8."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError as e:
+        n = line + piece.count(b"\n", 0, e.start) + 1
+        raise PrepareError(f"{path}:{n}: not UTF-8 text (byte {piece[e.start]:#04x} at offset {at + e.start:,}); "
+                           f"convert the file to UTF-8 (nothing is replaced silently)") from None
+
+
+class _Corpus:
+    """The loop over the inputs: kind ("tokens" or "sft", fixed by the first record), the two splits, the cut."""
+
+    def __init__(self, tmp, tok, dtype, chat_format, cut):
+        self.tmp, self.tok, self.dtype, self.chat_format, self.cut = tmp, tok, dtype, chat_format, cut
+        self.t0 = time.time()
+        self.kind, self.first, self.splits = None, None, None
+        self.end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")   # after each "text" document
+        fast = getattr(getattr(tok, "tok", None), "encode_batch_fast", None)      # the same ids, no offsets
+        self.encode_batch = fast or getattr(getattr(tok, "tok", None), "encode_batch", None)
+
+    def _split(self, kind, where):
+        if self.kind is None:
+            self.kind, self.first = kind, where
+            self.splits = {s: _Split(self.tmp, s, self.dtype, kind == "sft") for s in SPLITS}
+        elif kind != self.kind:
+            what = {"tokens": "pretraining text", "sft": "SFT examples"}
+            raise PrepareError(f"{where}: {what[kind]} in a corpus of {what[self.kind]} (from {self.first}); "
+                               f"prepare them into separate directories")
+        return self.splits
+
+    def _encode(self, texts, end=()):
+        """Token ids (int64) of texts, each followed by `end`: encode_batch on all cores, or bytes."""
+        if self.encode_batch is None:                                  # the byte tokenizer
+            return np.frombuffer(b"".join(t.encode() + bytes(end) for t in texts), dtype=np.uint8)
+        encs = self.encode_batch(texts, add_special_tokens=False)
+        ids = chain.from_iterable(chain(e.ids, end) for e in encs) if end else chain.from_iterable(e.ids for e in encs)
+        return np.fromiter(ids, dtype=np.int64, count=sum(map(len, encs)) + len(end) * len(encs))
+
+    def add(self, path, start, piece, line, split):
+        """Tokenize piece (whole lines of path, from byte `start`, after `line` lines) into split."""
+        text = _decode(piece, path, line, start)
+        if path.suffix == ".txt":
+            splits = self._split("tokens", f"{path}:{line + 1}")
+            if self.encode_batch is None:                              # bytes are their own ids
+                splits[split].add_tokens(np.frombuffer(piece, dtype=np.uint8))
+            else:
+                lines = text.split("\n")
+                lines = [s + "\n" for s in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+                splits[split].add_tokens(self._encode(lines))
+            return
+        docs = []
+        for n, record in enumerate(text.split("\n"), line + 1):
+            if not record.strip():
+                continue
+            try:
+                obj = json.loads(record)
+                if isinstance(obj, dict) and not ({"messages", "prompt", "completion"} & set(obj)) and "text" in obj:
+                    if not isinstance(obj["text"], str):
+                        raise ValueError(f'"text" must be a string, got {type(obj["text"]).__name__}')
+                    self._split("tokens", f"{path}:{n}")
+                    docs.append(obj["text"])
+                else:
+                    ids, supervised = data.example_tokens(obj, self.tok, self.chat_format)
+                    self._split("sft", f"{path}:{n}")[split].add_example(ids, supervised)
+            except PrepareError:
+                raise
+            except ValueError as e:   # JSON, a malformed example, a chat template that fails: one line
+                raise PrepareError(f"{path}:{n}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+        if docs:
+            self.splits[split].add_tokens(self._encode(docs, self.end), documents=len(docs))
+
+    def run(self, inputs, sources, bar):
+        base = 0
+        for path, src in zip(map(Path, inputs), sources):           # messages name a file as it was given
+            line = 0
+            for at, chunk in _chunks(path):
+                # the split point: lines whose last byte lies before self.cut go to train, the rest to val
+                lo = base + at
+                p = (len(chunk) if lo + len(chunk) <= self.cut else 0 if lo >= self.cut
+                     else chunk.rfind(b"\n", 0, self.cut - lo) + 1)
+                for split, a, b in (("train", 0, p), ("val", p, len(chunk))):
+                    if b > a:
+                        self.add(path, lo + a, chunk[a:b], line + chunk.count(b"\n", 0, a), split)
+                line += chunk.count(b"\n")
+                bar.update(len(chunk))
+                n_tok = sum(s.ids.n for s in (self.splits or {}).values())
+                bar.set_postfix_str(f"{n_tok / max(time.time() - self.t0, 1e-9) / 1e6:.2f}M tokens/s", refresh=False)
+            st = path.stat()
+            if (st.st_size, st.st_mtime_ns) != (src["bytes"], src["mtime_ns"]):
+                raise PrepareError(f"{path} changed while it was being prepared; run again when it is written")
+            base += src["bytes"]
+        if self.kind is None:
+            raise PrepareError(f"{', '.join(map(str, inputs))}: no records, only blank lines")
+        return {s: self.splits[s].close() for s in SPLITS}
+
+
+def _alive(pid):
+    """Is `pid` (the tail of a .tmp-* name) a running process? A tail that is no PID counts as alive."""
+    if not pid.isdigit():
+        return True
+    if int(pid) == os.getpid():                 # a directory of ours from before: a process of this PID that died
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _existing(out, given, differs, force):
+    """True when out already holds this preparation (nothing to do); False when prepare may write it; else
+    PrepareError. differs(meta): what differs between that meta.json's preparation and this one, or None."""
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise PrepareError(f"--out {given} exists and is not a directory; pick a new or empty directory")
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return False
+    try:                                                   # ours: our meta.json, and no file it does not list
+        meta = json.loads((out / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = {}
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("files"), dict)
+            and names <= set(meta["files"]) | {META}):
+        raise PrepareError(f"--out {given} exists and holds files that prepare did not write; nothing there is "
+                           f"replaced: pick a new or empty directory")
+    try:
+        PreparedTokens(out)
+        complete = True
+    except PrepareError:
+        complete = False
+    what = differs(meta) if complete else "a damaged file or another format version"
+    if what is None and not force:
+        return True
+    if not force:
+        raise PrepareError(f"--out {given} holds an earlier preparation with {what}; pass --force to replace it, "
+                           f"or pick another --out")
+    return False
+
+
+def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, force=False, progress=None):
+    """Tokenize the files `inputs` into directory `out` (see the module docstring); returns its meta.json as a
+    dict, with "up_to_date": True when out already held this preparation. tokenizer: a directory with
+    tokenizer.json, or None for bytes. chat_format: "native", "fixed" or None (native when the tokenizer has a
+    chat template), for SFT records. progress: a tqdm bar on stderr (None: when stderr is a terminal).
+    Raises PrepareError (a ValueError; HFTokenizer's own for an unreadable tokenizer) with one line before
+    anything is written, or while reading; OSError when an output cannot be written. Either way out is unchanged."""
+    from tqdm import tqdm
+    sources, given, out = _sources(inputs), out, Path(out).resolve()      # messages name out as given
+    if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
+        raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {val_fraction}")
+    if chat_format not in (None, "native", "fixed"):
+        raise PrepareError(f"chat_format must be 'native', 'fixed' or None, got {chat_format!r}")
+    tok = data.HFTokenizer(tokenizer) if tokenizer is not None else data.ByteTokenizer()
+    if chat_format == "native" and tok.chat_template is None:
+        raise PrepareError(f"--chat-format native: {tokenizer or 'the byte tokenizer'} has no chat_template")
+    n_ids = tok.vocab_size                                     # ids below it (an added token may lie beyond)
+    if tokenizer is not None:
+        n_ids = max(n_ids, max(tok.tok.get_vocab(with_added_tokens=True).values()) + 1)
+    dtype = id_dtype(n_ids)
+    settings = {"version": VERSION, "sources": sources, "val_fraction": val_fraction,
+                "tokenizer": {"sha256": tokenizer_hash(tokenizer), "vocab_size": n_ids,
+                              "chat_template_sha256": _sha(tok.chat_template)}}
+    chat_format = chat_format or ("native" if tok.chat_template is not None else "fixed")
+
+    def differs(m):
+        was, now = m.get("tokenizer", {}), settings["tokenizer"]
+        return ("other sources (a file added, removed or changed since)" if m.get("sources") != sources else
+                f"another tokenizer ({was.get('sha256', '?')[:12]}, now {now['sha256'][:12]})" if was != now else
+                f"val_fraction {m.get('val_fraction')} (now {val_fraction})" if m.get("val_fraction") != val_fraction
+                else f"chat format {m.get('chat_format')} (now {chat_format})" if m.get("kind") == "sft" and
+                m.get("chat_format") != chat_format else None)
+
+    if _existing(out, given, differs, force):
+        return {**_read_meta(out), "up_to_date": True}
+    for stale in out.parent.glob(f".tmp-{out.name}-*"):        # what a killed prepare left, never a live one's
+        if not _alive(stale.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(stale, ignore_errors=True)
+    # the tokenizers package runs encode_batch on a thread pool sized when it is first used
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("RAYON_NUM_THREADS", str(cpus))
+    total = sum(s["bytes"] for s in sources)
+    tmp, t0 = out.parent / f".tmp-{out.name}-{os.getpid()}", time.time()
+    tmp.mkdir(parents=True)
+    try:
+        corpus = _Corpus(tmp, tok, dtype, chat_format, cut=total - int(val_fraction * total))
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"prepare {out.name}",
+                  disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
+            done = corpus.run(inputs, sources, bar)
+        if done["train"][1]["tokens"] == 0:
+            raise PrepareError(f"the train split is empty: every line holds some of the last {val_fraction:.0%} of "
+                               f"the input bytes (--val-fraction {val_fraction}); lower --val-fraction")
+        meta = {"format": FORMAT, **settings, "kind": corpus.kind, "dtype": dtype.name,
+                "chat_format": chat_format if corpus.kind == "sft" else None,
+                "tokenizer_dir": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
+                "splits": {s: done[s][1] for s in SPLITS},
+                "val_rule": "the lines/records holding the last floor(val_fraction * bytes) bytes of the inputs",
+                "files": {name: size for s in SPLITS for name, size in done[s][0].items()},
+                "seconds": round(time.time() - t0, 3)}
+        with open(tmp / META, "w") as f:                         # last: its presence means the rest is whole
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = out.parent / f".tmp-{out.name}-old-{os.getpid()}"
+        if out.exists():                                          # empty, or replaced with --force
+            os.rename(out, old)
+        os.rename(tmp, out)                                       # atomic: DIR appears whole or not at all
+        _fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {**meta, "up_to_date": False}
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- reading
+class PreparedTokens:
+    """A prepared directory, memory-mapped: nothing of the corpus is read into RAM until a batch asks for it.
+
+    kind: "tokens" (pretraining) or "sft"; vocab_size: ids below it (the tokenizer's); tokenizer_hash: sha256 of
+    its tokenizer.json or "bytes"; meta: all of meta.json. Refuses (PrepareError) a directory without a complete
+    meta.json of this format, or whose files do not have the sizes it records."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.meta = _read_meta(self.path)
+        try:
+            for name, size in self.meta["files"].items():
+                f = self.path / name
+                if not f.is_file() or f.stat().st_size != size:
+                    what = "missing" if not f.is_file() else "of another size than meta.json says"
+                    raise PrepareError(f"{f} is {what}; the directory is damaged: prepare it again")
+            self.kind, self.dtype, tok = self.meta["kind"], np.dtype(self.meta["dtype"]), self.meta["tokenizer"]
+            self.vocab_size, self.tokenizer_hash = tok["vocab_size"], tok["sha256"]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PrepareError(f"{self.path}/{META} lacks {e}; prepare the data again") from None
+
+    def _array(self, name, n, dtype):
+        a = np.load(self.path / name, mmap_mode="r") if n else np.zeros((0,), dtype)
+        if a.dtype != dtype or len(a) != n:
+            raise PrepareError(f"{self.path / name} holds {a.dtype} {a.shape}, meta.json says {n} of {dtype}")
+        return a
+
+    def tokens(self, split="train"):
+        """The split's token ids: a read-only 1-D memory map of uint16 or uint32."""
+        return self._array(f"{split}.npy", self.meta["splits"][split]["tokens"], self.dtype)
+
+    def supervised(self, split="train"):
+        """SFT: per token, whether it is supervised (a read-only memory map of bool)."""
+        self._want("sft", "supervised")
+        return self._array(f"{split}.mask.npy", self.meta["splits"][split]["tokens"], np.dtype(bool))
+
+    def _want(self, kind, what):
+        if self.kind != kind:
+            raise PrepareError(f"{self.path} holds {'SFT examples' if self.kind == 'sft' else 'pretraining text'}: "
+                               f"{what} needs {'SFT examples' if kind == 'sft' else 'pretraining text'}")
+
+    def _nonempty(self, split):
+        if not self.meta["splits"][split]["tokens"]:
+            raise PrepareError(f"{self.path}: the {split} split is empty (val_fraction {self.meta['val_fraction']})")
+
+    def batches(self, split, batch_size, seq_len, seed=0):
+        """data.Batches over the split's ids: random windows, exactly as over the same ids in memory."""
+        self._want("tokens", "batches")
+        self._nonempty(split)
+        return data.Batches(self.tokens(split), batch_size, seq_len, seed=seed, name=split)
+
+    def examples(self, split, seq_len):
+        """The split's SFT examples as data.load_sft_jsonl gives them: Examples, a sequence of (x, y)."""
+        self._want("sft", "examples")
+        self._nonempty(split)
+        index = self._array(f"{split}.examples.npy", self.meta["splits"][split]["examples"], np.dtype(np.int64))
+        return Examples(self.tokens(split), self.supervised(split), index, seq_len, f"{self.path} {split}")
+
+    def sft_batches(self, split, batch_size, seq_len, seed=0, pad_id=0):
+        """data.SFTBatches over the split's examples: one example per row, padded."""
+        return data.SFTBatches(self.examples(split, seq_len), batch_size, seq_len, seed=seed, name=split,
+                               pad_id=pad_id)
+
+    def check_model(self, model_dir=None, vocab_size=None):
+        """PrepareError (one line) unless a model may train on these ids: model_dir (a directory with the model's
+        tokenizer.json, or None to skip this) has the tokenizer they were made with -- and, for SFT examples
+        in the native format, the same chat template; vocab_size (the model's) exceeds every id here."""
+        if model_dir is not None:
+            theirs = tokenizer_hash(model_dir)
+            if theirs != self.tokenizer_hash:
+                name = lambda h: "the byte tokenizer" if h == "bytes" else f"a tokenizer.json, sha256 {h[:12]}"  # noqa
+                raise PrepareError(f"{self.path} was tokenized with {name(self.tokenizer_hash)}, {model_dir} has "
+                                   f"{name(theirs)}; prepare it again with --tokenizer {model_dir}")
+            if self.kind == "sft" and self.meta["chat_format"] == "native":
+                if _sha(data.HFTokenizer(model_dir).chat_template) != self.meta["tokenizer"]["chat_template_sha256"]:
+                    raise PrepareError(f"{self.path} was rendered with another chat template than {model_dir}'s; "
+                                       f"prepare it again with --tokenizer {model_dir}")
+        top = max(self.meta["splits"][s]["max_id"] for s in SPLITS)
+        if vocab_size is not None and top >= vocab_size:
+            raise PrepareError(f"{self.path} holds token id {top}, beyond the model's vocabulary of {vocab_size}")
+
+
+class Examples(Sequence):
+    """(x, y) int32 of each SFT example with a supervised target within seq_len (data.example_xy), read from
+    the memory maps when asked for: the sequence data.load_sft_jsonl returns, for data.SFTBatches. The same
+    warning for examples cut to seq_len, the same dropping of those left with no answer token."""
+
+    def __init__(self, ids, supervised, index, seq_len, where):
+        self.ids, self.sup, self.index, self.T = ids, supervised, index, seq_len
+        first, length = np.asarray(index[:, 2]), np.asarray(index[:, 1] - index[:, 0])  # O(examples), not tokens
+        self.keep = np.flatnonzero((first >= 0) & (first < seq_len))
+        cut, dropped = int((length - 1 > seq_len).sum()), len(index) - len(self.keep)
+        if not len(self.keep):
+            raise PrepareError(f"{where}: no example with a supervised token within seq_len={seq_len}")
+        if cut:
+            warnings.warn(f"{where}: {cut} of {len(index)} examples longer than seq_len={seq_len} were cut, "
+                          f"{dropped} of them dropped (no answer token left)")
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        start, end, _ = self.index[self.keep[i]]
+        return data.example_xy(self.ids[start:end], np.asarray(self.sup[start:end]), self.T)
+
+
+# ----------------------------------------------------------------------------- the command
+def main(argv=None):
+    """`python -m megatrain_min.data prepare ...`: exit 0 done (or up to date), 2 bad input (one line; nothing
+    written), 4 an output could not be written (nothing at --out replaced), 130 interrupted (nothing written)."""
+    def fail(msg, code=2):
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(code)
+
+    p = argparse.ArgumentParser(prog="python -m megatrain_min.data prepare",
+                                description="Tokenize text or JSON lines once into memory-mapped token files.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, tokenized in this order")
+    p.add_argument("--out", required=True, help="the directory to write (made; refused if it holds other data)")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                   help="a directory with tokenizer.json: a Hugging Face model or one of our checkpoints "
+                        "(default: bytes, the toy presets' vocabulary of 256)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="the tail of the input bytes, in whole lines, that becomes the val split (default: 0.1)")
+    p.add_argument("--chat-format", choices=["native", "fixed"], default=None,
+                   help="SFT records: the tokenizer's chat template (default when it has one) or the fixed format")
+    p.add_argument("--force", action="store_true", help="replace --out when it holds an earlier preparation")
+    p.error = fail                       # argparse's complaints: one line and exit code 2 too
+    a = p.parse_args(argv)
+    try:
+        meta = prepare(a.inputs, a.out, a.tokenizer, a.val_fraction, a.chat_format, a.force)
+    except ValueError as e:              # PrepareError, an unreadable tokenizer, a chat template that fails
+        fail(str(e))
+    except OSError as e:
+        fail(f"could not write {a.out} ({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); "
+             f"nothing there was replaced", 4)
+    except KeyboardInterrupt:
+        fail(f"interrupted; nothing was written to {a.out}", 130)
+    if meta["up_to_date"]:
+        print(f"{a.out} is up to date (same sources, tokenizer and settings); nothing to do (--force redoes it)")
+        return 0
+    tr, va, s = meta["splits"]["train"], meta["splits"]["val"], meta["seconds"]
+    n_bytes, n_tok = sum(x["bytes"] for x in meta["sources"]), tr["tokens"] + va["tokens"]
+    what = f"{tr['examples'] + va['examples']:,} examples, " if meta["kind"] == "sft" else ""
+    print(f"{a.out}: {tr['tokens']:,} train / {va['tokens']:,} val tokens ({meta['kind']}, {what}{meta['dtype']}, "
+          f"tokenizer {meta['tokenizer']['sha256'][:12]}) from {n_bytes / 1e6:,.1f} MB in {s:.1f} s: "
+          f"{n_bytes / 1e6 / max(s, 1e-9):.1f} MB/s, {n_tok / 1e6 / max(s, 1e-9):.2f}M tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
