@@ -1,92 +1,73 @@
-"""optim.py -- the pinned host store and a per-unit CPU AdamW.
+"""optim.py -- the pinned host store, a per-unit CPU AdamW and the thread it runs on.
 
 What it is
-    HostAdamW keeps, for every unit of the model (the embedding, each layer, the head), flat buffers
-    in host memory: the fp32 master weights, fp32 Adam m and v, an fp32 gradient buffer, and -- when
-    the GPU computes in bf16 -- a bf16 shadow of the master that the engine streams to the GPU. The
-    buffers are pinned when CUDA is present, so copies to and from the GPU are DMA, not staged.
-    step(u) updates one unit with torch's fused CPU AdamW kernel, so a worker thread can update
-    layer i while the GPU is still busy with layer i-1. Also here: global grad-norm clipping and the
-    warmup + cosine learning-rate schedule, and check_hyper: the one home of what a hyper-parameter may be.
+    HostAdamW keeps, for every unit (the embedding, each layer, the head), flat buffers in host
+    memory: fp32 master weights, Adam m and v, gradients (per unit, or slabs lent to one unit at a
+    time) and -- with bf16 compute -- a bf16 shadow of the master for the engine to stream; pinned
+    with CUDA (copies are DMA). step(u) updates one unit with torch's fused CPU AdamW kernel, so the
+    optimizer thread (worker) updates layer i while the GPU works on layer i-1. Also: the CPUs'
+    split between that thread and the main one, grad-norm clipping, the learning-rate schedule.
 What it is not
-    Not a torch.optim.Optimizer (no param groups, no state_dict of dicts): units are flat buffers and a
-    unit's [matrices | vectors] layout makes "decay" and "no decay" two contiguous regions, so a step
-    is exactly two kernel calls. It imports nothing of this project; any list of (numel, n_decay) works.
+    Not a torch.optim.Optimizer: a unit's [matrices | vectors] layout makes "decay" and "no decay"
+    two contiguous regions, so a step is two kernel calls. It imports nothing of this project;
+    megatrain_min/checks.py says what a hyper-parameter may be.
 Reference
-    torch.optim.AdamW(fused=True) with two parameter groups (decay on tensors with >= 2 dims).
+    torch.optim.AdamW(fused=True), two parameter groups (decay on tensors with >= 2 dims):
     tests/test_optim.py checks equality over 10 steps; bench/adamw_cpu.py compares speed.
-
-Framework internals: torch._fused_adamw_ is the private kernel behind AdamW(fused=True). It updates
-params, m and v in place and reads (does not increment) the step tensor; torch.optim increments it
-first, and so do we. Its grad_scale argument divides the gradient inside the kernel: we pass
-1/clip_coef there, which applies clipping without an extra pass over the gradients.
+Framework internals: torch._fused_adamw_, the kernel behind AdamW(fused=True), updates params, m
+and v in place and reads (does not increment) the step tensor, as torch.optim does; its grad_scale
+divides the gradient inside the kernel: 1/clip_coef clips without an extra pass over it.
 """
 import math
-import numbers
+import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 
-class HyperParameterError(ValueError):
-    """A hyper-parameter no step can use; .name is the argument's name (train.py turns it into a flag)."""
-
-    def __init__(self, name, msg):
-        super().__init__(msg)
-        self.name = name
-
-
-def check_hyper(**hp):
-    """Raise HyperParameterError naming the first of the given hyper-parameters that cannot train. Only those
-    given are checked (set_lr checks lr alone). lr, weight_decay, grad_clip (0 = off): finite and >= 0 (a
-    negative lr is gradient ascent, a negative grad_clip would silently turn clipping off); eps: finite and
-    > 0 (with eps = 0 a gradient that is exactly zero, an unused embedding row, gives 0/0 = NaN); betas: two
-    numbers in [0, 1) (beta2 = 1 divides by 1 - beta2**t = 0); micro_batches: a positive integer."""
-    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-    for name, v in hp.items():
-        if name in ("lr", "weight_decay", "grad_clip"):
-            ok, want = real(v) and v >= 0, "a finite number >= 0"
-        elif name == "eps":
-            ok, want = real(v) and v > 0, "a finite number > 0"
-        elif name == "betas":
-            ok, want = isinstance(v, (tuple, list)) and len(v) == 2 and all(real(b) and 0 <= b < 1 for b in v), \
-                "two numbers in [0, 1)"
-        elif name == "micro_batches":
-            ok, want = isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"
-        else:
-            raise TypeError(f"check_hyper() got an unknown hyper-parameter {name!r}")
-        if not ok:
-            raise HyperParameterError(name, f"{name} must be {want}, got {v!r}")
+LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1   # the library's defaults (one home)
 
 
 class HostAdamW:
-    def __init__(self, sizes, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 pin=False, shadow_dtype=None, grad_store=True):
+    def __init__(self, sizes, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                 pin=False, shadow_dtype=None, grad_store=True, slabs=0, pool=None):
         """sizes: [(numel, n_decay)] per unit -- the first n_decay elements are decayed.
-        shadow_dtype: keep a copy of the master in this dtype (the one the GPU computes in), refreshed
-        after every step; None when the engine streams the fp32 master itself.
-        grad_store: keep an fp32 gradient buffer per unit (4 B/param). Without it grad[u] is None until
-        the engine points it at a staging slab for the duration of one unit's update."""
-        self.sizes, self.lr, self.betas, self.eps, self.wd = list(sizes), lr, betas, eps, weight_decay
-
+        shadow_dtype: keep a copy of the master in this dtype (the one the GPU computes in),
+        refreshed after every step; None when the engine streams the fp32 master itself.
+        grad_store: an fp32 gradient buffer per unit (4 B/param). Without it grad[u] is None but
+        while a slab is lent to it (lend): `slabs` buffers of the largest unit, in `pool`."""
+        self.sizes, self.lr, self.betas, self.eps, self.wd = [*sizes], lr, betas, eps, weight_decay
         if pin:
             pin_exact_sizes()
-        def buf(n, dtype=torch.float32):  # zeros: a fresh pinned page must not leak old data into m/v
-            return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
+        def buf(n, dtype=torch.float32):  # zeros: a fresh pinned page must not leak old data
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
         self.master = [buf(n) for n, _ in self.sizes]   # fp32 master weights
         self.m = [buf(n) for n, _ in self.sizes]        # fp32 Adam first moment
         self.v = [buf(n) for n, _ in self.sizes]        # fp32 Adam second moment
-        self.grad = [buf(n) if grad_store else None for n, _ in self.sizes]  # fp32, written by the engine's D2H
+        self.grad = [buf(n) if grad_store else None for n, _ in self.sizes]   # fp32, from the D2H
         self.shadow = [buf(n, shadow_dtype) for n, _ in self.sizes] if shadow_dtype else None
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.sizes]  # per unit, as torch keeps it
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.sizes]   # as torch does
+        self.pool, self.lent = pool if pool is not None else queue.Queue(), {}   # unit -> its slab
+        for _ in range(0 if grad_store else slabs):
+            self.pool.put(buf(max(n for n, _ in self.sizes)))
+
+    def lend(self, u):  # point grad[u] at a free slab, waiting until one is given back
+        self.lent[u] = self.pool.get()
+        self.grad[u] = self.lent[u][:self.sizes[u][0]]
+
+    def give_back(self, u):
+        self.grad[u] = None
+        self.pool.put(self.lent.pop(u))
 
     def nbytes(self):
         """Host bytes the store holds: master, m, v, the per-unit gradients if kept, the shadow."""
-        held = self.master + self.m + self.v + [g for g in self.grad if g is not None] + (self.shadow or [])
-        return sum(t.numel() * t.element_size() for t in held)
+        held = self.master + self.m + self.v + [g for g in self.grad if g is not None]
+        return sum(t.numel() * t.element_size() for t in held + (self.shadow or []))
 
     def state(self, u):
-        """{"master", "m", "v": fp32 host tensor} of unit u: the store itself (no copy), what a checkpoint holds."""
+        """{"master", "m", "v"} of unit u: the store's tensors (no copy): a checkpoint."""
         return {"master": self.master[u], "m": self.m[u], "v": self.v[u]}
 
     def step_count(self, u):
@@ -104,63 +85,72 @@ class HostAdamW:
         if self.shadow is not None:
             self.shadow[u].copy_(self.master[u])
 
-    def step(self, u, lr=None, clip_coef=1.0, finite_only=False):
-        """AdamW on unit u with the gradient in self.grad[u] multiplied by clip_coef. The kernel writes the
-        scaled gradient back: after a clipped step, grad[u] holds the clipped gradient.
-        finite_only: first check the gradient (one read pass, a sum: finite whenever every value is; only a
-        non-finite sum is looked at element by element) and, when it holds a NaN or an infinity, change
-        nothing -- master, m, v, step count -- and return False. With finite gradients and hyper-parameters
-        (check_hyper) the update is finite: m/(sqrt(v)+eps) is bounded (short of gradients near the fp32 limit,
-        where m itself overflows; checkpoint.save refuses non-finite master weights whatever the cause)."""
+    def step(self, u, lr=None, clip_coef=1.0):
+        """AdamW on unit u with the gradient in self.grad[u] multiplied by clip_coef. The kernel
+        writes the scaled gradient back: after a clipped step, grad[u] holds the clipped one."""
         lr = self.lr if lr is None else lr
         n, n_decay = self.sizes[u]
-        p, g, m, v = self.master[u], self.grad[u], self.m[u], self.v[u]
-        if finite_only and not math.isfinite(float(g.sum())) and not bool(torch.isfinite(g).all()):
-            return False
-        step = self.steps[u]
+        p, g, m, v, step = self.master[u], self.grad[u], self.m[u], self.v[u], self.steps[u]
         step += 1
         scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):  # [matrices | vectors]
             if hi > lo:
                 torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [step],
-                                    lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd,
-                                    eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+                                    lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                                    weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False,
+                                    grad_scale=scale)
         self.refresh_shadow(u)
-        return True
 
     def grad_sq(self, u):
-        """Squared L2 norm of unit u's gradient (fp32); the global norm is sqrt of the sum over units."""
+        """Squared L2 norm of unit u's gradient (fp32); the global norm is sqrt of the sum."""
         g = self.grad[u]
         return float(torch.dot(g, g))
 
 
 def pin_exact_sizes(threshold_mb=64):
-    """Framework internal (ATen/core/CachingHostAllocator.h, torch 2.13): the pinned-memory allocator rounds
-    every allocation up to a power of two, so a 5 GB unit would pin 8 GB and a 120B store would not fit in
-    1.5 TB. Two settings keep buffers at their real size, safely:
-    * pinned_max_round_threshold_mb: allocations above it are not rounded up;
-    * pinned_max_cached_size_mb: allocations above it are given back to the OS when freed, not cached. The
-      cache's free lists are log2 buckets and get_free_block hands out a bucket's last block without comparing
-      sizes, so an unrounded 72 MiB block, once cached, could be handed to a 96 MiB request and overrun
-      (upstream PR #192722). With both at the same value every cached block is an exact power of two.
-    The setter replaces the whole allocator configuration, so ours is appended to what is set already
-    (PYTORCH_ALLOC_CONF, or the user's own calls). tests/test_optim.py pins both behaviours."""
+    """Framework internal (ATen/core/CachingHostAllocator.h, torch 2.13): the pinned allocator
+    rounds every allocation up to a power of two (a 120B store would not fit in 1.5 TB). Above
+    pinned_max_round_threshold_mb allocations are not rounded; above pinned_max_cached_size_mb
+    they are not cached (the cache's log2 buckets hand out a block without comparing sizes: an
+    unrounded one could overrun, upstream PR #192722). Ours are appended to the configuration
+    set already (PYTORCH_ALLOC_CONF, a user's). tests/test_optim.py pins both behaviours."""
     ours = f"pinned_max_round_threshold_mb:{threshold_mb},pinned_max_cached_size_mb:{threshold_mb}"
     current = torch._C._accelerator_getAllocatorSettings()
     if not current.endswith(ours):
         torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
 
 
+def cpu_threads(cuda, procs=1):
+    """(main, optimizer): OpenMP threads of the thread running the steps and of the optimizer
+    thread, adding up to this process's share of its CPUs (affinity mask / `procs` on the host):
+    two teams each spanning every core spin in each other's way, 10x slower. With CUDA the main
+    thread keeps two (it issues kernels), AdamW the rest; on the CPU AdamW gets a quarter."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (usable or 1) // procs)                     # (macOS has no affinity mask)
+    worker = max(1, share - 2) if cuda else max(1, share // 4)
+    return max(1, share - worker), worker
+
+
+def worker(threads, device=None):
+    """The optimizer thread: one thread with an OpenMP team of `threads` and `device` current (per
+    thread: else its first CUDA call, an event wait, would make a context on GPU 0)."""
+    def init():
+        torch.set_num_threads(threads)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+    return ThreadPoolExecutor(1, "adamw", initializer=init)
+
+
 def clip_coef(total_norm, max_norm):
-    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1. max_norm 0 = off."""
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1; 0 = off."""
     if not max_norm or max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 def lr_at(step, max_lr, total_steps, warmup=0, min_ratio=0.1):
-    """Linear warmup to max_lr over `warmup` steps, then cosine decay to min_ratio * max_lr at total_steps.
-    step counts from 0 (the first update uses lr_at(0))."""
+    """Linear warmup to max_lr over `warmup` steps, then cosine decay to min_ratio * max_lr at
+    total_steps. step counts from 0 (the first update uses lr_at(0))."""
     if warmup and step < warmup:
         return max_lr * (step + 1) / warmup
     if total_steps <= warmup:

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.reference import ReferenceTrainer  # noqa: E402
-from stream import Trainer, default_dtype  # noqa: E402
+from megatrain_min.checks import Trainer  # noqa: E402
+from model import default_dtype  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -160,7 +161,7 @@ def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
 def compute_only(cfg, B, T, M, reps=3):
     """compute_only_s (docstring): one layer's and the head's GPU work for a step, weights resident, with the
     engine's own functions (model.block, model.block_grad, model.head_grad), M micro-batches, as the engine
-    runs them: bf16 autocast on an fp32 residual stream."""
+    runs them: bf16 autocast on an fp32 residual."""
     dev, dt = DEV, DTYPE
     us, gen = model.units(cfg), torch.Generator().manual_seed(0)
     flat = lambda u: torch.cat([t.flatten() for t in model.init_unit(cfg, u, gen).values()]).to(dev, dt)  # noqa: E731
@@ -169,7 +170,7 @@ def compute_only(cfg, B, T, M, reps=3):
     wh = {k: v.requires_grad_() for k, v in head.views(flat(head)).items()}
     gacc, gacc_h = lay.views(torch.zeros(lay.numel, device=dev)), head.views(torch.zeros(head.numel, device=dev))
     rope = model.rope_cache(cfg, T, dev, torch.float32)
-    xs = [torch.randn(B // M, T, cfg.d_model, device=dev) for _ in range(M)]        # fp32 residual stream
+    xs = [torch.randn(B // M, T, cfg.d_model, device=dev) for _ in range(M)]        # fp32 residual
     tgt = torch.randint(0, cfg.vocab_size, (B // M * T,), device=dev)
     chunk = model.default_chunk_tokens(cfg)                                         # stream.Trainer's default
     autocast = lambda: torch.autocast(dev, dtype=dt, enabled=dt != torch.float32)  # noqa: E731
@@ -279,7 +280,7 @@ def fsdp2_trainer(cfg, weights, M, fused=True):
 
 # ----------------------------------------------------------------------------- cases
 def stream_case(cfg, B, T, M, S, peak, offload, keep=False):
-    t = Trainer(cfg, SameLayers(cfg), micro_batches=M, offload_checkpoints=offload)
+    t = Trainer(cfg, SameLayers(cfg), micro_batches=M, **planner.objects(offload))
     b = batch(cfg, B, T)
     r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
     r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload), peak, offload,
@@ -379,12 +380,12 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None):
         <= 0.85 * avail), 1)
     cfg = dataclasses.replace(base, n_layer=L)
     p = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M)  # dtype: the planner's default
-    r, t = stream_case(cfg, B, T, M, S, peak, p["offload_checkpoints"], keep=True)
+    r, t = stream_case(cfg, B, T, M, S, peak, p["offload_activations"], keep=True)
     out = dict(n_layer=L, params=model.n_params(cfg), host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB,
                planned_step_s=p["step_time_s"], planned_min_tokens=p["min_tokens_per_step"], at_min_tokens=r)
     b2 = batch(cfg, 2 * B, T)  # twice the tokens, same trainer
     r2 = time_steps(t.step, b2, 1, max(2, S["steps"] - 1), drain=lambda: t.weights(copy=False))
-    out["at_2x_tokens"] = rates(cfg, 2 * B, T, dict(r2, engine="stream", n_layer=L), peak, p["offload_checkpoints"],
+    out["at_2x_tokens"] = rates(cfg, 2 * B, T, dict(r2, engine="stream", n_layer=L), peak, p["offload_activations"],
                                 compute_only(cfg, 2 * B, T, M))              # the trainer's M micro-batches
     gpu = torch.cuda.get_device_properties(0).total_memory if CUDA else 0
     out["resident"] = {"skipped": "not attempted: 16 B/param (fp32 weights, grads, Adam m, v) = "

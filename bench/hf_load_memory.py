@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatrain_min.hf import load_hf, save_hf  # noqa: E402
-from model import NORM, PRESETS, LazyInit, units  # noqa: E402
-from stream import Trainer  # noqa: E402
+from megatrain_min.checks import Trainer  # noqa: E402
+from megatrain_min.lazy_init import LazyInit  # noqa: E402
+from model import NORM, PRESETS, units  # noqa: E402
 
 
 def _rss():

@@ -73,16 +73,16 @@ class OpCount:
 def calibrate(rounds, steps, device="cpu"):
     """Host seconds per step = c_py x (ops issued from Python) + c_autograd x (ops autograd's engine runs) + c0,
     least squares over deep tiny models (compute ~ 0) at several depths and micro-batch counts; and the one cost
-    per op (c_op, with c0) that plan.HOST_OP_S holds. The ops are counted on the CPU by megatrain_min.sim's
+    per op (c_op, with c0) that plan.HOST_OP_S holds. The ops are counted on the CPU by megatrain_min.record's
     recorder (the same op stream runs on `device`); the time per step is taken on `device`."""
     import dataclasses
     import numpy as np
-    from megatrain_min import sim
+    from megatrain_min import record
     rows, times = [], []
     for L, M in ((16, 1), (32, 2), (64, 1), (64, 4), (32, 8)):
         cfg = dataclasses.replace(CFG, n_layer=L)
         counts = OpCount()
-        sim.run(cfg, [counts], 2, batch=(M, 8), micro_batches=M, grad_clip=0.0)
+        record.run(cfg, [counts], 2, batch=(M, 8), micro_batches=M, grad_clip=0.0)
         n_py, n_ag = counts.py / 2, counts.autograd / 2                      # per step
         t = min(per_visit_us(stream.Trainer, M, steps, cfg, device) for _ in range(rounds)) * 2 * L / 1e6
         rows.append((n_py, n_ag, 1.0))

@@ -43,9 +43,9 @@ def rss():
 
 def child(T, tile):
     """One step at (T, tile) in this process; prints one JSON line."""
-    from stream import Trainer
+    from megatrain_min.checks import Trainer
     cfg = model.GPTConfig(max_seq_len=T, **NARROW)
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", tile_tokens=tile)
+    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **planner.objects(False, False, tile))
     gen = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
     before = rss()[0]

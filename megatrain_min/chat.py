@@ -47,34 +47,9 @@ from pathlib import Path
 
 import numpy as np
 
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+from megatrain_min.tokenizer import ChatTemplateError
+
 REASONING = ("reasoning_content", "thinking", "reasoning")   # names a message's reasoning goes by, as transformers
-
-
-class ChatTemplateError(ValueError):
-    """A chat template that cannot be found, rendered, or whose turns cannot be found. One line."""
-
-
-def load_template(model_dir):
-    """The model directory's chat template (a jinja source string), or None if it has none."""
-    d = Path(model_dir)
-    files = {p.stem: p for p in sorted((d / "additional_chat_templates").glob("*.jinja"))}
-    if (d / "chat_template.jinja").is_file():          # files win over tokenizer_config.json, as in transformers
-        files["default"] = d / "chat_template.jinja"
-    if files:
-        template = {name: p.read_text(encoding="utf-8") for name, p in files.items()}
-    else:
-        try:
-            template = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-        except (OSError, ValueError):
-            return None
-        if isinstance(template, list):                  # [{"name": ..., "template": ...}, ...]
-            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-    if isinstance(template, dict):
-        if not isinstance(template.get("default"), str):
-            raise ChatTemplateError(f"{d}: chat templates {sorted(map(str, template))} and none named 'default'")
-        template = template["default"]
-    return template if isinstance(template, str) and template.strip() else None
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -190,7 +165,7 @@ def _answer_span(render_fn, msgs, k, text, mark):
 def chat_tokens(tokenizer, messages):
     """(ids, supervised): int64 and bool arrays of the conversation in the tokenizer's own chat template.
 
-    tokenizer: data.HFTokenizer(model_dir) (its .chat_template, .special_tokens, .encode_offsets). ids equal
+    tokenizer: tokenizer.HFTokenizer(model_dir) (its .chat_template, .special_tokens, .encode_offsets). ids equal
     transformers' apply_chat_template(messages, tokenize=True)["input_ids"]; supervised marks every
     assistant turn's answer and end-of-turn marker. Raises ValueError (ChatTemplateError) with one line.
     """
@@ -227,7 +202,7 @@ if __name__ == "__main__":
     import argparse
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from megatrain_min.data import HFTokenizer
+    from megatrain_min.tokenizer import HFTokenizer
     p = argparse.ArgumentParser(description="Print how one .jsonl conversation is tokenized and which tokens carry loss.")
     p.add_argument("model_dir", help="a model directory with tokenizer.json and a chat template")
     p.add_argument("jsonl", help='a .jsonl file of {"messages": [...]} lines')

@@ -9,9 +9,9 @@ What it is
     .tmp-* directory, is fsynced, and is renamed into place: a crash at any moment leaves every earlier
     checkpoint whole. load() checks everything (format version, config, layout, every file's size and
     CRC, streamed a chunk at a time) before it touches the trainer, then reads straight into the store.
-    save(..., tokenizer_from=MODEL_DIR) puts the model's tokenizer files beside the units (data.TOKENIZER_FILES,
+    save(..., tokenizer_from=MODEL_DIR) puts the model's tokenizer files beside the units (tokenizer.TOKENIZER_FILES,
     and its config.json's bos/eos/pad ids into meta.json): the checkpoint is then a tokenizer source itself
-    (data.HFTokenizer(ckpt)) and `python -m megatrain_min.hf export` takes them along.
+    (tokenizer.HFTokenizer(ckpt)) and `python -m megatrain_min.hf export` takes them along.
     read_weights(path) -> (cfg, weights): the fp32 master weights as a lazy mapping, read tensor by tensor from
     the unit files (verified first, as load() does) without a trainer: what hf.export and --init-from need.
 Sharded (megatrain_min/sharded.py: N ranks, each holding [lo, hi) of every unit)
@@ -19,7 +19,7 @@ Sharded (megatrain_min/sharded.py: N ranks, each holding [lo, hi) of every unit)
     directory rank 0 made (every rank must see --out: one filesystem, shared between nodes); rank 0 writes
     meta.json (version 2: each unit lists its parts) only once every rank reported its parts fsynced, then
     renames: the checkpoint is complete only when all parts and the meta are. Any rank's error is every rank's
-    (trainer.gather_object). load() reads, for this trainer's [lo, hi) of each unit, the overlapping ranges of
+    (trainer.placement.gather_object). load() reads, for this trainer's [lo, hi) of each unit, the overlapping ranges of
     whichever parts hold them: a checkpoint loads at any world size (1 -> N, N -> 1, N -> M), resharded on load.
     One process writes version 1, one file per unit, exactly as before.
 Nothing lost
@@ -64,9 +64,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import model
-from megatrain_min.data import copy_tokenizer_files
+from megatrain_min.checks import all_finite, check_config
+from megatrain_min.tokenizer import copy_tokenizer_files
 
 FORMAT, VERSION = "megatrain-min checkpoint", 1
 SHARDED = 2                     # the version of a checkpoint written by N > 1 ranks: parts per unit
@@ -152,7 +154,8 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
     meta = json.loads(json.dumps(meta or {}))    # not JSON-able: TypeError now, before anything is written
     if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1):
         raise ValueError(f"keep must be None (keep all) or an integer >= 1, got {keep!r}")
-    final, lead, sharded = out / f"ckpt-{step:08d}", trainer.rank == 0, trainer.world > 1
+    rank, world = ranks(trainer)
+    final, lead, sharded = out / f"ckpt-{step:08d}", rank == 0, world > 1
     trainer.wait()                               # no update or copy in flight
     tmp, error = None, None
     if lead:
@@ -174,8 +177,8 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
         with ThreadPoolExecutor(max_workers=1) as flusher:  # fsync file u while file u+1 is being written
             synced = []
             for u, lay in enumerate(trainer.units):
-                lo, hi = trainer.owned(u)
-                name = f"{lay.name}.part{trainer.rank}.bin" if sharded else f"{lay.name}.bin"
+                lo, hi = trainer.placement.part(lay)
+                name = f"{lay.name}.part{rank}.bin" if sharded else f"{lay.name}.bin"
                 state = opt.state(u)
                 f, crc = _write(tmp / name, [state[s][:hi - lo] for s in STATES], lay, lo)
                 synced.append(flusher.submit(_fsync_close, f))
@@ -237,14 +240,27 @@ def _failed(e, final, tmp):
 
 
 def _agree(trainer, obj):
-    """obj of every rank (trainer.gather_object; one process: [obj]). An obj, or its second item, that is an
+    """obj of every rank (trainer.placement.gather_object; one process: [obj]). An obj, or its second item, that is an
     exception on any rank is raised on every rank (the lowest rank's), so that all stop together."""
-    found = trainer.gather_object(obj)
+    found = trainer.placement.gather_object(obj)
     for o in found:
         e = o[1] if isinstance(o, tuple) else o
         if isinstance(e, BaseException):
             raise e
     return found
+
+
+def key_at(layout, i):
+    """The key of the tensor that holds element i of a unit's flat buffer."""
+    return next(e.key for e in layout.entries if e.offset <= i < e.offset + e.numel)
+
+
+def ranks(trainer):
+    """(rank, world) of the trainer's process group (stream.Whole: one process, rank 0 of 1)."""
+    group = trainer.placement.group
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _run_of(path):
@@ -281,10 +297,10 @@ def _write(path, tensors, layout, lo=0):
         for i in range(0, len(mv), CHUNK):
             if k == 0:                               # the master: finite, or no checkpoint
                 chunk = t[i // 4:(i + CHUNK) // 4]
-                if not model.all_finite(chunk):
+                if not all_finite(chunk):
                     f.close()
                     j = lo + i // 4 + int((~torch.isfinite(chunk)).nonzero()[0])
-                    raise NonFiniteError(f"the master weights of {layout.key_at(j)} hold a NaN or an infinity")
+                    raise NonFiniteError(f"the master weights of {key_at(layout, j)} hold a NaN or an infinity")
             crc = zlib.crc32(mv[i:i + CHUNK], crc)   # the chunk is still in cache for the write
             f.write(mv[i:i + CHUNK])                 # a large write goes from our memory to the kernel
     return f, crc
@@ -394,7 +410,7 @@ def verify_files(path, doc, crc=True, layouts=None, want=None):
     """Check that every unit file is there with its size, then (crc=True) each file's CRC-32, reading
     one chunk at a time, and that its master weights (the first floats of the file) are all finite: a NaN is
     refused naming the tensor (layouts: model.units of the config) -- it would train silently. want: per unit
-    the [lo, hi) a trainer will read (its owned()): only the parts overlapping it are read (sizes: all)."""
+    the [lo, hi) a trainer will read (its placement.part): only the parts overlapping it are read (sizes: all)."""
     files = [(u, Path(path) / p["file"], p) for u, unit in enumerate(doc["units"]) for p in parts(unit)]
     for _, f_path, p in files:
         if not f_path.is_file():
@@ -412,13 +428,13 @@ def verify_files(path, doc, crc=True, layouts=None, want=None):
                 c = zlib.crc32(memoryview(buf)[:n], c)
                 if pos < 4 * n_master and bad is None:      # the master comes first in the file
                     chunk = torch.frombuffer(buf, dtype=torch.float32, count=min(n, 4 * n_master - pos) // 4)
-                    if not model.all_finite(chunk):
+                    if not all_finite(chunk):
                         bad = p["lo"] + pos // 4 + int((~torch.isfinite(chunk)).nonzero()[0])
                 pos += n
         if c != p["crc32"]:
             raise CheckpointError(f"{f_path} fails its CRC-32 check; the file is damaged")
         if bad is not None:
-            what = layouts[u].key_at(bad) if layouts else f"unit {doc['units'][u]['name']}"
+            what = key_at(layouts[u], bad) if layouts else f"unit {doc['units'][u]['name']}"
             raise CheckpointError(f"{path}: the master weights of {what} hold a NaN or an infinity; refusing them")
 
 
@@ -455,7 +471,7 @@ def load(trainer, path, verify_first=True):
     path = Path(path)
     doc = read_meta(path)
     check_model(path, doc, trainer.cfg)
-    want = [trainer.owned(u) for u in range(len(trainer.units))]
+    want = [trainer.placement.part(lay) for lay in trainer.units]
     whole = lambda p, u: (p["lo"], p["hi"]) == want[u]   # noqa: E731  the part is exactly what this trainer holds
     read = lambda p, u: _overlap(p, *want[u])[0] < _overlap(p, *want[u])[1]   # noqa: E731  it holds some of it
     check = [want[u] if verify_first or any(read(p, u) and not whole(p, u) for p in parts(unit)) else (0, 0)
@@ -480,7 +496,7 @@ def load(trainer, path, verify_first=True):
                     crc = crc if verify_first else zlib.crc32(mv, crc)
             if not verify_first and whole(p, u) and crc != p["crc32"]:
                 raise CheckpointError(f"{path / p['file']} fails its CRC-32 check; the trainer is now partial")
-        if not verify_first and not model.all_finite(state["master"][:hi - lo]):
+        if not verify_first and not all_finite(state["master"][:hi - lo]):
             raise CheckpointError(f"{path}: the master weights of unit {unit['name']} hold a NaN or an infinity; "
                                   f"the trainer is now partial")
         opt.set_step_count(u, unit["step"])
@@ -535,7 +551,7 @@ def read_weights(path, verify=True):
     path = Path(path)
     doc = read_meta(path)
     try:
-        cfg = model.GPTConfig(**doc["config"]).check()
+        cfg = check_config(model.GPTConfig(**doc["config"]))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}/meta.json: its config is not a model config ({e})") from None
     check_model(path, doc, cfg)                  # byte order, and units that match the config

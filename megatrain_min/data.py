@@ -9,8 +9,6 @@ What it is
     prompt/completion .jsonl files with the loss on the answers only, and a padded batch sampler.
     Conversations are rendered in the model's own chat_template by chat.py (chat_tokens), or in a fixed
     format when the directory has none.
-    The tokenizer files of a model directory (TOKENIZER_FILES) and copy_tokenizer_files, which hf.save_hf and
-    checkpoint.save use to carry them along: any directory holding them is a tokenizer source for HFTokenizer.
     A corpus tokenized once into memory-mapped files: prepare.py (`python -m megatrain_min.data prepare`).
 What it is not
     No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
@@ -22,14 +20,13 @@ Try it
     python -m pytest tests/test_data_sft.py
 """
 import json
-import shutil
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from megatrain_min.chat import SPECIAL_NAMES, check_messages, chat_tokens, load_template  # noqa: F401 (API)
+from megatrain_min.chat import chat_tokens, check_messages
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "data" / "tinyshakespeare.txt"
@@ -118,106 +115,6 @@ class Batches:
 # to each other. The price is the compute spent on padding: pick --seq-len near the long examples.
 # Fixed (B, seq_len) batches keep one shape for the engine and the memory plan.
 IGNORE = -100   # = model.IGNORE (data.py imports nothing of the model)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
-CONFIG_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")   # what a model's config.json says of its tokenizer
-
-
-def _read_json(path):
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-
-
-def config_ids(model_dir):
-    """{bos/eos/pad_token_id: value} of a model directory's config.json; for one of our checkpoints (no config.json)
-    the copy of them that checkpoint.save recorded in its meta.json under "tokenizer"."""
-    d = Path(model_dir)
-    if (d / "config.json").is_file():
-        conf = _read_json(d / "config.json")
-    else:
-        conf = _read_json(d / "meta.json")
-        conf = conf.get("tokenizer") if isinstance(conf, dict) else None
-        conf = conf.get("config_ids") if isinstance(conf, dict) else None
-    return {k: conf[k] for k in CONFIG_IDS if k in conf} if isinstance(conf, dict) else {}
-
-
-def copy_tokenizer_files(src, dst):
-    """Copy src's tokenizer files (TOKENIZER_FILES and additional_chat_templates/) into the directory dst.
-    Returns {"files": [names copied], "config_ids": config_ids(src)}: what dst needs to be the same tokenizer
-    source as src (hf.save_hf writes the ids into its config.json, checkpoint.save into its meta.json)."""
-    src, dst = Path(src), Path(dst)
-    files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
-    for f in files:
-        shutil.copyfile(src / f, dst / f)
-    if (src / "additional_chat_templates").is_dir():             # named chat templates beside the default
-        shutil.copytree(src / "additional_chat_templates", dst / "additional_chat_templates")
-        files.append("additional_chat_templates")
-    return {"files": files, "config_ids": config_ids(src)}
-
-
-class HFTokenizer:
-    """A model directory's tokenizer.json through the `tokenizers` package (no transformers at run time).
-    model_dir: a Hugging Face model directory, or one of our checkpoints that carries the tokenizer files.
-
-    eos_id: the eos token named by tokenizer_config.json or special_tokens_map.json, else generation_config.json's
-    or config.json's eos_token_id (config_ids: a checkpoint's record of them), else None. bos_id: the bos token
-    named by those tokenizer files (and not switched off by add_bos_token: false), else None -- Qwen has none,
-    Llama and Mistral do.
-    chat_template: the directory's template (chat.load_template) or None; special_tokens: the named ones
-    ({"bos_token": "<s>", ...}) that a template sees.
-    """
-
-    def __init__(self, model_dir):
-        d = Path(model_dir)
-        if not (d / "tokenizer.json").is_file():
-            raise ValueError(f"{d}: no tokenizer.json (a model directory's fast tokenizer is needed to tokenize text)")
-        from tokenizers import Tokenizer
-        try:
-            self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own exception type
-            raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-        self.vocab_size = self.tok.get_vocab_size()
-        files = [_read_json(d / "tokenizer_config.json"), _read_json(d / "special_tokens_map.json")]
-        self.eos_id = self._named(files, "eos_token")
-        if self.eos_id is None:
-            for conf in (_read_json(d / "generation_config.json"), config_ids(d)):
-                ids = conf.get("eos_token_id")
-                ids = ids[0] if isinstance(ids, list) and ids else ids
-                if isinstance(ids, int):
-                    self.eos_id = ids
-                    break
-        self.bos_id = self._named(files, "bos_token") if files[0].get("add_bos_token", True) else None
-        self.special_tokens = {}
-        for name in SPECIAL_NAMES:
-            tok = next((conf[name] for conf in files if conf.get(name) is not None), None)
-            tok = tok.get("content") if isinstance(tok, dict) else tok
-            if isinstance(tok, str):
-                self.special_tokens[name] = tok
-        self.chat_template = load_template(d)
-
-    def _named(self, files, field):
-        for conf in files:
-            tok = conf.get(field)
-            tok = tok.get("content") if isinstance(tok, dict) else tok
-            if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
-                return self.tok.token_to_id(tok)
-        return None
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_offsets(self, text):
-        """(ids, [(start, end)] character offsets of each token in text)."""
-        enc = self.tok.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
-
-    def decode(self, ids):
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class ByteTokenizer:
@@ -355,6 +252,50 @@ class SFTBatches:
         self.rng.bit_generator.state = state["epoch_rng"]
         self._new_epoch()
         self.pos = state["pos"]
+
+
+# ============================================================================= what train.py trains on
+def for_training(path, vocab_size, batch_size, seq_len, seed=0, tokenizer=None, source=None, chat_format=None,
+                 needs_tokenizer=False):
+    """(train, val, lines): the samplers of a run on `path` (None: the shipped corpus) and what to print of them.
+    A .jsonl is SFT data (conversations in chat_format: "native" = the tokenizer's chat_template, "fixed", None =
+    native when there is one); a .txt goes through `tokenizer` (a model directory's, named `source`) or is
+    bytes; a .npy holds token ids. needs_tokenizer: the model is not a byte model, so text needs its tokenizer.
+    Every id is checked against vocab_size. ValueError with one line for anything that cannot train."""
+    from megatrain_min.checks import check_token_ids   # here: the prepare command runs without torch
+    path = Path(path or DEFAULT_DATA)
+    if needs_tokenizer and tokenizer is None and path.suffix != ".npy":
+        raise ValueError(f"{source} has no tokenizer.json, and {path.name} needs the model's own tokenizer (bytes "
+                         f"are token ids only for the byte-vocabulary presets); add it, or pass --data tokens.npy")
+    seeds, lines = (seed, 10_000 + seed), []
+    if path.suffix == ".jsonl":  # SFT: loss only on assistant / completion tokens, one example per row
+        tok = tokenizer or ByteTokenizer()
+        where = source if tokenizer is not None else "the byte tokenizer"
+        asked, chat_format = chat_format, chat_format or ("native" if tok.chat_template else "fixed")
+        if chat_format == "native" and not tok.chat_template:
+            raise ValueError(f"--chat-format native: {where} has no chat_template; use --chat-format fixed")
+        end = "eos" if tok.eos_id is not None else "newline"
+        lines.append(f"chat format: native (the chat_template of {where})" if chat_format == "native" else
+                     f"chat format: fixed ('<|role|>\\n' + content + {end} per message; "
+                     f"{'asked for' if asked else f'{where} has no chat_template'})")
+        train, val = split_examples(load_sft_jsonl(path, tok, seq_len, chat_format))
+        check_token_ids(np.concatenate([x for x, _ in train + val]), vocab_size, f"data {path}")
+        samplers = [SFTBatches(ex, batch_size, seq_len, seed=s, name=n)
+                    for ex, s, n in ((train, seeds[0], "train"), (val, seeds[1], "val"))]
+        lines.append(f"data {path}: {len(train):,} train / {len(val):,} val examples")
+        return (*samplers, lines)
+    if tokenizer is not None and path.suffix != ".npy":  # text through the model's own tokenizer
+        if not path.is_file():
+            raise ValueError(f"data file {path} does not exist; pass --data with a .txt, .npy or .jsonl file")
+        tokens = np.array(tokenizer.encode(path.read_text(encoding="utf-8", errors="replace")), dtype=np.int64)
+    else:
+        tokens = load_tokens(path)
+    check_token_ids(tokens, vocab_size, f"data {path}")     # one pass each for min and max
+    train, val = split(tokens)
+    samplers = [Batches(t, batch_size, seq_len, seed=s, name=n)
+                for t, s, n in ((train, seeds[0], "train"), (val, seeds[1], "val"))]
+    lines.append(f"data {path}: {len(train):,} train / {len(val):,} val tokens")
+    return (*samplers, lines)
 
 
 if __name__ == "__main__":

@@ -59,9 +59,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from model import HEAD, GPTConfig, units
 from megatrain_min import checkpoint
-from megatrain_min.data import TOKENIZER_FILES, copy_tokenizer_files  # noqa: F401 (TOKENIZER_FILES: API)
-from model import HEAD, GPTConfig, check_finite, units
+from megatrain_min.checks import check_config, check_finite
+from megatrain_min.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -130,14 +131,14 @@ def config_from_hf(c, where="config.json"):
                         f"(max_window_layers={first}; per-layer attention is not implemented)")
     n_head = c["num_attention_heads"]
     try:
-        return GPTConfig(
+        return check_config(GPTConfig(
             vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"], n_head=n_head,
             n_kv_head=c.get("num_key_value_heads") or n_head, d_model=c["hidden_size"],
             d_ff=c["intermediate_size"], head_dim=c.get("head_dim") or c["hidden_size"] // n_head,
             max_seq_len=max_len, rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             norm_eps=c.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
             tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_scaling=scaling,
-            sliding_window=int(window) if window is not None else None).check()
+            sliding_window=int(window) if window is not None else None))
     except KeyError as e:
         raise HFError(f"{where}: missing field {e.args[0]!r}") from None
     except ValueError as e:
@@ -317,7 +318,7 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
 
     dtype: torch.bfloat16 or torch.float32 (an fp32 round trip is exact). Shards hold at most
     shard_size bytes (one tensor may exceed it). tokenizer_from: a directory whose tokenizer files
-    (data.copy_tokenizer_files: and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
+    (tokenizer.copy_tokenizer_files: and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
     An existing model_dir is replaced only when check_export_dir allows it (empty, or an earlier export).
     """
     if dtype not in ST_NAME:

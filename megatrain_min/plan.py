@@ -3,8 +3,8 @@
 What it is
     plan(cfg, hardware, ...) works from the config's arithmetic alone (model.units() sizes every unit
     without allocating it), so `--config 120b --plan` answers in milliseconds. It returns host memory by
-    component (fp32 master, m, v, bf16 shadow, fp32 gradient store or staging slabs, offloaded
-    checkpoints, runtime), GPU memory by component (weight and grad slots, lean staging, checkpoints, one
+    component (fp32 master, m, v, bf16 shadow, fp32 gradient store or slabs, offloaded boundary
+    activations, runtime), GPU memory by component (weight and grad slots, lean cast buffer, boundary activations, one
     layer's recompute activations for one micro-batch, weight-grad outputs, the loss chunk), the time of
     each layer visit (H2D, compute, D2H, CPU AdamW), and stream.py's schedule replayed layer by layer on
     four lanes for three steps: step time, tokens/s, model TFLOP/s, the busiest lane (the bottleneck) and
@@ -12,11 +12,11 @@ What it is
     check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits (and,
     at long context, the longest --seq-len that does). max_context(p): that longest sequence. At long T the
     layer is tiled (model.block's tile_tokens, chosen by tile_for) and the GPU side is O(T): x and dy, the
-    checkpoint ring, the whole sequence's attention tensors (flash-attention kernels assumed: bf16 compute).
+    boundary-activation ring, the whole sequence's attention tensors (flash-attention kernels assumed: bf16 compute).
 What it is not
     Not a profiler: bandwidths and the achievable fraction of peak are the assumptions stated in HARDWARE
     until bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
-    loader, back-pressure of the grad staging slabs, the transient extra fp32 copy init_weights makes.
+    loader, back-pressure of the grad slabs, the transient extra fp32 copy init_weights makes.
 Reference
     DESIGN.md §3-4; stream.py and optim.py for what is allocated where; MegaTrain (arXiv 2604.05091:
     120B on one H200 with 1.5 TB of host memory).
@@ -37,7 +37,9 @@ import torch
 
 import model
 import stream
-from megatrain_min import cost
+from megatrain_min import activations, cli, cost, memory
+from megatrain_min.guard import Guard
+from megatrain_min.tiling import Tiled
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -78,7 +80,7 @@ HARDWARE = {
 # thread, the real engine with negligible tensors at 5 depths x micro-batch counts), so it leaves out what CUDA
 # eager ops add (cudaLaunchKernel, autograd's device thread): bench/gpu_run.sh refits it on a GPU (host_op.json).
 # plan(host_speed=) and the twin's --host-speed scale it for a faster host. The engine's own ops around the model's
-# (copies, zeroing, the step's staging; counted with megatrain_min.sim's recorder): per layer visit, per step, and
+# (copies, zeroing, the step's input; counted with megatrain_min.sim's recorder): per layer visit, per step, and
 # per unit update on the optimizer thread.
 HOST_OP_S = 10.5e-6
 ENGINE_OPS = dict(visit=5, step=41, update=11)
@@ -170,17 +172,17 @@ def peak_tflops(hw, dtype):
 
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
-         grad_clip=0.0, offload_checkpoints=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
-         residual_dtype="fp32", staging_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
+         grad_clip=0.0, offload_activations=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
+         residual_dtype="fp32", grad_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
          tile_tokens=None, gpus=1, nodes=1, device=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
     hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
-    dtype: "bf16" or "fp32" (None: stream.default_dtype of the hardware). grad_clip: the global-norm clip
+    dtype: "bf16" or "fp32" (None: model.default_dtype of the hardware). grad_clip: the global-norm clip
     (0 = off); with it the updates are deferred until every gradient is on the host, which keeps an fp32
-    gradient per parameter there; without it each unit is updated as its gradient lands, through staging
-    slabs (staging_slabs None: as many as hide the D2H + AdamW latency, see `slabs`). offload_checkpoints
-    None: stream.offload_needed decides (pass p["offload_checkpoints"] to stream.Trainer). residual_dtype:
+    gradient per parameter there; without it each unit is updated as its gradient lands, through gradient
+    slabs (grad_slabs None: as many as hide the D2H + AdamW latency, see `slabs`). offload_activations
+    None: memory.offload_needed decides (p["offload_activations"]: activations.HostRing or not). residual_dtype:
     "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard; without deferral
     it costs a host wait for the loss after the head and one more read of each gradient (HostAdamW.step's
     finite_only), never a gradient store. pinned_pow2: model torch's pinned allocator as it
@@ -196,13 +198,13 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     """
     hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs, device)
     cuda = hw["gpu_mem_gb"] > 0
-    dtype = dtype or DTYPE_NAMES[stream.default_dtype("cuda" if cuda else "cpu")]
+    dtype = dtype or DTYPE_NAMES[model.default_dtype("cuda" if cuda else "cpu")]
     seq_len = seq_len or cfg.max_seq_len
     if mode not in ("fast", "lean") or dtype not in DTYPES or residual_dtype not in DTYPES:
         raise PlanError(f"mode must be fast or lean, dtype and residual dtype bf16 or fp32; got {mode!r}, "
                         f"{dtype!r} and {residual_dtype!r}")
     if residual_dtype == "bf16" and dtype == "fp32":
-        raise PlanError("a bf16 residual stream needs bf16 compute (--dtype bf16); with fp32 compute drop --residual-dtype")
+        raise PlanError("a bf16 residual needs bf16 compute (--dtype bf16); with fp32 compute drop --residual-dtype")
     if tile_tokens is not None and tile_tokens < 0:
         raise PlanError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
     if min(batch_size, seq_len, micro_batches) <= 0 or batch_size % micro_batches:
@@ -218,7 +220,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     layers, head = [u for u in units if u.name.startswith("layer.")], units[-1]
     lay, L, N, tied = layers[0], len(layers), sum(u.numel for u in units), cfg.tie_embeddings
     defer = grad_clip > 0                              # stream.Trainer.defer_updates
-    cb, rb = DTYPES[dtype].itemsize, DTYPES[residual_dtype].itemsize   # bytes: compute, residual stream
+    cb, rb = DTYPES[dtype].itemsize, DTYPES[residual_dtype].itemsize   # bytes: compute, residual
     shadow = mode == "fast" and dtype == "bf16"        # fast streams a bf16 shadow; lean the fp32 master
     sb = 2 if shadow else 4                            # bytes per parameter that cross H2D
     n_slot = max(lay.numel, head.numel)                # a weight/grad slot holds the largest streamed unit
@@ -235,25 +237,25 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         gpu = {f"weight slots: 2 x {count(n_slot)} {dtype}": 2 * n_slot * cb,
                "fp32 grad slots: 2": 2 * n_slot * 4}
         if mode == "lean" and dtype == "bf16":
-            gpu["lean staging: fp32 unit, cast on GPU"] = n_slot * 4
+            gpu["lean cast buffer: fp32 unit, cast on GPU"] = n_slot * 4
         gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if cuda else 0
         if world > 1:  # sharded.py: H2D lands in a weight shard, reduce_scatter writes a grad shard (2 each); the
             # embedding's rows of the whole step cross PCIe before their reduce_scatter, dy is all_gathered whole
             gpu[f"shards: 2 weight + 2 fp32 grad of {count(shard(n_slot))}"] = 2 * shard(n_slot) * (cb + 4)
             # (made on the H2D and comm lanes: blocks of their own pools, which compute's allocations cannot reuse)
             gpu["embedding rows and dy of the whole step"] = tokens_step * cfg.d_model * (row_b + rb)
-        gpu.update(stream.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
+        gpu.update(memory.step_device_bytes(cfg, tokens, micro_batches, DTYPES[dtype], DTYPES[residual_dtype],
                                             chunk_tokens or model.default_chunk_tokens(cfg), n_slot,
                                             seq_len=seq_len, tile_tokens=tile))
         if cuda and dtype == "fp32" and cfg.n_kv_head != cfg.n_head:  # SDPA on CUDA: GQA in fp32 has no fused
             # kernel (flash needs bf16), so the math kernel runs: T x T scores, softmax and their gradient, fp32
             gpu["attention scores: math kernel (fp32 + GQA)"] = 3 * 4 * cfg.n_head * seq_len * tokens // micro_batches
-        # boundary checkpoints (every layer's input, for the recompute) stay on the GPU when all fits there, else
-        # they go to pinned host memory through a ring of stream.RING device slots
-        off = offload_checkpoints if offload_checkpoints is not None else \
-            cuda and stream.offload_needed(L * act, sum(gpu.values()), hw["gpu_mem_gb"] * GB)
-        gpu[f"checkpoints: ring of {stream.RING} layers (offloaded)" if off else f"checkpoints: {L} layers"] = \
-            stream.RING * act if off else L * act
+        # boundary activations (every layer's input, for the recompute) stay on the GPU when all fits there, else
+        # they go to pinned host memory through a ring of activations.RING device slots
+        off = offload_activations if offload_activations is not None else \
+            cuda and memory.offload_needed(L * act, sum(gpu.values()), hw["gpu_mem_gb"] * GB)
+        gpu[f"boundary activations: ring of {activations.RING} layers (offloaded)" if off else
+            f"boundary activations: {L} layers"] = activations.RING * act if off else L * act
         return gpu, off
 
     host_limit = hw["host_mem_gb"] * GB * HOST_USABLE
@@ -263,7 +265,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     gpu, offload = device(tile)
     gpu_bytes = sum(gpu.values())
 
-    # ---- throughput: seconds per visit (needed to size the staging slabs)
+    # ---- throughput: seconds per visit (needed to size the gradient slabs)
     F = hw[f"{dtype}_tflops"] * 1e12 * hw["frac"]     # achievable FLOP/s
     h2d, d2h, hbw = hw["h2d_gbs"] * GB, hw["d2h_gbs"] * GB, hw["host_bw_gbs"] * GB
     cast = 6 / (hw["hbm_gbs"] * GB) if not shadow and dtype == "bf16" else 0  # lean: read fp32, write bf16
@@ -300,9 +302,9 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()},
              host_fwd=host_s["fwd"], host_bwd=host_s["bwd"], host_head=host_s["head"],
              host_step=op_s * ENGINE_OPS["step"], host_update=op_s * ENGINE_OPS["update"])
-    slabs = 0 if defer else staging_slabs or stream_slabs(t, tied)
+    slabs = 0 if defer else grad_slabs or stream_slabs(t, tied)
 
-    # ---- host (optim.HostAdamW + stream.py's pinned staging), of one node: its gpus ranks, each with 1/N of the store
+    # ---- host (optim.HostAdamW + stream.py's pinned buffers), of one node: its gpus ranks, each with 1/N of the store
     pin = (lambda b: 1 << (int(b) - 1).bit_length()) if (pinned_pow2 and cuda) else (lambda b: b)
     per_unit = lambda bytes_per_param: gpus * sum(pin(shard(u.numel) * bytes_per_param) for u in units)  # noqa: E731
     host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
@@ -312,10 +314,10 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         host["fp32 grad store (global norm first)"] = per_unit(4)
     store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
     if slabs:  # D2H lands in a slab, the worker updates from it
-        host[f"fp32 grad staging: {slabs} slabs"] = gpus * slabs * pin(shard(max(u.numel for u in units)) * 4)
+        host[f"fp32 grad slabs: {slabs}"] = gpus * slabs * pin(shard(max(u.numel for u in units)) * 4)
     if offload:
-        host[f"offloaded checkpoints: {L} layers"] = gpus * pin(L * act)
-    host["pinned staging: embedding rows, dy, targets"] = gpus * (pin(tokens_step * cfg.d_model * row_b) +
+        host[f"offloaded boundary activations: {L} layers"] = gpus * pin(L * act)
+    host["pinned buffers: embedding rows, dy, targets"] = gpus * (pin(tokens_step * cfg.d_model * row_b) +
                                                                   pin(act_step) + pin(tokens * 8))
     host["runtime: Python, torch" + (", CUDA" if cuda else "")] = gpus * (RUNTIME if cuda else 10**9)
     if not cuda:
@@ -340,8 +342,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches, tokens_per_step=tokens_step,
              gpus=gpus, nodes=nodes, world=world,
              grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, host_speed=host_speed, tile_tokens=tile,
-             tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, staging_slabs=slabs,
-             staging_slabs_asked=staging_slabs, offload_checkpoints=bool(offload), offload_asked=offload_checkpoints,
+             tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, grad_slabs=slabs,
+             grad_slabs_asked=grad_slabs, offload_activations=bool(offload), offload_asked=offload_activations,
              pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
              host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
              gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t,
@@ -360,19 +362,19 @@ def tile_for(untiled_bytes, device_bytes):
 
 
 def stream_slabs(t, tied):
-    """Staging slabs that hide a gradient's trip: the slab of backward visit k is given back when update k-S
+    """Gradient slabs that hide a gradient's trip: the slab of backward visit k is given back when update k-S
     finished, D2H + AdamW after that visit's compute; the GPU stalls unless S-1 backward visits outlast the trip
-    (a tied head holds one more slab until the embedding scatter). At least stream.STAGING_SLABS."""
+    (a tied head holds one more slab until the embedding scatter). At least stream.GRAD_SLABS."""
     trip = t["grad"] + t["adam"]
-    return max(stream.STAGING_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
+    return max(stream.GRAD_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
 
 
-def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGING_SLABS, guard=False, overlap=True,
+def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_SLABS, guard=False, overlap=True,
              steps=3, sharded=False):
     """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams) and
     cpu_adam (the optimizer thread) -- and the host thread that issues the work. A task starts when its lane
     is free, its inputs are ready and the host has issued it; the host issues in program order and blocks where
-    the engine blocks: a unit's update before its copy (_ready), a free staging slab before each gradient's D2H
+    the engine blocks: a unit's update before its copy (_ready), a free gradient slab before each gradient's D2H
     (without deferral), the loss after the head (the guard), the squared norms (deferred) and the loss at the
     end of the step. Units: "embed", 0 .. L-1, "head". t: seconds of the per-step tasks; numel[kind] *
     rate[what]: seconds to load, drain ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane,
@@ -429,9 +431,9 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
     upd, starts = {}, []                         # unit -> when its latest update finished
     for _ in range(steps):
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
-        slab_back = []                           # when each staging slab taken this step is given back
+        slab_back = []                           # when each gradient slab taken this step is given back
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
-        issue(t.get("host_step", 0.0))            # the step's staging: targets, checks
+        issue(t.get("host_step", 0.0))            # the step's input: targets, checks
         block(upd.get(0, 0.0))
         loaded[0] = load(0, 0.0)
         block(upd.get(emb, 0.0))
@@ -468,7 +470,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.STAGI
             slab_back.append(upd[unit])
             return done
         drain("head", 0, x)
-        # backward: layer L-1 is still resident; recompute from the checkpoint, grads drain as they finish
+        # backward: layer L-1 is still resident; recompute from the boundary activations, grads drain as they finish
         ready = run("h2d", sent[L - 1], t["ckpt_h2d"]) if offload else 0.0
         for k, i in enumerate(reversed(range(L)), start=1):
             if i > 0:
@@ -526,8 +528,8 @@ def format_plan(p):
             f" ff={m['d_ff']} V={m['vocab_size']}) on {hw['name']} ({hw['gpu']})",
             f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = {p['tokens_per_step']:,}"
             f" tokens/step in {p['micro_batches']} micro-batch(es), grad clip {p['grad_clip'] or 'off'},"
-            f" {p['residual_dtype']} residual stream,"
-            f" checkpoints {'offloaded' if p['offload_checkpoints'] else 'on the device'},"
+            f" {p['residual_dtype']} residual,"
+            f" boundary activations {'offloaded' if p['offload_activations'] else 'on the device'},"
             f" layer {tiling(p)}"]
     if p["world"] > 1:
         rows.append(f"sharded (megatrain_min/sharded.py): {p['nodes']} node(s) x {p['gpus']} GPUs = {p['world']} ranks, "
@@ -568,11 +570,31 @@ def format_plan(p):
     return "\n".join(rows)
 
 
-def _replan(p, **change):
+def describe_run(p, world=1, gpus=1):
+    """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus per node)."""
+    many = world > 1
+    return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: host {p['host_bytes'] / GB:.2f} GB"
+            f"{' per node' if many else ''} ({p['host_bytes_per_param']:.1f} B/param in the store), device "
+            f"{p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, boundary activations "
+            f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}; predicted "
+            f"{p['tokens_per_s']:,.0f} tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
+
+
+def describe_max_context(p, longest, max_seq_len):
+    """The line of train.py --plan --max-context: the longest --seq-len (plan p is the plan at it)."""
+    return (f"longest context that fits: --seq-len {longest} ({longest:,} tokens) at --batch-size "
+            f"{p['batch_size']} on {p['hardware']['name']}, layer {tiling(p)}; GPU {p['gpu_bytes'] / GB:.1f} of "
+            f"{p['gpu_limit_bytes'] / GB:.0f} GB, host {p['host_bytes'] / GB:.0f} of "
+            f"{p['host_limit_bytes'] / GB:.0f} GB usable" +
+            (f"; training at it needs --max-seq-len {longest}" if longest > max_seq_len else ""))
+
+
+def replan(p, **change):
+    """Plan p again with some of its arguments changed (change: planner.plan's arguments, or cfg=GPTConfig)."""
     kw = dict(hardware=p["hardware"], batch_size=p["batch_size"], seq_len=p["seq_len"],
               micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
-              offload_checkpoints=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
-              residual_dtype=p["residual_dtype"], staging_slabs=p["staging_slabs_asked"],
+              offload_activations=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
+              residual_dtype=p["residual_dtype"], grad_slabs=p["grad_slabs_asked"],
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], host_speed=p["host_speed"],
               tile_tokens=p["tile_asked"], gpus=p["gpus"], nodes=p["nodes"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
@@ -589,31 +611,31 @@ def max_context(p, step=1024, limit=1 << 25):
     search, then bisection."""
     lo, best, hi = 0, None, step
     while hi <= limit:
-        q = _replan(p, seq_len=hi)
+        q = replan(p, seq_len=hi)
         if not q["fits"]:
             break
         lo, best, hi = hi, q, 2 * hi
     while hi - lo > step and lo < limit:
         mid = (lo + hi) // 2 // step * step
-        q = _replan(p, seq_len=mid)
+        q = replan(p, seq_len=mid)
         lo, best, hi = (mid, q, hi) if q["fits"] else (lo, best, mid)
     return lo, best
 
 
 def suggest(p):
-    """The nearest setting that fits, as train.py flags, or None. Tried in order: the memory modes, checkpoint
+    """The nearest setting that fits, as train.py flags, or None. Tried in order: the memory modes, activation
     offload, a smaller loss chunk, a (smaller) sequence tile, more micro-batches (smaller recompute activations), a
-    smaller batch, a bf16 residual stream (it
+    smaller batch, a bf16 residual (it
     trades accuracy for memory, so it comes last), then smaller presets.
-    (Fewer micro-batches never helps: the slots and checkpoints do not depend on them.)"""
+    (Fewer micro-batches never helps: the slots and boundary activations do not depend on them.)"""
     tries = []
-    if p["dtype"] == "bf16":  # lean saves 2 B/param of host RAM, fast saves the GPU's fp32 staging buffer
+    if p["dtype"] == "bf16":  # lean saves 2 B/param of host RAM, fast saves the GPU's fp32 cast buffer
         tries.append(("--mode lean", dict(mode="lean")) if p["mode"] == "fast" else ("--mode fast", dict(mode="fast")))
     if p["defer_updates"]:
         tries += [("--grad-clip 0", dict(grad_clip=0.0)),
                   ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=0.0))]
-    tries.append(("--offload-checkpoints off" if p["offload_checkpoints"] else "--offload-checkpoints on",
-                  dict(offload_checkpoints=not p["offload_checkpoints"])))
+    tries.append(("--offload-activations off" if p["offload_activations"] else "--offload-activations on",
+                  dict(offload_activations=not p["offload_activations"])))
     small_chunk = model.LOSS_CHUNK_LOGITS // p["model"]["vocab_size"]  # 256 MB of fp32 logits, without the floor
     if small_chunk < (p["chunk_tokens"] or model.default_chunk_tokens(model.GPTConfig(**p["model"]))):
         tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
@@ -628,12 +650,12 @@ def suggest(p):
     if p["dtype"] == "bf16" and p["residual_dtype"] == "fp32":  # last: it trades accuracy for memory
         tries.append(("--residual-dtype bf16", dict(residual_dtype="bf16")))
     for flags, change in tries:
-        if _replan(p, **change)["fits"]:
+        if replan(p, **change)["fits"]:
             return flags
     smaller = sorted((c for c in model.PRESETS.items() if model.n_params(c[1]) < p["params"]),
                      key=lambda c: -model.n_params(c[1]))
     for name, c in smaller:
-        if _replan(p, cfg=c, name=name)["fits"]:
+        if replan(p, cfg=c, name=name)["fits"]:
             return f"--config {name}" + (f" --max-seq-len {p['seq_len']}" if p["seq_len"] > c.max_seq_len else "")
     return None
 
@@ -646,7 +668,7 @@ def check(p):
     where = "this machine has" if hw["name"] == "local" else f"--hardware {hw['name']} has"
     if not p["fits_host"]:
         what = " + ".join(["fp32 master + Adam m, v"] + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
-                          + ["fp32 grads"] * p["defer_updates"] + ["checkpoints"] * p["offload_checkpoints"]
+                          + ["fp32 grads"] * p["defer_updates"] + ["boundary activations"] * p["offload_activations"]
                           + ["the step's activations (device buffers, on the CPU)"] * ("device buffers (below)" in p["host"]))
         mode = f" in --mode {p['mode']}" if p["dtype"] == "bf16" else ""
         msg = (f"{cfg} needs ~{size(p['host_bytes'])} of host RAM ({p['host_bytes'] / p['params']:.1f} B/param: "
@@ -662,42 +684,66 @@ def check(p):
                            ". Nothing smaller fits either; see --plan for the breakdown."))
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Memory and throughput plan; nothing is allocated.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
-    ap.add_argument("--hardware", default="local", help=f"local, all, or one of: {', '.join(HARDWARE)}")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's max)")
-    ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per layer visit")
-    ap.add_argument("--mode", default="fast", choices=["fast", "lean"], help="host memory mode (DESIGN.md §3)")
-    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="compute dtype")
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip (0 = off: no fp32 grad store)")
-    ap.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the profile's)")
-    ap.add_argument("--host-bw", type=float, default=None, help="host DRAM GB/s seen by AdamW")
-    ap.add_argument("--gpus", type=int, default=1, help="GPUs per node (sharded.py under torchrun)")
-    ap.add_argument("--nodes", type=int, default=1, help="nodes, each with --gpus GPUs and --host-mem of RAM")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    a = ap.parse_args()
+def from_flags(a, cfg, hardware=None, guarded=True, **change):
+    """plan() for the command-line flags of megatrain_min/cli.py (hardware: --hardware unless given; guarded:
+    train.py's non-finite guard; change: arguments of plan() that replace the flags')."""
     kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches, mode=a.mode,
-              dtype=a.dtype, grad_clip=a.grad_clip, host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw,
-              offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints], gpus=a.gpus,
+              dtype=a.dtype, grad_clip=a.grad_clip, offload_activations=cli.OFFLOAD[a.offload_activations],
+              residual_dtype=a.residual_dtype, chunk_tokens=a.chunk_tokens or None, host_mem_gb=a.host_mem,
+              host_bw_gbs=a.host_bw, tile_tokens=a.tile_tokens, skip_nonfinite=guarded, gpus=a.gpus,
               nodes=a.nodes)
-    for hw_name in (list(HARDWARE) if a.hardware == "all" else [a.hardware]):
-        try:
-            p = plan(model.PRESETS[a.config], hw_name, **kw)
-        except PlanError as e:
-            ap.exit(2, f"error: {e}\n")
-        if a.json:
-            print(plan_json(p))
-        elif a.hardware == "all":
-            print(f"{hw_name:>8}: {'fits' if p['fits'] else 'no  '}  host {size(p['host_bytes'])} of "
-                  f"{size(p['host_limit_bytes'])}, GPU {size(p['gpu_bytes'])} of {size(p['gpu_limit_bytes'])},"
-                  f" {p['tokens_per_s']:,.0f} tokens/s, {p['model_tflops']:.0f} TFLOP/s, {p['bottleneck']}-bound")
-        else:
-            print(format_plan(p))
-            try:
-                check(p)
-            except PlanError as e:
-                print(f"error: {e}")
+    return plan(cfg, hardware or a.hardware, **{**kw, **change})
+
+
+def objects(offload=None, guarded=False, tile_tokens=0):
+    """What the engine is handed: the boundary activations' store (offload True: activations.HostRing, False:
+    on the device, None: activations.Auto decides at the first step), a guard.Guard, the layer (tiling.Tiled
+    or the model itself)."""
+    store = activations.Auto() if offload is None else activations.HostRing() if offload else None
+    return dict(activations=store, guard=Guard() if guarded else None,
+                layer=Tiled(tile_tokens) if tile_tokens else model)
+
+
+def engine_kw(p):
+    """stream.Trainer's arguments for plan p: dtypes, mode, micro-batches, clipping, the loss chunk, the slabs,
+    and the objects it is handed (objects()). The optimizer's hyper-parameters come from elsewhere (train.py)."""
+    return dict(dtype=DTYPES[p["dtype"]], residual_dtype=DTYPES[p["residual_dtype"]], mode=p["mode"],
+                micro_batches=p["micro_batches"], grad_clip=p["grad_clip"], chunk_tokens=p["chunk_tokens"],
+                grad_slabs=p["grad_slabs"] or stream.GRAD_SLABS,
+                **objects(p["offload_activations"], p["skip_nonfinite"], p["tile_tokens"]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Memory and throughput plan; nothing is allocated.")
+    cli.add_model(ap)
+    cli.add_step(ap)
+    cli.add_hardware(ap)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a = ap.parse_args(argv)
+    try:
+        cli.check(a)
+        if a.config not in model.PRESETS:
+            raise ValueError(f"unknown preset --config {a.config!r}; choose one of: {', '.join(model.PRESETS)}")
+        cfg = cli.config_of(a)
+        cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, a.seq_len))   # planning: any length
+        for hw_name in (list(HARDWARE) if a.hardware == "all" else [a.hardware]):
+            p = from_flags(a, cfg, hw_name, name=a.config)
+            if a.json:
+                print(plan_json(p))
+            elif a.hardware == "all":
+                print(f"{hw_name:>8}: {'fits' if p['fits'] else 'no  '}  host {size(p['host_bytes'])} of "
+                      f"{size(p['host_limit_bytes'])}, GPU {size(p['gpu_bytes'])} of {size(p['gpu_limit_bytes'])},"
+                      f" {p['tokens_per_s']:,.0f} tokens/s, {p['model_tflops']:.0f} TFLOP/s, "
+                      f"{p['bottleneck']}-bound")
+            else:
+                print(format_plan(p))
+                try:
+                    check(p)
+                except PlanError as e:   # the plan says why; a verdict, not a usage error
+                    print(f"error: {e}")
+    except ValueError as e:
+        ap.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

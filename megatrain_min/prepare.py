@@ -63,6 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from megatrain_min import data
+from megatrain_min.tokenizer import HFTokenizer
 
 FORMAT, VERSION = "megatrain-min prepared tokens", 1
 META = "meta.json"
@@ -384,7 +385,7 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
         raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {val_fraction}")
     if chat_format not in (None, "native", "fixed"):
         raise PrepareError(f"chat_format must be 'native', 'fixed' or None, got {chat_format!r}")
-    tok = data.HFTokenizer(tokenizer) if tokenizer is not None else data.ByteTokenizer()
+    tok = HFTokenizer(tokenizer) if tokenizer is not None else data.ByteTokenizer()
     if chat_format == "native" and tok.chat_template is None:
         raise PrepareError(f"--chat-format native: {tokenizer or 'the byte tokenizer'} has no chat_template")
     n_ids = tok.vocab_size                                     # ids below it (an added token may lie beyond)
@@ -530,7 +531,7 @@ class PreparedTokens:
                 raise PrepareError(f"{self.path} was tokenized with {name(self.tokenizer_hash)}, {model_dir} has "
                                    f"{name(theirs)}; prepare it again with --tokenizer {model_dir}")
             if self.kind == "sft" and self.meta["chat_format"] == "native":
-                if _sha(data.HFTokenizer(model_dir).chat_template) != self.meta["tokenizer"]["chat_template_sha256"]:
+                if _sha(HFTokenizer(model_dir).chat_template) != self.meta["tokenizer"]["chat_template_sha256"]:
                     raise PrepareError(f"{self.path} was rendered with another chat template than {model_dir}'s; "
                                        f"prepare it again with --tokenizer {model_dir}")
         top = max(self.meta["splits"][s]["max_id"] for s in SPLITS)

@@ -1,7 +1,7 @@
 """race.py -- a happens-before race checker for the engine's lanes and threads (what CUDA's sanitizer does on a GPU).
 
 What it is
-    Checker consumes megatrain_min.sim.Recorder's stream. Each actor -- the lanes h2d, compute, d2h, default and
+    Checker consumes megatrain_min.record.Recorder's stream. Each actor -- the lanes h2d, compute, d2h, default and
     the host threads main and worker -- keeps a vector clock. Edges:
       issue       an op on a lane comes after everything its host thread did before issuing it;
       record/wait an event carries the recording lane's clock; a lane that waits for it joins it;
@@ -27,7 +27,7 @@ Reference
 import collections
 
 from megatrain_min import cost
-from megatrain_min.sim import LANES
+from megatrain_min.record import LANES
 
 ALLOCATIONS = {str(f) for f in cost.EMPTY}   # ops that only allocate: no kernel runs on the lane
 
@@ -114,7 +114,7 @@ class Checker:
 
     def get(self, thread, item, src):
         self.vc[thread].join(self.puts[item])
-        self.sync(thread, "staging slab taken (waits for the worker)", src)
+        self.sync(thread, "gradient slab taken (waits for the worker)", src)
 
     def keep(self, **_):
         pass
@@ -152,7 +152,7 @@ class Checker:
             self.steps[-1][f"{op.kind}_bytes"] += sum(hi - lo for _, lo, hi in op.writes)
             names = [self.rec_name(st) for st, _, _ in op.reads]
             dest = [self.rec_name(st) for st, _, _ in op.writes]
-            if op.kind == "h2d" and any(d.startswith(("wslot", "stage")) for d in dest):
+            if op.kind == "h2d" and any(d.startswith(("wslot", "cast")) for d in dest):
                 self.steps[-1]["copies"][names[0].split("[", 1)[-1].rstrip("]")] += 1
 
     def access(self, st, lo, hi, write, actor, tick, op):

@@ -1,8 +1,8 @@
 """reference.py -- the oracle: plain PyTorch training with the whole model in memory.
 
 What it is
-    ReferenceTrainer has the same surface as stream.Trainer (step, evaluate, set_lr, weights, wait, skipped,
-    skipped_units) and checks its arguments with the same functions (model.check_*, optim.check_hyper), but
+    ReferenceTrainer has the same surface as stream.Trainer (step, evaluate, set_lr, weights, wait, a None
+    guard) and checks its arguments with the same functions (megatrain_min/checks.py), but
     does the obvious thing: every weight is a leaf tensor on one device, one autograd graph per micro-batch,
     torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True) with two parameter groups (decay on
     tensors with >= 2 dims). `python train.py --engine reference` uses it; the tests hold the streaming
@@ -13,21 +13,22 @@ What it is not
 import torch
 
 import model
-from optim import check_hyper
+import optim
+from megatrain_min.checks import check_batch, check_device, check_finite, check_hyper, check_tensor, check_weights
 
 
 class ReferenceTrainer:
-    def __init__(self, cfg, weights, device="cpu", dtype=torch.float32, lr=3e-4, betas=(0.9, 0.95),
-                 eps=1e-8, weight_decay=0.1, grad_clip=0.0, micro_batches=1):
+    def __init__(self, cfg, weights, device="cpu", dtype=torch.float32, lr=optim.LR, betas=optim.BETAS,
+                 eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=0.0, micro_batches=1):
         check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip, micro_batches=micro_batches)
-        model.check_weights(cfg, weights, tensors=False)     # the keys; each tensor is checked as it is copied
-        self.cfg, self.dev, self.dtype = cfg, model.check_device(device), dtype
+        check_weights(cfg, weights, tensors=False)     # the keys; each tensor is checked as it is copied
+        self.cfg, self.dev, self.dtype = cfg, check_device(device), dtype
         self.grad_clip, self.M = grad_clip, micro_batches
-        self.skipped, self.skipped_units = False, []  # the oracle never skips a step
+        self.guard = None                              # the oracle never skips a step
         shapes = {e.key: e.shape for lay in model.units(cfg) for e in lay.entries}
-        self.params = {k: model.check_tensor(k, v, shapes[k]).to(self.dev, torch.float32).clone().requires_grad_()
+        self.params = {k: check_tensor(k, v, shapes[k]).to(self.dev, torch.float32).clone().requires_grad_()
                        for k, v in weights.items()}
-        model.check_finite(self.params)
+        check_finite(self.params)
         decay = [p for p in self.params.values() if p.dim() >= 2]
         no_decay = [p for p in self.params.values() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -36,7 +37,7 @@ class ReferenceTrainer:
 
     def step(self, tokens, targets):
         """One optimizer step over (B, T) tokens/targets in self.M micro-batches; returns the mean loss."""
-        model.check_batch(self.cfg, tokens, targets)
+        check_batch(self.cfg, tokens, targets)
         n = (targets != model.IGNORE).sum().clamp(min=1).item()  # tokens of the whole step
         total = 0.0
         for tok, tgt in zip(tokens.chunk(self.M), targets.chunk(self.M)):
@@ -56,7 +57,7 @@ class ReferenceTrainer:
     @torch.no_grad()
     def evaluate(self, tokens, targets):
         """Mean loss of (tokens, targets) with the current weights (same autocast as step)."""
-        model.check_batch(self.cfg, tokens, targets)
+        check_batch(self.cfg, tokens, targets)
         with torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             return model.loss(self.cfg, self.params, tokens.to(self.dev), targets.to(self.dev)).item()
 

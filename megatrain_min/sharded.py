@@ -18,6 +18,11 @@ What it is
     comm wait for it, so events recorded on comm mark its end: to the stream checker (megatrain_min/sim.py) a
     collective is an op of the comm lane that reads its input and writes its output (megatrain_min/cost.py
     names what each c10d op writes: their schemas do not).
+    The engine is stream.Trainer handed Shards, the placement of the units over the ranks (which part of
+    each unit this rank holds, how big a slot is, which rows of the batch it computes, the sums over the
+    ranks); ShardedTrainer replaces the data movement alone: a unit's weights in (load_unit), its gradient
+    out (grad_to_host), the embedding's rows in and dy out (embed_rows, dy_to_host, add_embedding_grad),
+    and the verdict on a unit's gradient, which every rank takes together (update_unit).
 The embedding
     Sharded like any unit. Its rows are gathered where that moves the fewest bytes without a (V, d) buffer on the
     GPU: every rank knows the whole step's token ids (the global batch), so it writes, for every token of the
@@ -42,24 +47,17 @@ Reference
     picotron's data_parallel files for keeping the collectives in plain sight.
 Try it
     torchrun --standalone --nproc-per-node 2 train.py --micro-batches 2      # two CPU processes, gloo
-    python -m megatrain_min.sharded --world 2 --micro-batches 2             # N local ranks against one process
-    python -m pytest tests/test_sharded.py
+    python -m pytest tests/test_sharded.py                                  # N ranks against one process
 """
-import argparse
 import collections
 import datetime
-import json
-import math
 import os
-import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-import model
 import stream
+from megatrain_min import checks
 
 TIMEOUT = datetime.timedelta(minutes=10)   # a collective that waits this long for a dead rank raises
 
@@ -91,24 +89,106 @@ class ShardedLanes(stream.Lanes):
     """stream.Lanes plus comm, the lane the collectives are issued on. procs: ranks on this host (torchrun's
     LOCAL_WORLD_SIZE), which share its cores among their optimizer threads."""
 
-    def __init__(self, device, sync=False, procs=1):
-        super().__init__(device, sync, procs)
-        self.comm = stream.Lane(device if device.type == "cuda" else None, sync)
+    def __init__(self, device, procs=1, lane=stream.Lane):
+        super().__init__(device, procs, lane)
+        self.comm = lane(device if device.type == "cuda" else None)
 
 
-class ShardedTrainer(stream.Trainer):
-    def __init__(self, cfg, weights, group=None, device=None, lanes=None, sync=False, **kw):
-        """stream.Trainer's arguments (cfg, weights: the whole model, read unit by unit, each rank keeping its
-        shard), plus group: the torch.distributed process group of the run (default: the whole world, which
-        must be initialised). micro_batches are per rank: the step's batch is split over the ranks, then each
-        rank's share into micro-batches. lanes: a backend with a comm lane (ShardedLanes, or sim.SimLanes)."""
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        dev = model.check_device(device)
-        lanes = lanes or ShardedLanes(dev, sync, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        self.comm = lanes.comm
-        self.traffic = collections.Counter()   # bytes this rank moved since it was made, per wire (see _gather ...)
-        super().__init__(cfg, weights, device=dev, lanes=lanes, sync=sync, **kw)
+class Shards:
+    """The units' placement over the N ranks of a process group (stream.Whole: all in one process): rank r
+    holds shard r of every unit and computes sequences [r B/N, (r+1) B/N) of each step's batch. It issues the
+    collectives on the comm lane and counts the bytes they move per wire (traffic)."""
+
+    def __init__(self, group, lanes, device):
+        self.group, self.lanes, self.comm, self.device = group, lanes, lanes.comm, device
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.traffic = collections.Counter()   # bytes this rank moved, per wire (gathered, scattered, ...)
+
+    def shard(self, lay):
+        return shard_numel(lay.numel, self.world)
+
+    def part(self, lay):
+        """The elements [lo, hi) of the unit this rank holds (its padding beyond them is zeros); checkpoint.py
+        saves and loads by it, so a checkpoint loads at any world size."""
+        lo = min(self.rank * self.shard(lay), lay.numel)
+        return lo, min(lo + self.shard(lay), lay.numel)
+
+    def slot_numel(self, lay):
+        return self.world * self.shard(lay)   # the gather writes every shard, the padding included
+
+    def sizes(self, units):
+        """The shards in the store: decayed are the elements of the unit's [0, n_decay) in this rank's shard."""
+        return [(self.shard(lay), min(max(lay.n_decay - self.rank * self.shard(lay), 0), self.shard(lay)))
+                for lay in units]
+
+    def fill(self, opt, units, weights):
+        """Read each unit whole (a lazy source: read_into), keep this rank's shard."""
+        read_into = getattr(weights, "read_into", None)
+        for u, lay in enumerate(units):
+            whole, (lo, hi) = torch.empty(lay.numel), self.part(lay)
+            for key, view in lay.key_views(whole).items():
+                read_into(key, view) if read_into else view.copy_(weights[key])
+            opt.master[u][:hi - lo].copy_(whole[lo:hi])
+            opt.refresh_shadow(u)
+
+    def local_batch(self, x):
+        B = x.shape[0]
+        if B % self.world:
+            raise ValueError(f"batch size {B} is not divisible by {self.world} ranks")
+        b = B // self.world
+        return x[self.rank * b:(self.rank + 1) * b]   # rank r: sequences [r B/N, (r+1) B/N) of the global batch
+
+    def gather(self, out, shard):
+        """all_gather: out = the N ranks' shards, in rank order. Each rank receives the N-1 it does not hold."""
+        dist.all_gather_single(out, shard, group=self.group)
+        self.traffic["gathered"] += out.nbytes * (self.world - 1) // self.world
+
+    def scatter(self, shard, full):
+        """reduce_scatter: shard = rank r's part of the sum over the ranks of `full`. Each rank sends N-1 parts."""
+        dist.reduce_scatter_single(shard, full, group=self.group)
+        self.traffic["scattered"] += full.nbytes * (self.world - 1) // self.world
+
+    def all_reduce(self, t, op=dist.ReduceOp.SUM):
+        """all_reduce: t = op over the ranks of t (a reduce_scatter, then an all_gather)."""
+        dist.all_reduce(t, op=op, group=self.group)
+        self.traffic["reduced"] += 2 * t.nbytes * (self.world - 1) // self.world
+
+    def sum_loss(self, loss, lanes):
+        """The loss: this rank's tokens' share of the step's mean, summed over the ranks on comm."""
+        self.comm.wait(lanes.comp.record())
+        with self.comm():
+            self.all_reduce(loss)
+            summed = self.comm.record()
+        lanes.comp.wait(summed)
+        return loss
+
+    def sum(self, x):
+        """x (the squared gradient norm of this rank's shards) summed over the ranks, in fp64; the host waits."""
+        with self.comm():
+            t = torch.tensor([x], dtype=torch.float64, device=self.device)
+            self.all_reduce(t)
+            summed = self.comm.record()
+        self.lanes.host_wait(summed)
+        return t.item()
+
+    def gather_object(self, obj):
+        """obj of every rank, in rank order (a collective: checkpoint.py agrees on names and errors through it)."""
+        found = [None] * self.world
+        dist.all_gather_object(found, obj, group=self.group)
+        return found
+
+
+class ShardedTrainer(checks.Checked, stream.Trainer):
+    def __init__(self, cfg, weights, group=None, device=None, lanes=None, **kw):
+        """stream.Trainer's arguments (weights: the whole model, read unit by unit, each rank keeping its
+        shard; checked as checks.Trainer checks them), plus group: the run's torch.distributed process group
+        (default: the whole world, initialised). micro_batches are per rank: the step's batch is split over the
+        ranks, then each rank's share into micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
+        dev = checks.check_device(device)
+        lanes = lanes or ShardedLanes(dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        shards = Shards(group if group is not None else dist.group.WORLD, lanes, dev)
+        self.comm, self.rank, self.world = lanes.comm, shards.rank, shards.world
+        super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards, **kw)
         # ---- device: two weight shards (H2D lands there, the gather reads them), two fp32 gradient shards (the
         # reduce_scatter writes them, D2H reads them), one verdict per unit (a finite gradient?). Made on comm.
         s_max = max(n for n, _ in self.opt.sizes)
@@ -119,70 +199,16 @@ class ShardedTrainer(stream.Trainer):
         self.finite = torch.ones(len(self.units), dtype=torch.float32, pin_memory=self.lanes.pin)   # host copy
         self.shard_free, self.gshard_free = [None, None], [None, None]   # gather -> H2D, D2H -> reduce_scatter
         self.rows_written = (None, [])     # the pinned rows buffer and the (tokens, columns) last written in it
-        lo, hi = self.owned(self.embed)                                   # the table: the unit's first V*d
+        lo, hi = shards.part(self.units[self.embed])                      # the table: the unit's first V*d
         self.table_pieces = row_pieces(lo, min(hi, cfg.vocab_size * cfg.d_model), cfg.d_model)
         self.lanes.synchronize()           # the shards exist before any lane's first touch of them
 
-    def buffers(self):
-        """stream.Trainer's, and the shards H2D lands in and D2H reads (once they exist)."""
-        return {**super().buffers(), **{f"wshard[{i}]": b for i, b in enumerate(getattr(self, "wshard", ()))},
-                **{f"gshard[{i}]": b for i, b in enumerate(getattr(self, "gshard", ()))}}
+    @property
+    def traffic(self):
+        return self.placement.traffic
 
-    # ------------------------------------------------------------------ who holds what
     def shard_numel(self, u):
-        return shard_numel(self.units[u].numel, self.world)
-
-    def owned(self, u):
-        """The elements [lo, hi) of unit u's flat buffer that this rank's store holds (its padding beyond them is
-        zeros). checkpoint.py saves and loads by it, so a checkpoint loads at any world size."""
-        s, n = self.shard_numel(u), self.units[u].numel
-        lo = min(self.rank * s, n)
-        return lo, min(lo + s, n)
-
-    def gather_object(self, obj):
-        """obj of every rank, in rank order (a collective: checkpoint.py agrees on names and errors through it)."""
-        found = [None] * self.world
-        dist.all_gather_object(found, obj, group=self.group)
-        return found
-
-    def store_sizes(self):
-        """The shards: decayed are the elements of the unit's [0, n_decay) that fall into this rank's shard."""
-        return [(self.shard_numel(u), min(max(lay.n_decay - self.rank * self.shard_numel(u), 0), self.shard_numel(u)))
-                for u, lay in enumerate(self.units)]
-
-    def fill_unit(self, u, weights):
-        """Read unit u whole (checked as stream.read_unit checks it), keep this rank's shard."""
-        lo, hi = self.owned(u)
-        full = torch.empty(self.units[u].numel)
-        stream.read_unit(self.units[u], weights, full)
-        self.opt.master[u][:hi - lo].copy_(full[lo:hi])
-        self.opt.refresh_shadow(u)
-
-    def slot_numel(self, u):
-        return self.world * self.shard_numel(u)       # the gather writes every shard, the padding included
-
-    def local_batch(self, x):
-        B = x.shape[0]
-        if B % (self.world * self.M):
-            raise ValueError(f"batch size {B} is not divisible by {self.world} ranks x micro_batches={self.M}")
-        b = B // self.world
-        return x[self.rank * b:(self.rank + 1) * b]   # rank r: sequences [r B/N, (r+1) B/N) of the global batch
-
-    # ------------------------------------------------------------------ the collectives (on the comm lane)
-    def _gather(self, out, shard):
-        """all_gather: out = the N ranks' shards, in rank order. Each rank receives the N-1 it does not hold."""
-        dist.all_gather_single(out, shard, group=self.group)
-        self.traffic["gathered"] += out.nbytes * (self.world - 1) // self.world
-
-    def _scatter(self, shard, full):
-        """reduce_scatter: shard = rank r's part of the sum over the ranks of `full`. Each rank sends N-1 parts."""
-        dist.reduce_scatter_single(shard, full, group=self.group)
-        self.traffic["scattered"] += full.nbytes * (self.world - 1) // self.world
-
-    def _all_reduce(self, t, op=dist.ReduceOp.SUM):
-        """all_reduce: t = op over the ranks of t (a reduce_scatter, then an all_gather)."""
-        dist.all_reduce(t, op=op, group=self.group)
-        self.traffic["reduced"] += 2 * t.nbytes * (self.world - 1) // self.world
+        return self.placement.shard(self.units[u])
 
     # ------------------------------------------------------------------ weights in
     def load_unit(self, u, slot):
@@ -191,32 +217,32 @@ class ShardedTrainer(stream.Trainer):
         src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]    # (s,) host
         with self.h2d():
             self.h2d.wait(self.shard_free[slot])          # the last gather from this shard buffer has read it
-            if self.stage is None:
+            if self.cast is None:
                 self.wshard[slot][:s].copy_(src, non_blocking=True)
             else:  # lean: the fp32 shard crosses PCIe, the cast happens on the GPU, the gather moves compute dtype
-                self.stage[:s].copy_(src, non_blocking=True)
-                self.wshard[slot][:s].copy_(self.stage[:s])
+                self.cast[:s].copy_(src, non_blocking=True)
+                self.wshard[slot][:s].copy_(self.cast[:s])
             shard_ready = self.h2d.record()
         self.traffic["h2d"] += src.nbytes
         with self.comm():
             self.comm.wait(shard_ready)
             self.comm.wait(self.slot_free[slot])          # compute is done with the slot's previous unit
-            self._gather(self.wslot[slot][:self.world * s], self.wshard[slot][:s])
+            self.placement.gather(self.wslot[slot][:self.world * s], self.wshard[slot][:s])
             self.slot_loaded[slot] = self.shard_free[slot] = self.comm.record()
 
     # ------------------------------------------------------------------ gradients out
     def grad_to_host(self, u, gs, ready):
         """reduce_scatter of gslot[gs] into gshard[gs], D2H of this rank's shard into opt.grad[u]. Without
-        deferral and with skip_nonfinite, the verdict "finite?" of the whole unit is all-reduced (min) beside it,
+        deferral and with a guard, the verdict "finite?" of the whole unit is all-reduced (min) beside it,
         so that every rank skips the same units."""
         s = self.shard_numel(u)
         with self.comm():
             self.comm.wait(ready)                         # compute finished unit u's gradient in gslot[gs]
             self.comm.wait(self.gshard_free[gs])          # D2H has copied the last gradient out of gshard[gs]
-            self._scatter(self.gshard[gs][:s], self.gslot[gs][:self.world * s])
+            self.placement.scatter(self.gshard[gs][:s], self.gslot[gs][:self.world * s])
             if self._per_unit_verdict():
                 self.finite_dev[u] = torch.isfinite(self.gshard[gs][:s]).all()
-                self._all_reduce(self.finite_dev[u:u + 1], op=dist.ReduceOp.MIN)
+                self.placement.all_reduce(self.finite_dev[u:u + 1], op=dist.ReduceOp.MIN)
             self.gslot_free[gs] = scattered = self.comm.record()
         with self.d2h():
             self.d2h.wait(scattered)
@@ -228,46 +254,28 @@ class ShardedTrainer(stream.Trainer):
         return done
 
     def _per_unit_verdict(self):
-        return self.skip_nonfinite and not self.defer_updates
+        return self.guard is not None and not self.defer_updates
 
     def update_unit(self, u, lr):
-        """AdamW on this rank's shard, unless the unit's gradient is not finite on some rank (skip_nonfinite)."""
-        if self._per_unit_verdict() and not self.finite[u]:
-            return False
-        return self.opt.step(u, lr)
-
-    def reduce_loss(self, loss):
-        """The loss: this rank's tokens' share of the step's mean, summed over the ranks on comm."""
-        self.comm.wait(self.comp.record())
-        with self.comm():
-            self._all_reduce(loss)
-            summed = self.comm.record()
-        self.comp.wait(summed)
-        return loss
-
-    def global_sum(self, x):
-        """x (the squared gradient norm of this rank's shards) summed over the ranks, in fp64; the host waits."""
-        with self.comm():
-            t = torch.tensor([x], dtype=torch.float64, device=self.dev)
-            self._all_reduce(t)
-            summed = self.comm.record()
-        self.lanes.host_wait(summed)
-        return t.item()
+        """AdamW on this rank's shard, unless the unit's gradient is not finite on some rank (the guard)."""
+        if not self._per_unit_verdict() or self.guard.ok(bool(self.finite[u]), self.units[u].name):
+            self.opt.step(u, lr)
 
     # ------------------------------------------------------------------ the embedding (see the docstring)
     def embed_rows(self, b):
         """x: M x (B/N/M, T, d), this rank's sequences: the parts of the rows of all B*T tokens that this rank's shard
         holds, zeros elsewhere, H2D, then a reduce_scatter that sums the parts and leaves each rank its rows."""
-        V, d = self.cfg.vocab_size, self.cfg.d_model
+        d = self.cfg.d_model
         src = self.opt.master[self.embed]                                     # (s,) this rank's shard
         if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
             src = self.opt.shadow[self.embed]
         tokens = b.tokens.reshape(-1)                                         # (B*T,) the whole step's ids
         part = self.pinned("rows", (tokens.numel(), d), src.dtype)           # (B*T, d) pinned
-        if self.rows_written[0] is not part:                                  # a new buffer: zeros, once
+        if self.rows_written[0] is part:          # zero only last step's rows: the work shrinks with N, not B
+            for sel, c0, c1 in self.rows_written[1]:
+                part[sel, c0:c1] = 0
+        else:                                     # a new buffer: zeros, once
             part.zero_()
-        for sel, c0, c1 in self.rows_written[1]:                              # else only last step's rows: the
-            part[sel, c0:c1] = 0                                              # work shrinks with N, not the batch
         written = []
         for r0, r1, c0, c1, o in self.table_pieces:
             sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
@@ -284,7 +292,7 @@ class ShardedTrainer(stream.Trainer):
             x = torch.empty((B // self.world, T, d), dtype=part.dtype, device=self.dev)
             self.comm.wait(ready)
             self.comm.keep(full)
-            self._scatter(x.view(-1, d), full)
+            self.placement.scatter(x.view(-1, d), full)
             summed = self.comm.record()
         self.comp.wait(summed)
         self.comp.keep(x)
@@ -298,7 +306,7 @@ class ShardedTrainer(stream.Trainer):
         with self.comm():
             full = torch.empty((self.world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=self.dev)
             self.comm.keep(mine)
-            self._gather(full.view(-1), mine.reshape(-1))
+            self.placement.gather(full.view(-1), mine.reshape(-1))
             ready = self.comm.record()
         host = self.pinned("dy", full.shape, full.dtype)
         with self.d2h():
@@ -325,19 +333,19 @@ class ShardedTrainer(stream.Trainer):
             ok = bool(torch.isfinite(dy).all()) and (self.embed != self.head or bool(self.finite[self.embed]))
             self.finite[self.embed] = float(ok)
 
-    # ------------------------------------------------------------------ the whole model, on every rank
+    # ------------------------------------------------------------------ the whole model
     def weights(self, copy=True, to=None):
         """{key: fp32 CPU tensor} of the whole model (a collective: every rank calls it): each unit's master shards
         gathered on the device through grad slot 0, one unit at a time, then copied to the host of rank `to` only
-        (the others get {} and hold nothing: an export of 70b is 280 GB), or of every rank (to=None: for samples of
-        models that fit). Always copies; checkpoints are the way to keep a big model."""
+        (the others get {} and hold nothing: an export of 70b is 280 GB), or of every rank (to=None: for samples
+        of models that fit). Always copies; checkpoints are the way to keep a big model."""
         self.wait()
         out = {}
         for u, lay in enumerate(self.units):
             s = self.shard_numel(u)
             with self.comm():   # the device is idle (wait): blocking copies, the host waits for each
                 self.gshard[0][:s].copy_(self.opt.master[u])
-                self._gather(self.gslot[0][:self.world * s], self.gshard[0][:s])
+                self.placement.gather(self.gslot[0][:self.world * s], self.gshard[0][:s])
                 if to is None or to == self.rank:
                     out.update(lay.key_views(self.gslot[0][:lay.numel].to("cpu", copy=True)))
         return out
@@ -349,7 +357,7 @@ def rank_device(device=None):
     rank one GPU of its own (CUDA_VISIBLE_DEVICES) -- else the CPU. Call it before anything touches CUDA: the first
     CUDA call of a thread makes a context on its current device (GPU 0 unless set). ValueError (one line) when
     LOCAL_RANK names a GPU this process does not see."""
-    dev = model.check_device(device)
+    dev = checks.check_device(device)
     if dev.type != "cuda":
         return dev
     local, seen = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
@@ -381,114 +389,3 @@ def agree(error):
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, error)
     return next((e if r == 0 else f"rank {r}: {e}" for r, e in enumerate(found) if e is not None), None)
-
-
-# ----------------------------------------------------------------------------- N ranks on this machine
-def _rank_main(rank, world, tmp, fn, args):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)                   # as torchrun: the ranks share this machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        torch.save(fn(*args), os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world, *args, meanwhile=None):
-    """fn(*args) on `world` fresh local processes joined by gloo (what torchrun --standalone makes, without the
-    launcher): returns their results by rank -- and meanwhile()'s, run here while they run (the ranks wait on each
-    other a lot: a reference computed meanwhile uses cores they leave idle). fn must be importable (a module-level
-    function), its result something torch.save writes. A failing rank raises here with its traceback."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank_main, args=(world, tmp, fn, args), nprocs=world, start_method="spawn",
-                                 join=False)
-        try:
-            mine = meanwhile() if meanwhile else None
-        finally:
-            while not ctx.join():
-                pass
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)], mine
-
-
-def train(cfg, steps, batch, sharded, seed=0, **kw):
-    """Train cfg from init_weights(seed) for `steps` steps on random global batches batch=(B, T) (the same ones
-    whatever runs it), on ShardedTrainer (the ranks of the current process group) or stream.Trainer. Returns
-    (losses, weights, grad norms, traffic per step) -- weights whole, on every rank."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    t = (ShardedTrainer if sharded else stream.Trainer)(cfg, model.init_weights(cfg, seed), device="cpu", **kw)
-    losses, norms, traffic = [], [], []
-    for _ in range(steps):
-        tok = torch.randint(0, cfg.vocab_size, batch, generator=gen)
-        tgt = torch.randint(0, cfg.vocab_size, batch, generator=gen)
-        tgt[torch.rand(batch, generator=gen) < 0.2] = model.IGNORE
-        before = collections.Counter(getattr(t, "traffic", {}))
-        losses.append(t.step(tok, tgt))
-        t.wait()
-        norms.append(t.grad_norm)
-        traffic.append(dict(collections.Counter(getattr(t, "traffic", {})) - before))
-    return losses, t.weights(), norms, traffic
-
-
-def _train_rank(cases, steps, batch):
-    return [train(model.GPTConfig(**c), steps, batch, True, **kw) for c, kw in cases]
-
-
-def compare(cases, world, steps=5, batch=(8, 16)):
-    """Each case (cfg, Trainer kwargs) for `steps` steps on `world` local ranks (one spawn for them all) and in
-    one process, on the same global batches. The one process runs world x micro_batches micro-batches: the same
-    micro-batch size, so that both compute the same matmuls and only the order of the fp32 gradient sums differs
-    (with another micro-batch size the one process disagrees with ITSELF by as much: tests/test_sharded.py).
-    Returns per case {"loss_rel": the worst per-step relative loss difference, "weights_rel": ||w_N - w_1|| /
-    ||w_1|| after the steps, "weights_max": the largest elementwise difference, "traffic": bytes per wire of
-    rank 0's last step, "losses": (N ranks, one process), "norms": rank 0's grad norms}."""
-    ranks, ones = spawn(_train_rank, world, [(cfg.to_dict(), kw) for cfg, kw in cases], steps, batch, meanwhile=lambda: [
-        train(cfg, steps, batch, False, **dict(kw, micro_batches=world * kw.get("micro_batches", 1))) for cfg, kw in cases])
-    out = []
-    for k, (cfg, kw) in enumerate(cases):
-        (losses, w, norms, traffic), (losses1, w1, _, _) = ranks[0][k], ones[k]
-        assert all(r[k][0] == losses for r in ranks), "the ranks disagree on the losses"
-        out.append(dict(loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, losses1)),
-                        weights_rel=weights_rel(w, w1), weights_max=max(float((w[k] - w1[k]).abs().max()) for k in w1),
-                        traffic=traffic[-1], losses=(losses, losses1), norms=norms))
-    return out
-
-
-def weights_rel(w, w1):
-    """||w - w1|| / ||w1|| over every tensor of two whole models, in fp64."""
-    diff = sum(float(((w[k] - w1[k]).double() ** 2).sum()) for k in w1)
-    return (diff / sum(float((v.double() ** 2).sum()) for v in w1.values())) ** 0.5
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description="N local ranks (gloo) against one process: losses, weights, bytes per wire.")
-    ap.add_argument("--world", type=int, default=2, help="ranks (processes on this machine)")
-    ap.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=8, help="the global batch: sequences per step")
-    ap.add_argument("--seq-len", type=int, default=16)
-    ap.add_argument("--micro-batches", type=int, default=1, help="per rank")
-    ap.add_argument("--grad-clip", type=float, default=0.0)
-    ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    a = ap.parse_args(argv)
-    if a.config not in model.PRESETS:
-        ap.exit(2, f"error: unknown preset --config {a.config!r}; choose one of: {', '.join(model.PRESETS)}\n")
-    if a.world < 1 or a.steps < 1 or a.batch_size % (a.world * a.micro_batches):
-        ap.exit(2, f"error: --batch-size {a.batch_size} must be a multiple of --world {a.world} x --micro-batches "
-                   f"{a.micro_batches}, and --world, --steps >= 1\n")
-    kw = dict(micro_batches=a.micro_batches, grad_clip=a.grad_clip, lr=1e-2)
-    r, = compare([(model.PRESETS[a.config], kw)], a.world, a.steps, (a.batch_size, a.seq_len))
-    if a.json:
-        print(json.dumps({k: v for k, v in r.items()}))
-        return 0
-    for k, (x, y) in enumerate(zip(*r["losses"])):
-        print(f"step {k + 1}: loss {x:.7f} on {a.world} ranks, {y:.7f} in one process ({a.world * a.micro_batches} "
-              f"micro-batches)")
-    print(f"worst relative loss difference {r['loss_rel']:.1e}; weights after {a.steps} steps: ||dw|| / ||w|| = "
-          f"{r['weights_rel']:.1e}, max |dw| = {r['weights_max']:.1e}")
-    print("rank 0, last step: " + ", ".join(f"{k} {v:,} B" for k, v in sorted(r["traffic"].items())))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,480 +1,103 @@
-"""sim.py -- prove the GPU schedule on the CPU: run the real engine on checked lanes and record what it does.
+"""sim.py -- prove the GPU schedule on the CPU: `check` for races, `timeline` for the twin's predictions.
 
 What it is
-    stream.Trainer runs unchanged on SimLanes, a backend of stream.Lanes in which every lane (h2d, compute, d2h,
-    and the legacy default stream) and every host thread (main, the optimizer worker) has an identity. A
-    TorchDispatchMode (Recorder) attributes every aten op to one of them, with what it reads and writes (storage
-    and byte range, from the op schema's alias info), and every ordering point -- event record and wait, the
-    host's waits, task hand-offs to the worker, future results, the staging-slab pool -- is an event too. Two
-    consumers read that stream:
-      race.Checker   happens-before (vector clocks): a conflicting pair of accesses with no edge is a race;
-      twin.Twin      the same stream at full size (FakeTensorMode: nothing allocated), replayed on a hardware
-                     profile: step time, overlap, bottleneck, peak device memory -- predictions.
-    Which storages are "device": made on a lane (inside `with lane():` on the main thread, or by an op on
-    device tensors); host buffers asked for as pinned are made unpinned here and remembered as pinned.
-What it is not
-    Not a GPU and not CUDA's memory model in full: the optimizer worker runs each task at once, inline, under
-    its own identity (the clocks, not the wall clock, carry the order); the free rule is the caching
-    allocator's (a block freed on the host may be handed to the next allocation on its stream).
-Reference
-    torch/cuda/_sanitizer.py (PyTorch's CUDA sanitizer) keeps the same parts apart: what an op reads and
-    writes, the synchronisation state, the check.
+    The command line of megatrain_min/record.py (the engine on checked lanes) and its two consumers:
+      check      the real engine for a few steps on checked lanes: every conflicting pair of accesses from two
+                 lanes or threads without a happens-before edge is a race (race.Checker), reported with the
+                 buffer's name, both ops and both source lines; per step, the host syncs and the bytes and
+                 weight copies each lane moves. Exit 1 when there is a race.
+      timeline   the engine at full size under FakeTensorMode, replayed on a hardware profile (twin.Twin):
+                 step time, tokens/s, overlap, busy and critical-path shares per lane, peak device memory --
+                 predictions, beside the planner's.
+    It takes train.py's model and step flags with the same defaults (megatrain_min/cli.py); check runs a
+    4 x 16 batch unless told otherwise.
 Try it
     python -m megatrain_min.sim check --config toy --micro-batches 2
     python -m megatrain_min.sim timeline --config 7b --hardware h100 --batch-size 4 --seq-len 4096
-    python -m pytest tests/test_sim.py
+    python -m pytest tests/test_sim.py tests/test_twin.py
 """
 import argparse
-import contextlib
-import dataclasses
+import json
 import sys
-from collections.abc import Mapping
-from concurrent.futures import Future
-from pathlib import Path
-
-import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
-import stream
-from megatrain_min import cost
+from megatrain_min import cli, race, record, twin
 from megatrain_min import plan as planner
+from megatrain_min.checks import check_config
 
-aten = torch.ops.aten
-LANES = ("h2d", "compute", "d2h", "comm", "default")   # CUDA streams (default: the legacy default stream; comm:
-#                                                        the collectives of megatrain_min/sharded.py)
-THREADS = ("main", "worker")                       # host threads
-ROOT = Path(__file__).resolve().parent.parent
-OURS = {str(ROOT / f) for f in ("stream.py", "model.py", "optim.py", "megatrain_min/sharded.py")}   # source lines: ours
-@dataclasses.dataclass(eq=False)
-class Storage:
-    """One storage while it lives: where it is, who made it, who touched it."""
-    sid: int
-    ref: StorageWeakRef
-    nbytes: int
-    where: str          # "device", "pinned" or "host"
-    made_on: str        # the lane or thread that allocated it
-    made_by: str        # "aten.op at file:line"
-    name: str = None    # the engine's name for it (wslot[0], shadow[layer.3], ...), when it has one
-    kept: set = dataclasses.field(default_factory=set)   # lanes that record_stream'ed it (Lane.keep)
-    new: bool = False   # made by the op being noted (else an op returned an existing storage: an unmarked view)
+GB = 1e9
 
 
-@dataclasses.dataclass(eq=False)
-class Op:
-    """One aten op as the recorder saw it."""
-    actor: str          # lane or thread
-    name: str           # aten overload name
-    reads: list         # [(Storage, lo, hi)] byte ranges
-    writes: list
-    src: str            # file:line in stream.py / model.py / optim.py
-    kind: str           # compute, h2d, d2h, dd (device->device copy), host
-    nbytes: int = 0     # bytes read + written (costs=True)
-    flops: float = 0.0
-    low_precision: bool = False   # some operand is bf16 (the GPU's bf16 peak applies)
-    blocking: bool = False   # a host<->device copy the host waits for (non_blocking=False or pageable memory)
-    autograd: bool = False   # run by autograd's engine inside torch.autograd.grad (else issued from Python)
-    fresh: list = ()    # storages this op allocated
+def engine_kw(a, p, dtype):
+    """stream.Trainer's arguments for the flags and their plan p, with the objects as record.run makes them."""
+    return dict(dtype=planner.DTYPES[dtype], residual_dtype=planner.DTYPES[a.residual_dtype],
+                grad_clip=a.grad_clip, micro_batches=a.micro_batches, mode=a.mode, grad_slabs=p["grad_slabs"] or 1,
+                skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
+                offload_activations=p["offload_activations"], tile_tokens=p["tile_tokens"])
 
 
-class SimEvent:
-    """What Lane.record() returns on SimLanes: an id and the lane it marks."""
-
-    def __init__(self, eid, lane):
-        self.eid, self.lane = eid, lane
-
-
-# ----------------------------------------------------------------------------- the backend the engine runs on
-class SimLane:
-    def __init__(self, rec, name):
-        self.rec, self.name = rec, name
-
-    def __call__(self):
-        return self.rec.on_lane(self.name)
-
-    def wait(self, event):
-        if event is not None:
-            self.rec.emit("wait", lane=self.name, event=event)
-
-    def record(self):
-        return self.rec.record(self.name)
-
-    def keep(self, t):
-        self.rec.keep(self.name, t)
-
-
-class SimFuture(Future):
-    """A finished Future whose result() is a host wait on the task (a happens-before edge)."""
-
-    def __init__(self, rec, tid):
-        super().__init__()
-        self.rec, self.tid = rec, tid
-
-    def result(self, timeout=None):
-        self.rec.emit("result", thread=self.rec.thread, task=self.tid)
-        return super().result(timeout)
-
-
-class SimPool:
-    """The staging-slab pool (queue.Queue's get/put/qsize): a get joins the clock of the put it takes."""
-
-    def __init__(self, rec):
-        self.rec, self.items = rec, []
-
-    def put(self, item):
-        self.rec.name_later(item, f"slab {self.rec.slab_names.setdefault(id(item), len(self.rec.slab_names))}")
-        self.rec.emit("put", thread=self.rec.thread, item=id(item))
-        self.items.append(item)
-
-    def get(self):
-        if not self.items:  # inline tasks give every slab back at once: an empty pool is a lost slab
-            raise RuntimeError("checked engine: the staging-slab pool is empty (a slab was not given back)")
-        item = self.items.pop(0)
-        self.rec.emit("get", thread=self.rec.thread, item=id(item), src=self.rec.source())
-        return item
-
-    def qsize(self):
-        return len(self.items)
-
-
-class SimLanes:
-    """stream.Lanes with identities: what the engine asks of the hardware, recorded. pin=True: host buffers are
-    asked for pinned (the recorder makes them unpinned and remembers). free_memory: the device the engine
-    plans for (None: like the CPU, no automatic checkpoint offload)."""
-    pin = True
-
-    def __init__(self, rec, device_bytes=None):
-        self.rec, self.device_bytes = rec, device_bytes
-        self.h2d, self.comp, self.d2h = SimLane(rec, "h2d"), SimLane(rec, "compute"), SimLane(rec, "d2h")
-        self.comm = SimLane(rec, "comm")   # sharded.ShardedTrainer's collectives (stream.Trainer has none)
-
-    def host_wait(self, event):
-        if event is not None:
-            self.rec.emit("host_wait", thread=self.rec.thread, event=event, src=self.rec.source())
-
-    def synchronize(self):
-        self.rec.emit("synchronize", thread=self.rec.thread, src=self.rec.source())
-
-    def free_memory(self):
-        if self.device_bytes is None:
-            return None
-        return self.device_bytes - sum(s.nbytes for s in self.rec.live.values() if s.where == "device")
-
-    def submit(self, fn, *args):
-        return self.rec.submit(fn, args)
-
-    def slab_pool(self):
-        return SimPool(self.rec)
-
-
-# ----------------------------------------------------------------------------- the recorder
-class Recorder(TorchDispatchMode):
-    """Attributes every aten op and ordering point of the engine to a lane or thread and hands them, in issue
-    order, to the consumers: objects with a method per event kind (op, record, wait, host_wait, synchronize,
-    submit, task_start, task_end, result, put, get, keep, free, step). fake=True: FakeTensorMode is below us
-    (the twin); data-dependent scalars (.item()) then read as 1."""
-
-    def __init__(self, consumers, fake=False, sources=True, costs=False):
-        super().__init__()
-        self.consumers, self.fake, self.sources, self.costs = consumers, fake, sources, costs
-        self.thread, self.lanes_on = "main", []   # the host thread running now; the main thread's lane stack
-        self.live, self.n_sid, self.n_ev, self.n_task = {}, 0, 0, 0   # storage cdata -> Storage
-        self.device = {}                          # the device storages among them (the sweep looks for frees there)
-        self.names, self.slab_names, self.trainer = {}, {}, None
-        for c in consumers:
-            if hasattr(c, "attach"):
-                c.attach(self)
-
-    # ---- events
-    def emit(self, kind, **kw):
-        for c in self.consumers:
-            getattr(c, kind)(**kw)
-
-    @contextlib.contextmanager
-    def on_lane(self, lane):
-        self.lanes_on.append(lane)
-        try:
-            yield
-        finally:
-            self.lanes_on.pop()
-
-    def record(self, lane):
-        self.n_ev += 1
-        ev = SimEvent(self.n_ev, lane)
-        self.emit("record", lane=lane, event=ev)
-        return ev
-
-    def keep(self, lane, t):
-        st = self.storage_of(t, create=False)
-        if st is not None:
-            st.kept.add(lane)
-
-    def submit(self, fn, args):
-        """The optimizer thread, inline: the task runs now, as the worker, after everything submitted before."""
-        self.n_task += 1
-        tid, fut = self.n_task, SimFuture(self, self.n_task)
-        self.emit("submit", thread=self.thread, task=tid)
-        outer, self.thread = self.thread, "worker"
-        self.emit("task_start", task=tid)
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 -- re-raised where the engine asks for the result
-            fut.set_exception(e)
-        finally:
-            self.emit("task_end", task=tid)
-            self.thread = outer
-        return fut
-
-    def step(self, k):
-        self.sweep()
-        self.emit("step", k=k)
-
-    # ---- storages
-    def storage_of(self, t, create=True, where="host", made_on="main", made_by="?"):
-        """The Storage of tensor t; with create, a new one when t's storage is new (then .new is True)."""
-        s = t.untyped_storage()
-        st = self.live.get(s._cdata)
-        if st is not None and st.ref.expired():  # the address of a freed storage, reused
-            self.free(st)
-            st = None
-        if st is None and create:
-            self.n_sid += 1
-            st = Storage(self.n_sid, StorageWeakRef(s), s.nbytes(), where, made_on, made_by)
-            st.new = True
-            self.live[s._cdata] = st
-            if where == "device":
-                self.device[s._cdata] = st
-        elif st is not None:
-            st.new = False
-        return st
-
-    def free(self, st):
-        self.live.pop(st.ref.cdata, None)
-        if self.device.pop(st.ref.cdata, None) is not None:
-            self.emit("free", storage=st)
-
-    def sweep(self):
-        """Device storages freed since the last look (host ones are noticed when their address comes back)."""
-        for st in [st for st in self.device.values() if st.ref.expired()]:
-            self.free(st)
-
-    def name_later(self, t, name):
-        self.names[t.untyped_storage()._cdata] = name
-
-    def name_of(self, st):
-        """The engine's name of a storage (its public attributes, walked now), else where it was made."""
-        if st.name is None and self.trainer is not None:
-            for cd, name in buffer_names(self.trainer).items():
-                if cd in self.live:
-                    self.live[cd].name = name
-        if st.name is None and st.ref.cdata in self.names:
-            st.name = self.names[st.ref.cdata]
-        return st.name or f"a tensor from {st.made_by} on {st.made_on}"
-
-    # ---- ops
-    def source(self):
-        if not self.sources:
-            return ""
-        f = sys._getframe(2)
-        while f is not None and f.f_code.co_filename not in OURS:
-            f = f.f_back
-        return f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} ({f.f_code.co_name})" if f else "?"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.in_autograd = autograd_frame(sys._getframe(1))
-        pinned = bool(kwargs.get("pin_memory"))
-        if pinned:
-            kwargs = dict(kwargs, pin_memory=False)
-        if self.fake and func is aten._local_scalar_dense.default:
-            out = {torch.bool: True}.get(args[0].dtype, 1)
-        else:
-            out = func(*args, **kwargs)
-        if func.namespace != "prim":         # prim.device &c.: metadata queries fake tensors dispatch, no work
-            self.note(func, args, kwargs, out, pinned)
-        return out
-
-    def note(self, func, args, kwargs, out, pinned):
-        old_reads, old_writes, fresh = cost.accesses(func, args, kwargs, out)   # old: existed before the op
-        # a storage first seen here was made outside the dispatcher; on the comm lane that is the collective
-        # backend's own buffer (gloo's reduce_scatter copies out of one), which lives where the collective runs
-        unseen = "device" if self.thread == "main" and self.lanes_on[-1:] == ["comm"] else "host"
-        touched = [self.storage_of(t, where=unseen) for t in old_reads + old_writes]
-        device = any(st.where == "device" for st in touched)
-        if self.thread != "main":
-            actor = self.thread
-        elif device or (self.lanes_on and not pinned and not old_reads and not old_writes):
-            actor = self.lanes_on[-1] if self.lanes_on else "default"    # a lane op (or an allocation on one)
-        else:
-            actor = "main"
-        src = self.source()
-        where = "pinned" if pinned else "device" if actor in LANES else "host"
-        made = [(t, self.storage_of(t, where=where, made_on=actor, made_by=f"{func} at {src}")) for t in fresh]
-        fresh = [t for t, st in made if st.new]        # an output on an existing storage is an unmarked view
-        new = [st for t, st in made if st.new]
-        if new:
-            self.sweep()
-        kind, blocking = "host" if actor in THREADS else "compute", False
-        if actor in LANES and func in cost.COPIES:
-            dst_dev = (touched[len(old_reads)] if old_writes else new[0]).where == "device"
-            src_st = touched[0] if old_reads else None
-            src_dev = src_st is None or src_st.where == "device"
-            kind = "dd" if dst_dev and src_dev else "h2d" if dst_dev else "d2h"
-            host_side = src_st if kind == "h2d" else (touched[len(old_reads)] if old_writes else None)
-            blocking = kind != "dd" and (not kwargs.get("non_blocking", len(args) > 2 and args[2])
-                                          or (host_side is not None and host_side.where == "host"))
-        op = Op(actor, str(func), [span(st, t) for st, t in zip(touched, old_reads)],
-                [span(st, t) for st, t in zip(touched[len(old_reads):], old_writes)] +
-                ([] if func in cost.EMPTY else [span(st, t) for st, t in zip(new, fresh)]), src, kind,
-                blocking=blocking, fresh=new)
-        op.autograd = self.in_autograd
-        if self.costs:
-            op.nbytes = cost.traffic(func, old_reads, old_writes, fresh, kwargs)
-            op.flops = cost.flops(func, args, kwargs, out)
-            op.low_precision = any(t.dtype == torch.bfloat16 for t in old_reads + old_writes)
-        self.emit("op", op=op)
-
-
-def autograd_frame(f):
-    """Is the innermost Python frame below the dispatch mode (past torch's wrappers) autograd's engine?"""
-    while f is not None and ("/torch/_dynamo/" in f.f_code.co_filename or "torch/_compile" in f.f_code.co_filename):
-        f = f.f_back
-    return f is not None and f.f_code.co_name == "_engine_run_backward"
-
-
-def span(st, t):
-    """(storage, first byte, one past the last byte) that t can touch."""
-    es, lo = t.element_size(), t.storage_offset() * t.element_size()
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-    return st, lo, lo + extent * es
-
-
-def buffer_names(t):
-    """{storage cdata: name} of a trainer's buffers, from its public description (Trainer.buffers(); a storage
-    with several names keeps the first: a tied head's master is the embedding's)."""
-    names = {}
-    for name, buf in t.buffers().items():
-        names.setdefault(buf.untyped_storage()._cdata, name)
-    return names
-
-
-# ----------------------------------------------------------------------------- running the engine on it
-def add_flags(p):
-    """train.py's model and run flags (the same defaults), for check and timeline."""
-    p.add_argument("--config", default="toy", help=f"preset: {', '.join(model.PRESETS)}")
-    for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
-        p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--mode", default="fast", choices=["fast", "lean"])
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
-    p.add_argument("--residual-dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--offload-checkpoints", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--chunk-tokens", type=int, default=0)
-    p.add_argument("--tile-tokens", type=int, default=None,
-                   help="model.block's sequence tile (0 = untiled; default: the planner's choice)")
-    p.add_argument("--hardware", default="h100", help=f"one of: {', '.join(planner.HARDWARE)}")
-    p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the hardware's)")
-    p.add_argument("--host-bw", type=float, default=None, help="host DRAM GB/s seen by AdamW")
-    p.add_argument("--skip-nonfinite", type=int, default=1, choices=[0, 1], help="the non-finite guard (train.py: on)")
-    p.add_argument("--steps", type=int, default=0, help="engine steps to run (default: check 2, timeline 3)")
-
-
-def config_of(a):
-    over = {f: getattr(a, f) for f in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff") if getattr(a, f)}
-    preset = model.PRESETS[a.config]
-    if "n_head" in over and "n_kv_head" not in over and preset.n_kv_head == preset.n_head:
-        over["n_kv_head"] = over["n_head"]
-    return dataclasses.replace(preset, head_dim=0, **over) if over else preset
-
-
-def plan_of(a, cfg):
-    return planner.plan(cfg, a.hardware, batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches,
-                        mode=a.mode, dtype=a.dtype or "bf16", grad_clip=a.grad_clip, residual_dtype=a.residual_dtype,
-                        offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints],
-                        host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, chunk_tokens=a.chunk_tokens or None,
-                        skip_nonfinite=bool(a.skip_nonfinite), host_speed=getattr(a, "host_speed", 1.0),
-                        tile_tokens=a.tile_tokens)
-
-
-class ZeroWeights(Mapping):
-    """weights for the twin: every key reads as zeros of its shape (under FakeTensorMode: nothing allocated)."""
-
-    def __init__(self, cfg):
-        self.shapes = {e.key: e.shape for u in model.units(cfg) for e in u.entries}
-
-    def __getitem__(self, key):
-        return torch.zeros(self.shapes[key])
-
-    def __iter__(self):
-        return iter(self.shapes)
-
-    def __len__(self):
-        return len(self.shapes)
-
-
-def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False, device_bytes=None,
-        batch=(4, 16), between=None, **trainer_kw):
-    """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on random batches
-    of batch=(B, T); between(trainer) runs after every step but the last (e.g. an evaluate()). Returns the
-    trainer. dtype and residual_dtype: torch dtypes; everything else as stream.Trainer takes it."""
-    rec = Recorder(consumers, fake=fake, sources=sources, costs=costs)
-    mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    B, T = batch
-    gen = torch.Generator().manual_seed(0)
-    with mode, rec:
-        weights = ZeroWeights(cfg) if fake else model.init_weights(cfg, 0)
-        t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec, device_bytes), **trainer_kw)
-        rec.trainer = t
-        for k in range(steps):
-            rec.step(k)
-            tok = torch.randint(0, cfg.vocab_size, (B, T), generator=None if fake else gen)
-            t.step(tok, tok.roll(-1, 1))
-            if between is not None and k + 1 < steps:
-                between(t, tok)
-        rec.step(steps)
-        t.weights()                    # reads every master weight: after the updates in flight, or a race
-    return t
-
-
-def check_main(a):
-    from megatrain_min import race
-    cfg = config_of(a)
-    p = plan_of(a, cfg)
+def check_main(a, cfg, p):
     checker = race.Checker()
-    kw = dict(dtype=planner.DTYPES[a.dtype or "fp32"], residual_dtype=planner.DTYPES[a.residual_dtype],
-              grad_clip=a.grad_clip, micro_batches=a.micro_batches, mode=a.mode, staging_slabs=p["staging_slabs"],
-              skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
-              offload_checkpoints={"auto": p["offload_checkpoints"], "on": True, "off": False}[a.offload_checkpoints],
-              tile_tokens=p["tile_tokens"])
-    run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
+    record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **engine_kw(a, p, a.dtype or "fp32"))
     print(checker.summary())
     return 1 if checker.races else 0
+
+
+def timeline_main(a, cfg, p):
+    hw, tw = p["hardware"], twin.Twin(p["hardware"], host_speed=a.host_speed)
+    record.run(cfg, [tw], a.steps or 3, fake=True, sources=False, costs=True, batch=(a.batch_size, a.seq_len),
+               **engine_kw(a, p, p["dtype"]))
+    r = tw.result_of(cfg, a.batch_size * a.seq_len)
+    r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
+             host_speed=a.host_speed, host_issue_s=tw.issue)
+    if a.trace:
+        tw.trace(a.trace)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items() if v)  # noqa: E731
+    print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} tokens, "
+          f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}")
+    print(f"  step {r['step_time_s']:.3g} s (plan.py: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
+          f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
+    print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {tw.issue * 1e6:.1f} us each, --host-speed "
+          f"{a.host_speed:g} x the CPU plan.HOST_OP_S was measured on)")
+    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (plan.py: {p['bottleneck']})")
+    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (plan.py: {p['gpu_bytes'] / GB:.1f} GB)")
+    if a.trace:
+        print(f"  trace: {a.trace} (open in https://ui.perfetto.dev)")
+    return 0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Prove the GPU schedule on the CPU: check races, or predict the timeline.")
     sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="run the engine on checked lanes: races, host syncs, bytes and copies per step")
-    add_flags(c)
-    c.set_defaults(batch_size=4, seq_len=16, hardware="h100")
-    tl = sub.add_parser("timeline", help="the engine at full size, replayed on a hardware profile (predictions)")
-    add_flags(tl)
-    tl.add_argument("--json", action="store_true", help="print one JSON object")
-    tl.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the simulated steps to FILE")
-    tl.add_argument("--host-speed", type=float, default=1.0,
-                    help="the host issues work this many times faster than the CPU the issue costs were measured on")
+    for name, what in (("check", "run the engine on checked lanes: races, host syncs, bytes and copies per step"),
+                       ("timeline", "the engine at full size, replayed on a hardware profile (predictions)")):
+        c = sub.add_parser(name, help=what)
+        cli.add_model(c)
+        cli.add_step(c)
+        cli.add_hardware(c, default="h100")
+        c.add_argument("--skip-nonfinite", type=int, default=1, choices=[0, 1],
+                       help="the non-finite guard (train.py: on) (default: %(default)s)")
+        c.add_argument("--steps", type=int, default=0, help="engine steps to run (default: check 2, timeline 3)")
+        if name == "check":
+            c.set_defaults(batch_size=4, seq_len=16)
+        else:
+            c.add_argument("--json", action="store_true", help="print one JSON object")
+            c.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the simulated steps")
+            c.add_argument("--host-speed", type=float, default=1.0,
+                           help="the host issues work this many times faster than the CPU the issue costs were "
+                                "measured on (default: %(default)s)")
     a = ap.parse_args(argv)
     if a.config not in model.PRESETS:
         ap.exit(2, f"error: unknown preset --config {a.config!r}; choose one of: {', '.join(model.PRESETS)}\n")
     try:
-        if a.command == "check":
-            return check_main(a)
-        from megatrain_min import twin
-        return twin.main(a)
+        cli.check(a)
+        cfg = check_config(cli.config_of(a))
+        p = planner.from_flags(a, cfg, dtype=a.dtype or "bf16", guarded=bool(a.skip_nonfinite),
+                               host_speed=getattr(a, "host_speed", 1.0))
+        return (check_main if a.command == "check" else timeline_main)(a, cfg, p)
     except ValueError as e:
         ap.exit(2, f"error: {e}\n")
 

@@ -1,7 +1,7 @@
 """twin.py -- the timeline twin: the real engine's op stream at full size, replayed on a hardware profile.
 
 What it is
-    Twin consumes megatrain_min.sim.Recorder's stream of a stream.Trainer run under FakeTensorMode (shapes, no
+    Twin consumes megatrain_min.record.Recorder's stream of a stream.Trainer run under FakeTensorMode (shapes, no
     data: 120B in seconds and a few hundred MB) and replays it as the hardware would run it:
       lanes      each CUDA stream runs its ops in issue order; an op starts when its lane is free, the host has
                  issued it, and the events its lane waits for have fired;
@@ -9,7 +9,7 @@ What it is
                  causal half of its matmuls, as flash kernels do);
       copies     H2D and D2H at the profile's link bandwidth per direction, concurrently;
       host       the main thread issues every op in program order (plan.HOST_OP_S each, / --host-speed) and
-                 blocks where the engine blocks (host waits, a future's result, a staging slab); its own host
+                 blocks where the engine blocks (host waits, a future's result, a gradient slab); its own host
                  work (the embedding gather) runs at DRAM bandwidth; the optimizer thread's AdamW too.
     Memory: a device allocation is live from its issue until the GPU passes its free -- at once for its own lane,
     after the kept lanes' work issued before the free (record_stream), as the caching allocator does.
@@ -32,7 +32,7 @@ import json
 import torch
 
 from megatrain_min import plan as planner
-from megatrain_min import sim
+
 
 GB = 1e9
 ACTORS = ("host", "h2d", "compute", "d2h", "default", "cpu_adam")
@@ -191,36 +191,3 @@ class Twin:
                    for s in self.spans if s.end > s.start]
         with open(path, "w") as f:
             json.dump(dict(traceEvents=events, displayTimeUnit="ms"), f)
-
-
-def main(a):
-    cfg = sim.config_of(a)
-    p = sim.plan_of(a, cfg)
-    hw = p["hardware"]
-    dtype = planner.DTYPES[p["dtype"]]
-    twin = Twin(hw, host_speed=a.host_speed)
-    kw = dict(dtype=dtype, residual_dtype=planner.DTYPES[a.residual_dtype], grad_clip=a.grad_clip,
-              micro_batches=a.micro_batches, mode=a.mode, staging_slabs=p["staging_slabs"],
-              skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
-              offload_checkpoints=p["offload_checkpoints"], tile_tokens=p["tile_tokens"])
-    sim.run(cfg, [twin], a.steps or 3, fake=True, sources=False, costs=True, batch=(a.batch_size, a.seq_len), **kw)
-    r = twin.result_of(cfg, a.batch_size * a.seq_len)
-    r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
-             host_speed=a.host_speed, host_issue_s=twin.issue)
-    if a.trace:
-        twin.trace(a.trace)
-    if a.json:
-        print(json.dumps(r))
-        return 0
-    pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items() if v)  # noqa: E731
-    print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} tokens, "
-          f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}")
-    print(f"  step {r['step_time_s']:.3g} s (plan.py: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
-          f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
-    print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {twin.issue * 1e6:.1f} us each, --host-speed "
-          f"{a.host_speed:g} x the CPU plan.HOST_OP_S was measured on)")
-    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (plan.py: {p['bottleneck']})")
-    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (plan.py: {p['gpu_bytes'] / GB:.1f} GB)")
-    if a.trace:
-        print(f"  trace: {a.trace} (open in https://ui.perfetto.dev)")
-    return 0

@@ -23,6 +23,15 @@ SPECIAL = model.GPTConfig(vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, d_mod
                           qkv_bias=True, qk_norm=True, tie_embeddings=True, max_seq_len=64)
 
 
+def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, checked=True, **kw):
+    """A trainer on `weights`, handed the objects that plain settings make (plan.objects: activations.HostRing,
+    guard.Guard, tiling.Tiled): checks.Trainer, every argument checked, or stream.Trainer itself (checked=False)."""
+    import stream
+    from megatrain_min import checks, plan
+    cls = checks.Trainer if checked else stream.Trainer
+    return cls(cfg, weights, **{**plan.objects(offload_activations, skip_nonfinite, tile_tokens), **kw})
+
+
 def random_batch(cfg, B, T, gen, ignore_frac=0.2):
     """tokens, targets (B, T); a fraction of the targets set to -100."""
     tok = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)

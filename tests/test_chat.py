@@ -25,6 +25,7 @@ import model
 from conftest import ROOT, make_bpe_tokenizer, train_py
 from megatrain_min import chat, data
 from megatrain_min.hf import load_hf
+from megatrain_min.tokenizer import HFTokenizer, load_template
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -452,7 +453,7 @@ def runs(ids, supervised):
 @pytest.mark.parametrize("conv", CONVERSATIONS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ids_equal_transformers_and_only_answers_are_supervised(dirs, family, conv):
-    tok = data.HFTokenizer(dirs[family])
+    tok = HFTokenizer(dirs[family])
     messages = CONVERSATIONS[conv]
     ids, sup = data.chat_tokens(tok, messages)
     assert ids.dtype == np.int64 and sup.dtype == bool and ids.shape == sup.shape
@@ -474,7 +475,7 @@ def test_mask_equals_transformers_generation_markers(dirs):
         {%- endif %}\n""")
     assert marked != QWEN25
     hf_tok = transformers.AutoTokenizer.from_pretrained(dirs["qwen2.5"])
-    tok = data.HFTokenizer(dirs["qwen2.5"])
+    tok = HFTokenizer(dirs["qwen2.5"])
     for conv in ("single", "system-multi"):
         out = hf_tok.apply_chat_template(CONVERSATIONS[conv], chat_template=marked, tokenize=True,
                                          return_dict=True, return_assistant_tokens_mask=True)
@@ -486,24 +487,24 @@ def test_mask_equals_transformers_generation_markers(dirs):
 def test_template_sources(tmp_path, dirs):
     """chat_template.jinja wins over tokenizer_config.json; a list of named templates gives "default"."""
     d = make_dir(tmp_path, "llama3", template_file=True)
-    assert chat.load_template(d) == LLAMA32
+    assert load_template(d) == LLAMA32
     conf = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": "{{ 'ignored' }}"}))
     msgs = CONVERSATIONS["system-multi"]
-    assert data.chat_tokens(data.HFTokenizer(d), msgs)[0].tolist() == theirs(d, msgs)
+    assert data.chat_tokens(HFTokenizer(d), msgs)[0].tolist() == theirs(d, msgs)
     (d / "chat_template.jinja").unlink()
     named = [{"name": "tool_use", "template": "{{ 'tools' }}"}, {"name": "default", "template": QWEN25}]
     (d / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": named}))
-    assert chat.load_template(d) == QWEN25
+    assert load_template(d) == QWEN25
     (d / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": named[:1]}))
     with pytest.raises(chat.ChatTemplateError, match="none named 'default'"):
-        chat.load_template(d)
+        load_template(d)
     (d / "tokenizer_config.json").write_text(json.dumps(conf))
-    assert data.HFTokenizer(d).chat_template is None
+    assert HFTokenizer(d).chat_template is None
 
 
 def test_template_errors_are_one_line_valueerrors(dirs):
-    tok = data.HFTokenizer(dirs["mistral"])
+    tok = HFTokenizer(dirs["mistral"])
     two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                  {"role": "assistant", "content": "c"}]
     with pytest.raises(ValueError, match="conversation roles must alternate") as e:
@@ -523,7 +524,7 @@ def write_jsonl(path, rows):
 
 
 def test_jsonl_lines_use_chat_tokens(dirs, tmp_path):
-    tok = data.HFTokenizer(dirs["qwen3"])
+    tok = HFTokenizer(dirs["qwen3"])
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS["think"]}])
     (x, y), = data.load_sft_jsonl(path, tok, seq_len=512)
     ids, sup = data.chat_tokens(tok, CONVERSATIONS["think"])
@@ -536,7 +537,7 @@ def test_jsonl_lines_use_chat_tokens(dirs, tmp_path):
 def test_prompt_completion_gets_no_second_bos_or_eos(dirs, tmp_path):
     """The documented way to bring any format: render it yourself into prompt/completion. A Llama 3 rendering
     starts with <|begin_of_text|> and may end its completion with <|eot_id|> (= eos): neither is doubled."""
-    tok = data.HFTokenizer(dirs["llama3"])
+    tok = HFTokenizer(dirs["llama3"])
     conv = CONVERSATIONS["single"]
     prompt = chat.render(LLAMA32, conv[:1], tok.special_tokens, add_generation_prompt=True)
     rows = [{"prompt": prompt, "completion": conv[1]["content"] + "<|eot_id|>"},
@@ -552,7 +553,7 @@ def test_prompt_completion_gets_no_second_bos_or_eos(dirs, tmp_path):
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     d = make_dir(tmp_path_factory.mktemp("llama3-model"), "llama3")
-    vocab = data.HFTokenizer(d).vocab_size
+    vocab = HFTokenizer(d).vocab_size
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    tie_word_embeddings=True)
@@ -575,7 +576,7 @@ def test_train_on_native_rendering_and_export(llama_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"chat format: native (the chat_template of {llama_dir})" in r.stdout
     # the engine's val loss (lr 0: the initial weights) is our loss on chat_tokens' ids and mask
-    ids, sup = data.chat_tokens(data.HFTokenizer(llama_dir), conv)
+    ids, sup = data.chat_tokens(HFTokenizer(llama_dir), conv)
     cfg, w = load_hf(llama_dir)
     x, y = torch.from_numpy(ids[None, :-1]), torch.from_numpy(np.where(sup[1:], ids[1:], model.IGNORE)[None])
     with torch.no_grad():

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import model
-from conftest import ROOT, random_batch
+from conftest import ROOT, engine, random_batch
 from megatrain_min import checkpoint, data
 from megatrain_min.checkpoint import CheckpointError
 from optim import lr_at
-from stream import Trainer
 
 CFG = model.PRESETS["toy"]
 HP = dict(lr=1e-2, weight_decay=0.1, grad_clip=1.0, micro_batches=2, skip_nonfinite=True)  # as train.py runs it
@@ -41,7 +40,7 @@ def same(a, b):
 
 
 def trained(steps=3, seed=0, cfg=CFG):
-    t = Trainer(cfg, model.init_weights(cfg, seed), device="cpu", **HP)
+    t = engine(cfg, model.init_weights(cfg, seed), device="cpu", **HP)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         t.step(*random_batch(cfg, 4, 16, gen))
@@ -57,7 +56,7 @@ def test_round_trip_is_bit_exact_and_refreshes_the_shadow(tmp_path):
     assert meta == {"note": "hi", "step": 3}
     assert same(state(a), state(b)) and steps(b) == [3] * len(b.units)
     # a bf16 run resumes from an fp32 one: the compute-dtype shadow is rebuilt from the loaded master
-    c = Trainer(CFG, model.init_weights(CFG, 2), device="cpu", dtype=torch.bfloat16)
+    c = engine(CFG, model.init_weights(CFG, 2), device="cpu", dtype=torch.bfloat16)
     checkpoint.load(c, path)
     assert all(torch.equal(c.opt.shadow[u], a.opt.master[u].to(torch.bfloat16)) for u in range(len(c.units)))
     assert not list(tmp_path.glob(".tmp-*"))
@@ -75,16 +74,16 @@ def test_resume_equals_straight_run(tmp_path):
             losses.append(t.step(*batches.next()))
         return losses
 
-    straight = Trainer(CFG, model.init_weights(CFG, 0), device="cpu", **HP)
+    straight = engine(CFG, model.init_weights(CFG, 0), device="cpu", **HP)
     want = run(straight, data.Batches(tokens, 4, 32, seed=0), 0, 20)
 
-    first = Trainer(CFG, model.init_weights(CFG, 0), device="cpu", **HP)
+    first = engine(CFG, model.init_weights(CFG, 0), device="cpu", **HP)
     batches = data.Batches(tokens, 4, 32, seed=0)
     got = run(first, batches, 0, 10)
     checkpoint.save(first, tmp_path, 10, {"data": batches.state_dict(), "rng": checkpoint.rng_state()})
     del first, batches
 
-    resumed = Trainer(CFG, model.init_weights(CFG, 1), device="cpu", **HP)
+    resumed = engine(CFG, model.init_weights(CFG, 1), device="cpu", **HP)
     batches = data.Batches(tokens, 4, 32, seed=99)
     meta = checkpoint.load(resumed, checkpoint.latest(tmp_path))
     batches.load_state_dict(meta["data"])
@@ -95,18 +94,26 @@ def test_resume_equals_straight_run(tmp_path):
 
 
 def test_save_and_load_wait_for_updates_in_flight(tmp_path):
-    """An optimizer update still running on the worker thread lands before save reads or load writes."""
-    def slow(t, fn):
-        time.sleep(0.2)
-        fn(t.opt.master[1])
+    """Optimizer updates still running on the worker thread land before save reads or load writes."""
+    def slowed(t):  # every unit's AdamW takes 50 ms more: a step returns with its updates in flight
+        step = t.opt.step
 
-    a = trained(1)
-    a.pending[1] = a.lanes.submit(slow, a, lambda x: x.add_(1.0))
-    path = checkpoint.save(a, tmp_path, 1)      # must contain the +1
-    b = trained(1, seed=1)
-    b.pending[1] = b.lanes.submit(slow, b, lambda x: x.fill_(123.0))
-    checkpoint.load(b, path)                    # must overwrite the 123s, not be overwritten by them
-    assert same(state(b), state(a))
+        def slow(*args, **kw):
+            time.sleep(0.05)
+            return step(*args, **kw)
+        t.opt.step = slow
+        return t
+
+    batch = random_batch(CFG, 4, 16, torch.Generator().manual_seed(5))
+    done = trained(1)
+    done.step(*batch)
+    a = slowed(trained(1))
+    a.step(*batch)
+    path = checkpoint.save(a, tmp_path, 2)      # must hold the updates of the second step
+    b = slowed(trained(1, seed=1))
+    b.step(*batch)
+    checkpoint.load(b, path)                    # must overwrite b's updates, not be overwritten by them
+    assert same(state(b), state(done)) and same(state(a), state(done))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -115,7 +122,7 @@ def test_resume_equals_straight_run_on_gpu_bf16(tmp_path):
     (the engine is deterministic: tests/test_gpu.py holds async == synchronised bit for bit)."""
     gen = torch.Generator().manual_seed(0)
     batches = [random_batch(CFG, 8, 64, gen) for _ in range(6)]
-    make = lambda seed: Trainer(CFG, model.init_weights(CFG, seed), device="cuda", dtype=torch.bfloat16, **HP)  # noqa: E731
+    make = lambda seed: engine(CFG, model.init_weights(CFG, seed), device="cuda", dtype=torch.bfloat16, **HP)  # noqa: E731
     straight = make(0)
     want = [straight.step(*b) for b in batches]
     first = make(0)
@@ -247,7 +254,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_whole(tmp_path):
     assert list(out.glob(".tmp-ckpt-*")), "the kill should have landed in the middle of a save"
     path = checkpoint.latest(out)
     cfg = model.GPTConfig(n_layer=8, d_model=256, d_ff=704)
-    t = Trainer(cfg, model.init_weights(cfg, 1), device="cpu")
+    t = engine(cfg, model.init_weights(cfg, 1), device="cpu")
     k = checkpoint.load(t, path)["k"]
     assert path.name == f"ckpt-{k:08d}" and k >= 2
     assert all(bool((x == k).all()) for u in range(len(t.units)) for x in t.opt.state(u).values())

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import make_bpe_tokenizer
-from megatrain_min.data import (IGNORE, ByteTokenizer, HFTokenizer, SFTBatches, load_sft_jsonl, split_examples)
+from megatrain_min.data import IGNORE, ByteTokenizer, SFTBatches, load_sft_jsonl, split_examples
+from megatrain_min.tokenizer import HFTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import model
-from conftest import ROOT, make_bpe_tokenizer, random_batch
+from conftest import ROOT, engine, make_bpe_tokenizer, random_batch
+import ranks
 from megatrain_min import checkpoint, data, prepare, sharded
+from megatrain_min.tokenizer import CONFIG_IDS, HFTokenizer
 from megatrain_min.hf import load_hf
-from stream import Trainer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -50,7 +51,7 @@ def llama_dir(tmp_path_factory):
 def trained(llama_dir, tmp_path_factory):
     """(cfg, weights after 2 steps, the checkpoint holding them and llama_dir's tokenizer files)."""
     cfg, w = load_hf(llama_dir)
-    t = Trainer(cfg, w, device="cpu", lr=1e-2, weight_decay=0.1, micro_batches=2)
+    t = engine(cfg, w, device="cpu", lr=1e-2, weight_decay=0.1, micro_batches=2)
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         t.step(*random_batch(cfg, 4, 16, gen))
@@ -85,7 +86,7 @@ def test_export_round_trip_through_transformers(trained, llama_dir, tmp_path):
     cfg2, w2 = load_hf(out)
     assert cfg2 == cfg and all(torch.equal(w2[k], weights[k]) for k in weights)     # fp32: bit for bit
     # the tokenizer came along: transformers renders the conversation as from the source, and as we train on it
-    assert chat_ids(out, CONV) == chat_ids(llama_dir, CONV) == data.chat_tokens(data.HFTokenizer(ck), CONV)[0].tolist()
+    assert chat_ids(out, CONV) == chat_ids(llama_dir, CONV) == data.chat_tokens(HFTokenizer(ck), CONV)[0].tolist()
     prompt = dict(add_generation_prompt=True)
     assert chat_ids(out, CONV[:1], **prompt) == chat_ids(llama_dir, CONV[:1], **prompt)
     src_conf, out_conf = (json.loads((d / "config.json").read_text()) for d in (llama_dir, out))
@@ -102,12 +103,12 @@ def test_checkpoint_carries_the_tokenizer(trained, llama_dir, tmp_path):
     cfg, weights, ck = trained
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (ck / f).read_bytes() == (llama_dir / f).read_bytes()
-    ours, src = data.HFTokenizer(ck), data.HFTokenizer(llama_dir)
+    ours, src = HFTokenizer(ck), HFTokenizer(llama_dir)
     assert (ours.vocab_size, ours.eos_id, ours.bos_id, ours.chat_template, ours.special_tokens) == \
         (src.vocab_size, src.eos_id, src.bos_id, src.chat_template, src.special_tokens)
     src_conf = json.loads((llama_dir / "config.json").read_text())
-    assert checkpoint.read_meta(ck)["tokenizer"]["config_ids"] == {k: src_conf[k] for k in data.CONFIG_IDS}
-    t = Trainer(cfg, model.init_weights(cfg, 5), device="cpu")                # load() reads it as before
+    assert checkpoint.read_meta(ck)["tokenizer"]["config_ids"] == {k: src_conf[k] for k in CONFIG_IDS}
+    t = engine(cfg, model.init_weights(cfg, 5), device="cpu")                # load() reads it as before
     assert checkpoint.load(t, ck) == {"run": "a", "step": 2}
     assert all(torch.equal(t.weights()[k], weights[k]) for k in weights)
     (tmp_path / "t.txt").write_text("What is two plus two?\n" * 4)             # data prepared with the model's
@@ -122,9 +123,9 @@ def test_eos_named_only_in_config_json_is_carried(tmp_path):
     make_bpe_tokenizer(src, ["hello there"], 280, SPECIALS, {})
     (src / "config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     cfg = model.PRESETS["toy"]
-    t = Trainer(cfg, model.init_weights(cfg), device="cpu")
+    t = engine(cfg, model.init_weights(cfg), device="cpu")
     ck = checkpoint.save(t, tmp_path / "run", 0, tokenizer_from=src)
-    assert data.HFTokenizer(ck).eos_id == data.HFTokenizer(src).eos_id == 2
+    assert HFTokenizer(ck).eos_id == HFTokenizer(src).eos_id == 2
     assert not (ck / "config.json").exists()                                  # never mistaken for a HF directory
     r = hf_export(ck, tmp_path / "hf")
     assert r.returncode == 0, r.stderr
@@ -138,7 +139,7 @@ def test_read_weights_is_the_trainers_weights(trained, tmp_path):
     cfg2, w = checkpoint.read_weights(ck)
     assert cfg2 == cfg and list(w) == list(weights) and len(w) == len(weights)
     assert all(w[k].dtype == torch.float32 and torch.equal(w[k], weights[k]) for k in weights)
-    t = Trainer(cfg2, w, device="cpu")                                         # fills its store with read_into
+    t = engine(cfg2, w, device="cpu")                                         # fills its store with read_into
     assert all(torch.equal(t.weights()[k], weights[k]) for k in weights)
     key = "model.layers.1.self_attn.k_proj.weight"
     into = torch.zeros(weights[key].shape[::-1]).t()                           # not contiguous: read, then copied
@@ -170,17 +171,17 @@ def test_read_weights_of_a_sharded_checkpoint(tmp_path):
     """2 gloo ranks save parts (version 2); read_weights stitches each tensor from the parts that hold it, and the
     export loads in transformers."""
     cfg = model.GPTConfig(vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=32)
-    ranks, _ = sharded.spawn(_save_sharded, 2, cfg.to_dict(), str(tmp_path / "run"))
+    got, _ = ranks.spawn(_save_sharded, 2, cfg.to_dict(), str(tmp_path / "run"))
     ck = checkpoint.latest(tmp_path / "run")
     assert checkpoint.read_meta(ck)["version"] == checkpoint.SHARDED
     cfg2, w = checkpoint.read_weights(ck)
-    assert cfg2 == cfg and all(torch.equal(w[k], ranks[0][k]) for k in ranks[0])
+    assert cfg2 == cfg and all(torch.equal(w[k], got[0][k]) for k in got[0])
     r = hf_export(ck, tmp_path / "hf", "--dtype", "fp32")
     assert r.returncode == 0 and "tokenizer files: none in the checkpoint" in r.stdout, r.stderr
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     x = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref, ours = theirs(x).logits, model.forward(cfg, ranks[0], x)
+        ref, ours = theirs(x).logits, model.forward(cfg, got[0], x)
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
 

@@ -18,10 +18,9 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 import model  # noqa: E402
-from conftest import random_batch, update_rel  # noqa: E402
-from megatrain_min import hf  # noqa: E402
+from conftest import engine, random_batch, update_rel  # noqa: E402
+from megatrain_min import checks, hf  # noqa: E402
 from megatrain_min.hf import HFError, load_hf, save_hf  # noqa: E402
-from stream import Trainer  # noqa: E402
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -123,7 +122,7 @@ def test_sliding_window_is_kept_and_longer_input_refused(tmp_path, kind):
     long = tokens(cfg, T=9)
     with pytest.raises(ValueError, match="9 tokens is longer than this model's sliding window of 8"):
         model.forward(cfg, w, long)
-    t = Trainer(cfg, w, device="cpu")
+    t = engine(cfg, w, device="cpu")
     for call in (t.step, t.evaluate):
         with pytest.raises(ValueError, match="sliding window of 8"):
             call(long, long)
@@ -174,7 +173,7 @@ def test_explicit_head_dim_need_not_divide_hidden_size(tmp_path, family):
         assert load_hf(out)[0] == cfg
         assert rel(hf_model(out)(x).logits, model.forward(cfg, w, x)) <= 1e-5
     with pytest.raises(ValueError, match="does not divide d_model"):       # a derived head_dim still must
-        model.GPTConfig(d_model=64, n_head=6, n_kv_head=2).check()
+        checks.check_config(model.GPTConfig(d_model=64, n_head=6, n_kv_head=2))
 
 
 def test_llama3_rope_without_original_context(tmp_path):
@@ -266,7 +265,7 @@ def test_trainer_matches_transformers_adamw(tmp_path, family):
     d = make_hf(tmp_path / "src", FAMILIES[family]())
     cfg, w = load_hf(d)
     hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-    trainer = Trainer(cfg, w, device="cpu", weight_decay=0.1, grad_clip=1.0, micro_batches=2, **hp)
+    trainer = engine(cfg, w, device="cpu", weight_decay=0.1, grad_clip=1.0, micro_batches=2, **hp)
     ref = hf_model(d).train()
     params = list(ref.parameters())                 # tied embeddings appear once
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import model
-from conftest import ROOT, files_under, lost, make_bpe_tokenizer
-from megatrain_min import checkpoint, hf
+from conftest import engine, files_under, lost, make_bpe_tokenizer
+from megatrain_min import checkpoint, checks, hf
+from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
-from stream import Trainer
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -224,7 +224,7 @@ def batch(T=16, B=2):
 
 
 def trainer(**kw):
-    return Trainer(CFG, kw.pop("weights", None) or w0(), device=kw.pop("device", "cpu"), **kw)
+    return engine(CFG, kw.pop("weights", None) or w0(), device=kw.pop("device", "cpu"), **kw)
 
 
 def with_key(key, value):
@@ -300,8 +300,9 @@ API = {  # name: (fn(tmp), expected exception type or None for "works", words th
                               ValueError, [model.NORM]),
     "reference-nan-weight": (lambda tmp: ReferenceTrainer(CFG, with_key(model.NORM, torch.full((128,), math.nan))),
                              ValueError, [model.NORM]),
-    "config-vocab-string": (lambda tmp: model.GPTConfig(vocab_size="256").check(), ValueError, ["vocab_size"]),
-    "lazy-init-of-a-name": (lambda tmp: model.LazyInit("toy"), TypeError, ["cfg"]),
+    "config-vocab-string": (lambda tmp: checks.check_config(model.GPTConfig(vocab_size="256")), ValueError,
+                            ["vocab_size"]),
+    "lazy-init-of-a-name": (lambda tmp: LazyInit("toy"), TypeError, ["cfg"]),
     "save-keep-negative": (lambda tmp: checkpoint.save(trainer(), tmp, 1, keep=-1), ValueError, ["keep"]),
     "save-same-step-of-another-run": (_same_step_of_another_run, ValueError, ["ckpt-00000005"]),
     "save-hf-over-user-file": (_save_hf_over_dir_with_user_file, ValueError, ["train_log.txt"]),

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 import model
 from conftest import SPECIAL
+from megatrain_min import checks, tiling
+from megatrain_min.lazy_init import LazyInit
 
 
 def test_preset_param_counts_match_layouts_and_init():
@@ -131,13 +133,13 @@ def test_forward_is_causal(gen):
                                     (dict(n_layer=0), "n_layer must be positive")])
 def test_config_check_messages(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        model.GPTConfig(**kw).check()
+        checks.check_config(model.GPTConfig(**kw))
 
 
 def test_lazy_init_equals_init_weights_in_any_order():
     cfg = SPECIAL
     w = model.init_weights(cfg, seed=3)
-    lazy = model.LazyInit(cfg, seed=3)
+    lazy = LazyInit(cfg, seed=3)
     assert set(lazy) == set(w)
     keys = list(w)
     for k in keys + keys[::-1]:  # sequential, then backwards (regenerates)
@@ -154,8 +156,13 @@ def test_llama3_rope_bands():
 
 
 # ----------------------------------------------------------------------------- sequence tiling
+def layer(tile):
+    """The layer the engine is handed: the untiled model.block (the oracle), or tiling.Tiled."""
+    return tiling.Tiled(tile) if tile else model
+
+
 def tiled_vs_untiled(cfg, dtype, tiles, B=2, T=48, seed=0):
-    """block and block_grad of one layer with tile_tokens 0 (the oracle: one autograd graph) and each of tiles,
+    """block and block_grad of one layer untiled (the oracle: one autograd graph) and in each of tiles,
     on the same input, weights and output gradient. Returns {tile: (out, dx, {name: fp32 weight grad})}."""
     g = torch.Generator().manual_seed(seed)
     lay = model.units(cfg)[1]
@@ -168,8 +175,8 @@ def tiled_vs_untiled(cfg, dtype, tiles, B=2, T=48, seed=0):
         acc = {k: torch.zeros(v.shape) for k, v in w.items()}
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             with torch.no_grad():
-                y = model.block(cfg, x, w, rope, tile)
-            dx = model.block_grad(cfg, x, w, rope, dy, acc, tile)
+                y = layer(tile).block(cfg, x, w, rope)
+            dx = layer(tile).block_grad(cfg, x, w, rope, dy, acc)
         out[tile] = (y, dx, acc)
     return out
 
@@ -238,8 +245,8 @@ def test_tiled_layer_never_makes_a_seq_by_ff_tensor():
     for t in (0, tile):
         with Largest() as m:
             with torch.no_grad():
-                model.block(cfg, x, w, rope, t)
-            model.block_grad(cfg, x, w, rope, torch.randn_like(x), acc, t)
+                layer(t).block(cfg, x, w, rope)
+            layer(t).block_grad(cfg, x, w, rope, torch.randn_like(x), acc)
         largest[t] = m.numel
         print(f"tile {t}: largest tensor {m.numel:,} elements, {m.where}")
     assert largest[0] >= T * cfg.d_ff
@@ -248,6 +255,6 @@ def test_tiled_layer_never_makes_a_seq_by_ff_tensor():
 
 def test_tiles_cover_the_sequence_once():
     for T, n in ((48, 16), (48, 7), (5, 100), (5, 0)):
-        s = model.tiles(T, n)
+        s = tiling.tiles(T, n)
         assert [i for t in s for i in range(T)[t]] == list(range(T))
         assert all(t.stop - t.start == (n or T) for t in s[:-1])

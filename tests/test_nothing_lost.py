@@ -20,11 +20,10 @@ import pytest
 import torch
 
 import model
-from conftest import assert_refused, files_under, lost, make_bpe_tokenizer, update_rel, wait_for_training
-from megatrain_min import checkpoint, hf
+from conftest import assert_refused, engine, files_under, lost, make_bpe_tokenizer, update_rel, wait_for_training
+from megatrain_min import checkpoint, checks, hf
 from megatrain_min.checkpoint import CheckpointError, NonFiniteError, SaveError
 from megatrain_min.reference import ReferenceTrainer
-from stream import Trainer
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -132,7 +131,7 @@ def test_new_run_into_a_used_out_is_refused(cli, tmp_path, finished):
 def test_pruning_touches_only_the_same_runs_checkpoints(tmp_path):
     """keep=K deletes only this run's older checkpoints (meta["run"]); another run's stay, a step saved
     again replaces only its own run's checkpoint, and the temporary directory of a live process is left alone."""
-    t = Trainer(CFG, model.init_weights(CFG), device="cpu")
+    t = engine(CFG, model.init_weights(CFG), device="cpu")
     for step in (1, 2):
         checkpoint.save(t, tmp_path, step, {"run": "a"})
     live = tmp_path / f".tmp-ckpt-00000009-{os.getppid()}"    # a save still being written by a live process
@@ -207,7 +206,7 @@ def test_save_error_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """Through the API: a failing fsync (ENOSPC, as on a full disk) raises SaveError (an OSError), removes
     the temporary directory and leaves the earlier checkpoint as it was."""
     import errno
-    t = Trainer(CFG, model.init_weights(CFG), device="cpu")
+    t = engine(CFG, model.init_weights(CFG), device="cpu")
     checkpoint.save(t, tmp_path, 1)
     before = files_under(tmp_path)
 
@@ -253,8 +252,8 @@ def test_nonfinite_or_negative_hyper_parameters_are_refused(cli, tmp_path, args)
 
 def test_nonfinite_gradient_skips_that_units_update():
     """The guard looks at every unit's gradient, not only the loss: without deferral a unit whose gradient holds a
-    NaN keeps its weights, m, v and step count while the other units update; skipped_units says which."""
-    t = Trainer(CFG, model.init_weights(CFG), device="cpu", skip_nonfinite=True, lr=1e-2)
+    NaN keeps its weights, m, v and step count while the other units update; guard.units says which."""
+    t = engine(CFG, model.init_weights(CFG), device="cpu", skip_nonfinite=True, lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2)]
     t.step(*batch)
@@ -264,27 +263,27 @@ def test_nonfinite_gradient_skips_that_units_update():
         return [s.clone() for s in t.opt.state(u).values()] + [t.opt.step_count(u)]
 
     before = [state(u) for u in range(len(t.units))]
-    real = t.opt.step
+    real = t.update_unit
 
-    def nan_in_layer_1(u, *a, **kw):
+    def nan_in_layer_1(u, lr):  # the gradient of layer.1 lands with a NaN in it
         if t.units[u].name == "layer.1":
             t.opt.grad[u][7] = float("nan")
-        return real(u, *a, **kw)
+        return real(u, lr)
 
-    t.opt.step = nan_in_layer_1
+    t.update_unit = nan_in_layer_1
     loss = t.step(*batch)
     t.wait()
-    assert math.isfinite(loss) and not t.skipped and t.skipped_units == ["layer.1"]
+    assert math.isfinite(loss) and not t.guard.skipped and t.guard.units == ["layer.1"]
     for u, old in enumerate(before):
         same = all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(old, state(u)))
         assert same == (t.units[u].name == "layer.1"), t.units[u].name
-        assert model.all_finite(t.opt.master[u])
+        assert checks.all_finite(t.opt.master[u])
 
 
 def test_nonfinite_master_weights_are_never_saved_nor_loaded(tmp_path):
     """A checkpoint whose master weights hold a NaN is never written (checked chunk by chunk on the way:
     NonFiniteError, no temporary directory left) and never loaded (CheckpointError naming the tensor)."""
-    t = Trainer(CFG, model.init_weights(CFG), device="cpu")
+    t = engine(CFG, model.init_weights(CFG), device="cpu")
     good = checkpoint.save(t, tmp_path, 1)
     before = files_under(tmp_path)
     t.opt.master[2][5] = float("inf")
@@ -292,14 +291,14 @@ def test_nonfinite_master_weights_are_never_saved_nor_loaded(tmp_path):
         checkpoint.save(t, tmp_path, 2)
     assert not lost(before) and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001"]
     nan_into(good)
-    fresh = Trainer(CFG, model.init_weights(CFG, 1), device="cpu")
+    fresh = engine(CFG, model.init_weights(CFG, 1), device="cpu")
     was = fresh.weights()
     for verify_first in (True, False):
         with pytest.raises(CheckpointError, match="hold a NaN or an infinity"):
             checkpoint.load(fresh, good, verify_first=verify_first)
     with pytest.raises(CheckpointError, match="model.layers.1.self_attn.q_proj.weight hold a NaN"):
         checkpoint.load(fresh, good)
-    fresh = Trainer(CFG, model.init_weights(CFG, 1), device="cpu")
+    fresh = engine(CFG, model.init_weights(CFG, 1), device="cpu")
     with pytest.raises(CheckpointError):
         checkpoint.load(fresh, good)
     assert all(torch.equal(v, was[k]) for k, v in fresh.weights().items())   # verify first: the trainer untouched
@@ -454,7 +453,7 @@ def _batch(T=16, top=256):
     return torch.randint(0, top, (2, T), generator=g), torch.randint(0, 256, (2, T), generator=g)
 
 
-ENGINES = {"stream": lambda w=None, **kw: Trainer(CFG, w if w is not None else _w(), device=kw.pop("device", "cpu"), **kw),
+ENGINES = {"stream": lambda w=None, **kw: engine(CFG, w if w is not None else _w(), device=kw.pop("device", "cpu"), **kw),
            "reference": lambda w=None, **kw: ReferenceTrainer(CFG, w if w is not None else _w(), **kw)}
 API = {  # API cases: call(engine), exception, words of the one-line message
     "init-weights-of-a-name": (lambda e: model.init_weights("toy"), TypeError, ["cfg", "GPTConfig"]),
@@ -490,14 +489,14 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
     torch.optim.AdamW does. The streaming engine equals the reference (torch.optim.AdamW) on it."""
     w0 = model.init_weights(CFG)
     hp = dict(lr=1e-2, weight_decay=0.1, grad_clip=clip)
-    ours, ref = Trainer(CFG, w0, device="cpu", skip_nonfinite=True, **hp), ReferenceTrainer(CFG, w0, **hp)
+    ours, ref = engine(CFG, w0, device="cpu", skip_nonfinite=True, **hp), ReferenceTrainer(CFG, w0, **hp)
     tok, tgt = _batch()
     for t in (ours, ref):
         t.step(tok, tgt)
     w1 = ours.weights()
     losses = [t.step(tok, torch.full_like(tgt, model.IGNORE)) for t in (ours, ref)]
     wa, wb = ours.weights(), ref.weights()
-    assert losses == [0.0, 0.0] and not ours.skipped
+    assert losses == [0.0, 0.0] and not ours.guard.skipped
     moved = sum(float((wa[k] - w1[k]).abs().max()) for k in w1)
     rel = update_rel(w1, wa, wb)
     print(f"all-ignored step: weights moved (sum of max |change| {moved:.2e}); stream vs torch AdamW update rel diff {rel:.1e}")
@@ -505,17 +504,24 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
 
 
 def test_readme_and_train_py_name_the_same_exit_codes():
-    """README Troubleshooting has a row per exit code, train.py's docstring names each, and train.py uses no other."""
+    """README Troubleshooting has a row per exit code, train.py's docstring names each, and train.py and
+    rundir.py (its run directory) use no other: every code given to fail / exit / SystemExit is a number or a
+    name of rundir.EXIT, the codes' one home."""
     import ast, re
     from conftest import ROOT
+    from megatrain_min import rundir
     readme = (ROOT / "README.md").read_text().split("## Troubleshooting")[1]
     table = {int(c) for c in re.findall(r"^\| (\d+) \|", readme, re.M)}
-    src = (ROOT / "train.py").read_text()
-    doc = src.split('"""')[1].split("Exit codes")[1]
+    doc = (ROOT / "train.py").read_text().split('"""')[1].split("Exit codes")[1]
     used = {2}                                          # fail(msg) defaults to 2
-    for call in ast.walk(ast.parse(src)):               # every fail(msg, N), sys.exit(N), SystemExit(N)
-        if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) in (
-                "fail", "exit", "SystemExit"):
-            used |= {a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, int)}
-    assert table == used == {0, 2, 3, 4, 130}, (table, used)
+    for path in (ROOT / "train.py", ROOT / "megatrain_min" / "rundir.py"):
+        for call in ast.walk(ast.parse(path.read_text())):   # every fail(msg, N), sys.exit(N), SystemExit(N)
+            if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) in (
+                    "fail", "exit", "SystemExit"):
+                for a in call.args:
+                    if isinstance(a, ast.Constant) and isinstance(a.value, int):
+                        used.add(a.value)
+                    elif isinstance(a, ast.Subscript) and getattr(a.value, "id", None) == "EXIT":
+                        used.add(rundir.EXIT[a.slice.value])
+    assert table == used == set(rundir.EXIT.values()) == {0, 2, 3, 4, 130}, (table, used)
     assert all(re.search(rf"\b{c} ", doc) for c in table), doc

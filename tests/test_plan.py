@@ -12,8 +12,8 @@ import torch
 
 import model
 from conftest import SPECIAL
+from megatrain_min import activations, memory
 from megatrain_min import plan as P
-import stream
 
 
 def hand_params(c):
@@ -67,16 +67,16 @@ def test_120b_lean_fits_h200_with_1536_gb():
     p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)
     dt = time.perf_counter() - t0
     print(P.format_plan(p), f"\nplanned in {dt * 1e3:.1f} ms")
-    assert p["fits"] and p["fits_host"] and p["fits_gpu"] and not p["offload_checkpoints"]
+    assert p["fits"] and p["fits_host"] and p["fits_gpu"] and not p["offload_activations"]
     assert p["host_bytes_per_param"] == 12 and p["host_bytes"] / p["params"] >= 12
     assert p["host_bytes"] <= 1536e9 and p["mode"] == "lean"
     table = P.format_plan(p)
     assert "fp32 master" in table and "Adam m" in table and "FITS" in table
     P.check(p)                                                   # fits: no error
     # 8 x 4096 tokens: the fp32 residual checkpoints (122 GB) leave the GPU for the host, past 1.5 TB; the plan
-    # names the nearest setting that fits, and a bf16 residual stream fits too
+    # names the nearest setting that fits, and a bf16 residual fits too
     big = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=8)
-    assert big["offload_checkpoints"] and not big["fits_host"]
+    assert big["offload_activations"] and not big["fits_host"]
     assert "nearest setting that fits: --batch-size 4" in P.format_plan(big)
     assert P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=8,
                   residual_dtype="bf16")["fits"]
@@ -127,25 +127,25 @@ def test_gpu_too_small_suggests_a_setting_that_fits():
 
 def test_gpu_memory_does_not_grow_with_depth():
     # 70b and 100b share the layer; with checkpoints offloaded the GPU holds the same buffers
-    a, b = (P.plan(model.PRESETS[n], "h200", offload_checkpoints=True) for n in ("70b", "100b"))
+    a, b = (P.plan(model.PRESETS[n], "h200", offload_activations=True) for n in ("70b", "100b"))
     assert a["gpu_bytes"] == b["gpu_bytes"]
     assert b["host_bytes"] > a["host_bytes"]
 
 
 def test_checkpoints_offloaded_only_when_they_do_not_fit():
-    assert not P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4)["offload_checkpoints"]
+    assert not P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4)["offload_activations"]
     p = P.plan(model.PRESETS["120b"], "h100", mode="lean", batch_size=4)
-    assert p["offload_checkpoints"] and p["fits_gpu"]
-    # an fp32 residual stream doubles them: at 8 x 4096 tokens 76 layers of checkpoints leave the H200
-    assert P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=8)["offload_checkpoints"]
+    assert p["offload_activations"] and p["fits_gpu"]
+    # an fp32 residual doubles them: at 8 x 4096 tokens 76 layers of checkpoints leave the H200
+    assert P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=8)["offload_activations"]
     assert not P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=8,
-                      residual_dtype="bf16")["offload_checkpoints"]
+                      residual_dtype="bf16")["offload_activations"]
 
 
 def test_activation_estimate_matches_what_autograd_saves():
-    """model.block_activation_bytes (minus its backward transients) against the bytes of the tensors autograd
+    """memory.block_activation_bytes (minus its backward transients) against the bytes of the tensors autograd
     saves when model.block runs with grad on the CPU as the engine runs it: fp32; bf16 autocast on an fp32
-    residual stream (the default); bf16 autocast on a bf16 residual stream."""
+    residual (the default); bf16 autocast on a bf16 residual."""
     for cfg in (model.PRESETS["toy"], SPECIAL):
         lay = next(u for u in model.units(cfg) if u.name == "layer.0")
         for dtype, rdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -164,7 +164,7 @@ def test_activation_estimate_matches_what_autograd_saves():
                     lambda t: t):
                 model.block(cfg, x, w, rope)
             got = sum(v for k, v in saved.items() if k not in skip)
-            est = model.block_activation_bytes(cfg, B * T, cb, rb) - B * T * (2 * cb * cfg.d_ff + 8 * cfg.d_model)
+            est = memory.block_activation_bytes(cfg, B * T, cb, rb) - B * T * (2 * cb * cfg.d_ff + 8 * cfg.d_model)
             print(f"{dtype} on a {rdtype} residual: autograd saves {got:,} B, estimate {est:,} B ({est / got - 1:+.1%})")
             assert 0.9 * got <= est <= 1.2 * got
 
@@ -237,20 +237,20 @@ LONG7B = dataclasses.replace(model.PRESETS["7b"], max_seq_len=524288)
 
 def test_7b_at_512k_tokens_fits_a_gh200_with_480_gb():
     """The paper's claim, planned: Llama-2-7B at 524,288 tokens (batch 1) on one GH200 with its 480 GB of LPDDR5X,
-    with train.py's defaults (fast mode, clipping, fp32 residual stream). Tiled by the planner's choice, the
+    with train.py's defaults (fast mode, clipping, fp32 residual). Tiled by the planner's choice, the
     checkpoints offloaded through the ring. GPU memory counted by hand: x and dy, the ring and the whole
     sequence's attention are O(T); one tile of the MLP is not."""
     T, d = 524288, 4096
     p = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=T, batch_size=1, grad_clip=1.0)
     print(P.format_plan(p))
-    assert p["fits"] and p["tile_tokens"] == P.TILE_TOKENS and p["offload_checkpoints"]
+    assert p["fits"] and p["tile_tokens"] == P.TILE_TOKENS and p["offload_activations"]
     gpu = p["gpu"]
-    assert gpu["residual stream x and its grad dy"] == 2 * T * d * 4                     # fp32
-    assert gpu[f"checkpoints: ring of {stream.RING} layers (offloaded)"] == stream.RING * T * d * 4
+    assert gpu["residual x and its grad dy"] == 2 * T * d * 4                     # fp32
+    assert gpu[f"boundary activations: ring of {activations.RING} layers (offloaded)"] == activations.RING * T * d * 4
     # q, k, v, SDPA's output (bf16) + lse (fp32) saved; d(out), dq, dk, dv; the fp32 dq accumulator, row statistic
     assert gpu[f"whole-sequence attention: {T:,} tok"] == T * (2 * 4 * d + 4 * 32 + 2 * d + 2 * 3 * d + 4 * d + 4 * 32)
-    assert gpu["token-local activations: tiles of 8,192 tok"] == model.block_activation_bytes(LONG7B, 8192, 2, 4)
-    assert p["host"]["offloaded checkpoints: 32 layers"] == 32 * T * d * 4                # 275 GB
+    assert gpu["token-local activations: tiles of 8,192 tok"] == memory.block_activation_bytes(LONG7B, 8192, 2, 4)
+    assert p["host"]["offloaded boundary activations: 32 layers"] == 32 * T * d * 4                # 275 GB
     assert 400e9 < p["host_bytes"] < 430e9                                               # 417 GB: says README
     # untiled it does not fit: the check names the longest context that would, and the tile
     untiled = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=T, batch_size=1, grad_clip=1.0, tile_tokens=0)
@@ -266,7 +266,7 @@ def test_max_context_is_the_edge_of_fitting():
     n, q = P.max_context(p)
     print(f"7b on gh200 (480 GB): longest context {n:,} tokens, GPU {q['gpu_bytes'] / 1e9:.1f} GB")
     assert n >= 524288 and n % 1024 == 0 and q["fits"] and q["seq_len"] == n
-    assert not P._replan(p, seq_len=n + 1024)["fits"]
+    assert not P.replan(p, seq_len=n + 1024)["fits"]
     assert P.max_context(P.plan(model.PRESETS["70b"], "gh200", batch_size=1))[0] == 0    # 70b: host too small
 
 
@@ -321,7 +321,7 @@ def test_sharded_plan_divides_the_store_by_nodes_and_pcie_by_gpus():
     multiple of N ranks); each GPU's PCIe carries 1/(N K) of every unit; the collectives move (R-1)/R of the unit
     over NVLink within a node and over InfiniBand (per GPU) across nodes; per-GPU compute is that of its share."""
     cfg, kw = model.PRESETS["70b"], dict(seq_len=4096, grad_clip=0.0, mode="fast", host_mem_gb=2000, tile_tokens=0,
-                                         offload_checkpoints=True)
+                                         offload_activations=True)
     one = P.plan(cfg, "h100", batch_size=4, **kw)
     node = P.plan(cfg, "h100", batch_size=32, gpus=8, **kw)
     two = P.plan(cfg, "h100", batch_size=64, gpus=8, nodes=2, **kw)

@@ -21,6 +21,7 @@ import torch
 from conftest import ROOT, make_bpe_tokenizer
 from megatrain_min import data, prepare
 from megatrain_min.prepare import PreparedTokens, PrepareError
+from megatrain_min.tokenizer import HFTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -88,7 +89,7 @@ def test_text_ids_are_encode_of_each_line(tmp_path, tok_dirs, small_batches, sty
     b.write_text("another file\n" * 9 + "Hello wörld\n", encoding="utf-8")
     tok_dir = None if style == "bytes" else tok_dirs[style]
     enc = (lambda line: list(line)) if tok_dir is None else (   # noqa: E731
-        lambda line: data.HFTokenizer(tok_dir).encode(line.decode("utf-8")))
+        lambda line: HFTokenizer(tok_dir).encode(line.decode("utf-8")))
     meta = prepare.prepare([a, b], tmp_path / "out", tok_dir, val_fraction=0.25)
     train, val = expected_split([a, b], enc, 0.25)
     assert ids_of(tmp_path / "out", "train") == train and ids_of(tmp_path / "out", "val") == val
@@ -99,7 +100,7 @@ def test_text_ids_are_encode_of_each_line(tmp_path, tok_dirs, small_batches, sty
     assert p.tokenizer_hash == ("bytes" if tok_dir is None else prepare.tokenizer_hash(tok_dir))
     assert [s["path"] for s in meta["sources"]] == [str(a.resolve()), str(b.resolve())]
     if style == "llama3":                     # why "line by line" is said: Llama 3 merges newlines across lines
-        whole = data.HFTokenizer(tok_dir).encode(a.read_text(encoding="utf-8") + b.read_text(encoding="utf-8"))
+        whole = HFTokenizer(tok_dir).encode(a.read_text(encoding="utf-8") + b.read_text(encoding="utf-8"))
         assert whole != train + val
 
 
@@ -107,7 +108,7 @@ def test_jsonl_text_documents_end_with_eos(tmp_path, tok_dirs, small_batches):
     docs = ["Hello wörld", "", "Second  line\nwith a newline inside", "東京 and 서울 🕛 " * 5]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(docs)) + "\n\n  \n", "utf-8")
-    tok = data.HFTokenizer(tok_dirs["gpt2"])
+    tok = HFTokenizer(tok_dirs["gpt2"])
     prepare.prepare([path], tmp_path / "out", tok_dirs["gpt2"], val_fraction=0)
     assert ids_of(tmp_path / "out", "train") == [i for t in docs for i in tok.encode(t) + [tok.eos_id]]
     assert PreparedTokens(tmp_path / "out").meta["splits"]["train"]["examples"] == 4
@@ -140,7 +141,7 @@ def test_sft_equals_load_sft_jsonl(tmp_path, tok_dirs, small_batches, native):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CONVS * 3) + "\n")
     tok_dir = tok_dirs["gpt2"] if native else None
-    tok = data.HFTokenizer(tok_dir) if native else data.ByteTokenizer()
+    tok = HFTokenizer(tok_dir) if native else data.ByteTokenizer()
     meta = prepare.prepare([path], tmp_path / "out", tok_dir, val_fraction=0)
     assert meta["kind"] == "sft" and meta["chat_format"] == ("native" if native else "fixed")
     p = PreparedTokens(tmp_path / "out")
@@ -170,7 +171,7 @@ def test_sft_cut_and_drop_at_every_seq_len(tmp_path, tok_dirs):
     """An example is dropped exactly when its first supervised target lies at or beyond seq_len, as in data.py."""
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CONVS))
-    tok = data.HFTokenizer(tok_dirs["gpt2"])
+    tok = HFTokenizer(tok_dirs["gpt2"])
     prepare.prepare([path], tmp_path / "out", tok_dirs["gpt2"], val_fraction=0)
     p, kept = PreparedTokens(tmp_path / "out"), set()
 
@@ -192,7 +193,7 @@ def test_sft_val_split_is_the_tail(tmp_path, tok_dirs):
     path = tmp_path / "chat.jsonl"
     lines = [json.dumps(r) + "\n" for r in CONVS * 2]
     path.write_text("".join(lines))
-    tok = data.HFTokenizer(tok_dirs["gpt2"])
+    tok = HFTokenizer(tok_dirs["gpt2"])
     prepare.prepare([path], tmp_path / "out", tok_dirs["gpt2"], val_fraction=0.3)
     total = sum(len(x.encode()) for x in lines)
     ends = np.cumsum([len(x.encode()) for x in lines]) - 1                       # last byte of each record

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import model
-from conftest import ROOT, SPECIAL, random_batch, train_py
+from conftest import ROOT, SPECIAL, engine, random_batch, train_py
+import ranks
 from megatrain_min import checkpoint, sharded
-from stream import Trainer
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -36,14 +36,14 @@ PICK = {2: list(range(len(CASES))), 4: [i for i, (cfg, kw) in enumerate(CASES)
 
 @functools.cache
 def compared(world):
-    """{case: sharded.compare's result} of the cases PICK[world], from one spawn of `world` ranks."""
-    return dict(zip(PICK[world], sharded.compare([CASES[i] for i in PICK[world]], world, steps=5, batch=BATCH)))
+    """{case: ranks.compare's result} of the cases PICK[world], from one spawn of `world` ranks."""
+    return dict(zip(PICK[world], ranks.compare([CASES[i] for i in PICK[world]], world, steps=5, batch=BATCH)))
 
 
 @pytest.mark.parametrize("world,case", [(w, i) for w in PICK for i in PICK[w]],
                          ids=[f"N{w}-{IDS[i]}" for w in PICK for i in PICK[w]])
 def test_n_ranks_train_what_one_process_trains(world, case):
-    r, (cfg, kw) = compared(world)[case], CASES[case]
+    r, (_, kw) = compared(world)[case], CASES[case]
     print(f"N={world} {IDS[case]}: loss rel {r['loss_rel']:.1e}, weights rel {r['weights_rel']:.1e}, "
           f"max |dw| {r['weights_max']:.1e}")
     assert r["loss_rel"] <= 1e-6, r["losses"]
@@ -102,7 +102,7 @@ def _shard_states(t):
     """Rank t's [lo, hi) of master, m, v of every unit, and the step counts."""
     out = []
     for u in range(len(t.units)):
-        lo, hi = t.owned(u)
+        lo, hi = t.placement.part(t.units[u])
         out.append(({s: v[:hi - lo].clone() for s, v in t.opt.state(u).items() if s in checkpoint.STATES},
                     t.opt.step_count(u)))
     return out
@@ -133,15 +133,15 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
     slice). Training on from a resharded checkpoint agrees with the other world size to the tolerances above."""
     cfg, kw, batches = CK_CFG, CK_KW, _batches(CK_CFG)
     one_kw = dict(kw, micro_batches=2 * kw["micro_batches"])          # the ranks' micro-batch size (see compare)
-    one = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **one_kw)
+    one = engine(cfg, model.init_weights(cfg, 0), device="cpu", **one_kw)
     for x, y in batches[:3]:
         one.step(x, y)
     checkpoint.save(one, tmp_path / "n1", 3, {"run": "n1"})
     one_at3, one_states3 = one.weights(), _shard_states(one)
     one_rest = ([one.step(x, y) for x, y in batches[3:]], one.weights())
 
-    ranks, _ = sharded.spawn(_ckpt_rank, 2, cfg.to_dict(), kw, str(tmp_path))
-    r0 = ranks[0]
+    got, _ = ranks.spawn(_ckpt_rank, 2, cfg.to_dict(), kw, str(tmp_path))
+    r0 = got[0]
     n2 = checkpoint.latest(tmp_path / "n2")
     doc = checkpoint.read_meta(n2)
     assert doc["version"] == checkpoint.SHARDED and all(len(u["parts"]) == 2 for u in doc["units"])
@@ -149,35 +149,35 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
     # same world size: bit-exact
     assert r0["from_n2"][0] == r0["first"][0]
     assert all(torch.equal(r0["from_n2"][1][k], r0["first"][1][k]) for k in r0["first"][1])
-    for r in ranks:                                                   # every rank's master, m, v and step counts
+    for r in got:                                                   # every rank's master, m, v and step counts
         for (a, na), (b, nb) in zip(r["from_n2_states"], r["states3"]):
             assert na == nb and all(torch.equal(a[s], b[s]) for s in a)
     # 1 -> 2: each rank holds exactly its slice of the one process's master, m and v
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(got):
         for u, (st, n) in enumerate(r["from_n1_states"]):
             numel = one.units[u].numel
             lo = min(rank * sharded.shard_numel(numel, 2), numel)
             hi = min(lo + sharded.shard_numel(numel, 2), numel)
             assert n == one_states3[u][1] and all(torch.equal(st[k], one_states3[u][0][k][lo:hi]) for k in st)
     # 2 -> 1: the one process holds the ranks' shards end to end
-    back = Trainer(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw)
+    back = engine(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw)
     checkpoint.load(back, n2)
     for u in range(len(back.units)):
         for s in checkpoint.STATES:
-            assert torch.equal(back.opt.state(u)[s], torch.cat([r["states3"][u][0][s] for r in ranks]))
+            assert torch.equal(back.opt.state(u)[s], torch.cat([r["states3"][u][0][s] for r in got]))
     assert all(torch.equal(back.weights()[k], r0["at3"][k]) for k in r0["at3"])
     back_rest = ([back.step(x, y) for x, y in batches[3:]], back.weights())
     # and training on from either agrees with the other world size as closely as test_n_ranks_... demands
     for (l_a, w_a), (l_b, w_b) in ((r0["from_n1"], one_rest), (back_rest, r0["first"])):
         assert max(abs(a - b) / abs(b) for a, b in zip(l_a, l_b)) <= 1e-6
-        assert sharded.weights_rel(w_a, w_b) <= 1e-5
-    assert sharded.weights_rel(one_at3, r0["at3"]) <= 1e-5
+        assert ranks.weights_rel(w_a, w_b) <= 1e-5
+    assert ranks.weights_rel(one_at3, r0["at3"]) <= 1e-5
     # complete only when every part and the meta are there: a lost part is refused, naming it
     lost = tmp_path / "lost" / n2.name
     shutil.copytree(n2, lost)
     (lost / "layer.1.part1.bin").unlink()
     with pytest.raises(checkpoint.CheckpointError, match=r"layer\.1\.part1\.bin is missing"):
-        checkpoint.load(Trainer(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw), lost)
+        checkpoint.load(engine(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw), lost)
 
 
 # ----------------------------------------------------------------------------- train.py under torchrun
@@ -273,7 +273,7 @@ def _export_rank():
 
 
 def test_an_export_gathers_the_weights_on_rank_0_alone():
-    (w0, every0), (w1, every1) = sharded.spawn(_export_rank, 2)[0]
+    (w0, every0), (w1, every1) = ranks.spawn(_export_rank, 2)[0]
     keys = sorted(model.init_weights(UNTIED, 0))
     assert sorted(w0) == keys == every0 == every1 and w1 == {}
     assert all(tuple(w0[k]) == tuple(v.shape) for k, v in model.init_weights(UNTIED, 0).items())

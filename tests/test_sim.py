@@ -1,7 +1,8 @@
-"""The stream checker (megatrain_min/sim.py + race.py) over the real engine, on the CPU.
+"""The stream checker (megatrain_min/record.py + race.py, the command megatrain_min/sim.py) over the real engine, on
+the CPU.
 
 - The engine is clean: 2 steps with an evaluate() between them (at another length), over a pairwise covering of
-  {toy, GQA + qkv-bias + qk-norm + tied} x M {1, 4} x clipping x checkpoint offload x fast/lean x the guard.
+  {toy, GQA + qkv-bias + qk-norm + tied} x M {1, 4} x clipping x activation offload x fast/lean x the guard.
 - Seeded defects are reported, naming the right buffer: each of the engine's event waits deleted in turn (every
   one is needed: none is implied by another), the one record_stream (Lane.keep), a grad slot zeroed on the
   legacy default stream, the loss read before its event.
@@ -18,9 +19,10 @@ import torch
 
 import model
 from conftest import ROOT, SPECIAL, train_py
-from megatrain_min import race, sim
+from megatrain_min import race, record
 
-STREAM = (ROOT / "stream.py").read_text()
+SOURCES = {name: (ROOT / name).read_text() for name in ("stream.py", "megatrain_min/activations.py")}
+STREAM = SOURCES["stream.py"]
 TOY = model.PRESETS["toy"]
 
 
@@ -30,7 +32,7 @@ def between(t, tok):  # an evaluation between the steps, at another sequence len
 
 def checked(cfg=TOY, trainer_cls=None, **kw):
     checker = race.Checker()
-    sim.run(cfg, [checker], 2, trainer_cls=trainer_cls, batch=(4, 16), between=between, **kw)
+    record.run(cfg, [checker], 2, trainer_cls=trainer_cls, batch=(4, 16), between=between, **kw)
     return checker
 
 
@@ -45,57 +47,61 @@ def test_engine_is_race_free(row):
     cfg, M, clip, offload, lean, guard = row
     lean_kw = dict(mode="lean", dtype=torch.bfloat16) if lean else {}   # lean streams fp32, casts on the device
     c = checked([TOY, SPECIAL][cfg], micro_batches=[1, 4][M], grad_clip=[0.0, 1.0][clip],
-                offload_checkpoints=bool(offload), skip_nonfinite=bool(guard), **lean_kw)
+                offload_activations=bool(offload), skip_nonfinite=bool(guard), **lean_kw)
     assert not c.races, c.summary()
     assert len(c.steps) == 3 and all(s["copies"] for s in c.steps[:2])
 
 
 def test_back_to_back_steps_without_clipping_offloaded_and_tiled():
     """Three steps with nothing between them: without clipping step() returns while the backward still runs, and
-    the next step's staging (targets, embedding rows, checkpoint ring) is allocated while it does. Offload on,
-    the layer in tiles of 8 tokens."""
+    the next step's input (targets, embedding rows, the activations' ring) is allocated while it does. Offload
+    on, the layer in tiles of 8 tokens."""
     checker = race.Checker()
-    sim.run(TOY, [checker], 3, batch=(4, 16), grad_clip=0.0, micro_batches=2, offload_checkpoints=True, tile_tokens=8)
+    record.run(TOY, [checker], 3, batch=(4, 16), grad_clip=0.0, micro_batches=2, offload_activations=True, tile_tokens=8)
     assert not checker.races, checker.summary()
     assert len(checker.steps) == 4 and all(s["copies"] for s in checker.steps[:3])
 
 
-def mutant(old, new=None, nth=0):
-    """stream.py with the nth line containing `old` replaced (by `pass`, keeping the indent), as a module."""
-    lines = STREAM.splitlines(keepends=True)
+def mutant(old, new=None, nth=0, name="stream.py"):
+    """The engine with the nth line of `name` (stream.py or the activations' ring) that contains `old` replaced
+    (by `pass`, keeping the indent): checked()'s arguments that run it."""
+    lines = SOURCES[name].splitlines(keepends=True)
     i = [i for i, line in enumerate(lines) if old in line][nth]
     lines[i] = new if new is not None else re.match(r"\s*", lines[i]).group(0) + "pass  # deleted by the test\n"
-    mod = types.ModuleType("stream_mutant")
-    exec(compile("".join(lines), str(ROOT / "stream.py"), "exec"), mod.__dict__)
-    return mod
+    mod = types.ModuleType("mutant")
+    exec(compile("".join(lines), str(ROOT / name), "exec"), mod.__dict__)
+    return dict(trainer_cls=mod.Trainer) if name == "stream.py" else dict(activations=mod.HostRing)
 
 
-CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_checkpoints=True),
-           dict(micro_batches=1, grad_clip=1.0, offload_checkpoints=True),
-           dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16)]
+CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
+           dict(micro_batches=1, grad_clip=1.0, offload_activations=True),
+           dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16),
+           dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True)]
 
 
-def races_of(mod):
+def races_of(mutated):
     """The races a mutant engine shows in the first of CONFIGS that shows any."""
     for kw in CONFIGS:
-        c = checked(trainer_cls=mod.Trainer, **kw)
+        ring = mutated.get("activations")
+        c = checked(**{**kw, **mutated, **(dict(activations=ring()) if ring else {})})
         if c.races:
             return c.races
     return []
 
 
-WAITS = [line.strip() for line in STREAM.splitlines()
+WAITS = [(name, line.strip()) for name, src in SOURCES.items() for line in src.splitlines()
          if re.search(r"\.wait\(self|\.wait\(ready|host_wait\(", line) and "def " not in line]
 
 
 @pytest.mark.slow
 def test_every_event_wait_is_needed_and_caught():
-    """Delete each event wait of stream.py in turn: the checker must report a race (exit 1) naming a buffer."""
+    """Delete each event wait of stream.py and of the activations' ring in turn: the checker must report a race
+    naming a buffer."""
     assert len(WAITS) >= 12, WAITS
     missed = []
-    for line in WAITS:
-        found = races_of(mutant(line))
-        print(f"{line:<50} -> {sorted({r['buffer'][:40] for r in found})[:3]}")
+    for k, (name, line) in enumerate(WAITS):
+        found = races_of(mutant(line, nth=WAITS[:k].count((name, line)), name=name))
+        print(f"{name}: {line:<50} -> {sorted({r['buffer'][:40] for r in found})[:3]}")
         if not found:
             missed.append(line)
     assert not missed, f"deleting these waits went unnoticed: {missed}"
@@ -107,7 +113,7 @@ def test_every_event_wait_is_needed_and_caught():
     ("self.comp.wait(self.slot_loaded[s])", 0, None, "wslot", "read on compute"),  # compute on half-copied weights
     ("self.comp.wait(self.gslot_free[gs])", 0, None, "gslot", "on compute"),     # zero a slot before its D2H read it
     ("self.lanes.host_wait(done)", 0, None, "grad[", "on worker"),               # AdamW before the gradient landed
-    ("self.h2d.wait(self.ring_free[r])", 0, None, "checkpoints", "on h2d"),      # reload before the offload landed
+    ("t.h2d.wait(self.free[r])", 0, None, "activations (pinned)", "on h2d"),     # reload before the offload landed
     ("self.d2h.keep(x)", 0, None, "block_grad", "freed on the host while d2h"),  # a record_stream dropped (dy)
     ("with self.comp():", 0, "        if True:\n", "gslot", "made outside any lane"),  # __init__'s slots zeroed on the default stream
     ("self.lanes.host_wait(loss_ready)", 0, None, "loss_host", "on main"),       # the loss read before its event
@@ -116,8 +122,8 @@ def test_every_event_wait_is_needed_and_caught():
      "targets", "first touch on h2d of a block allocated on compute"),          # written on H2D
 ])
 def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
-    assert old in STREAM, f"the engine changed: {old!r} is gone; update this seeded defect"
-    found = races_of(mutant(old, new, nth))
+    name = next(n for n, src in SOURCES.items() if old in src)   # StopIteration: the engine changed, update this
+    found = races_of(mutant(old, new, nth, name))
     assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
 
 
@@ -158,7 +164,7 @@ def one_rank(tmp_path_factory):
 def sharded_races(cls):
     for kw in SHARDED_CONFIGS:
         c = race.Checker()
-        sim.run(SPECIAL, [c], 2, trainer_cls=cls, batch=(4, 16), between=between, **kw)
+        record.run(SPECIAL, [c], 2, trainer_cls=cls, batch=(4, 16), between=between, **kw)
         if c.races:
             return c.races
     return []
@@ -172,8 +178,8 @@ def test_sharded_engine_is_race_free_and_every_comm_wait_is_needed(one_rank):
     from megatrain_min import sharded
     assert sharded_races(sharded.ShardedTrainer) == []
     waits = [line.strip() for line in SHARDED.splitlines()
-             if re.search(r"\.wait\(self|\.wait\(ready|\.wait\(summed|\.wait\(scattered|\.wait\(shard_ready|"
-                          r"host_wait\(", line) and "def " not in line]
+             if re.search(r"\.wait\(self|\.wait\(lanes|\.wait\(ready|\.wait\(summed|\.wait\(scattered|"
+                          r"\.wait\(shard_ready|host_wait\(", line) and "def " not in line]
     assert len(waits) >= 12, waits
     missed, lines = [], SHARDED.splitlines(keepends=True)
     for k, line in enumerate(waits):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import model
+import optim
 import stream
-from conftest import ROOT, SPECIAL, losses_agree, random_batch, update_rel
+from conftest import ROOT, SPECIAL, engine, losses_agree, random_batch, update_rel
 from megatrain_min.reference import ReferenceTrainer
-from stream import Trainer
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -29,7 +29,7 @@ HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 def test_stream_equals_reference(cfg, M, clip, offload):
     gen = torch.Generator().manual_seed(7)
     w0 = model.init_weights(cfg, seed=0)
-    ours = Trainer(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, offload_checkpoints=offload, **HP)
+    ours = engine(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, offload_activations=offload, **HP)
     ref = ReferenceTrainer(cfg, w0, grad_clip=clip, micro_batches=M, **HP)
     worst = 0.0
     for step in range(5):
@@ -50,7 +50,7 @@ def test_micro_batches_equal_one_batch():
     cfg = SPECIAL
     gen = torch.Generator().manual_seed(3)
     w0 = model.init_weights(cfg, 0)
-    one, four = (Trainer(cfg, w0, device="cpu", micro_batches=m, **HP) for m in (1, 4))
+    one, four = (engine(cfg, w0, device="cpu", micro_batches=m, **HP) for m in (1, 4))
     losses_agree(four, one, cfg, gen, steps=3, B=8, T=16, rtol=1e-6)
     assert update_rel(w0, four.weights(), one.weights()) <= 1e-4
 
@@ -61,7 +61,7 @@ def test_two_identical_runs_match_bit_for_bit():
     runs = []
     for _ in range(2):
         gen = torch.Generator().manual_seed(5)
-        t = Trainer(cfg, w0, device="cpu", micro_batches=2, grad_clip=1.0, **HP)
+        t = engine(cfg, w0, device="cpu", micro_batches=2, grad_clip=1.0, **HP)
         losses = [t.step(*random_batch(cfg, 4, 16, gen)) for _ in range(3)]
         runs.append((losses, t.weights()))
     assert runs[0][0] == runs[1][0]
@@ -71,7 +71,7 @@ def test_two_identical_runs_match_bit_for_bit():
 def test_evaluate_equals_reference_loss(gen):
     cfg = SPECIAL
     w0 = model.init_weights(cfg, 0)
-    t = Trainer(cfg, w0, device="cpu", micro_batches=2, chunk_tokens=5, **HP)
+    t = engine(cfg, w0, device="cpu", micro_batches=2, chunk_tokens=5, **HP)
     tok, tgt = random_batch(cfg, 4, 16, gen)
     ref = model.loss(cfg, w0, tok, tgt).item()
     assert abs(t.evaluate(tok, tgt) - ref) / ref <= 1e-6
@@ -82,7 +82,7 @@ def test_evaluate_equals_reference_loss(gen):
 def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     cfg = model.PRESETS["toy"]
     w0 = model.init_weights(cfg, 0)
-    t = Trainer(cfg, w0, device="cpu", skip_nonfinite=True, grad_clip=clip, **HP)
+    t = engine(cfg, w0, device="cpu", skip_nonfinite=True, grad_clip=clip, **HP)
     tok, tgt = random_batch(cfg, 2, 16, gen)
     t.step(tok, tgt)
     before = t.weights()
@@ -91,14 +91,14 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     saved = emb[tok[0, 0]].clone()
     emb[tok[0, 0], 0] = float("inf")   # poison one embedding row that the batch uses
     loss = t.step(tok, tgt)
-    assert t.skipped and not math.isfinite(loss)
+    assert t.guard.skipped and not math.isfinite(loss)
     emb[tok[0, 0]] = saved
     after = t.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(m, t.opt.state(u)["m"]) for u, m in enumerate(m_before))
     assert all(t.opt.step_count(u) == 1 for u in range(len(t.units)))  # step counts untouched too
     t.step(tok, tgt)
-    assert not t.skipped
+    assert not t.guard.skipped
 
 
 def test_lean_mode_and_bad_arguments():
@@ -106,26 +106,26 @@ def test_lean_mode_and_bad_arguments():
     w0 = model.init_weights(cfg, 0)
     gen = torch.Generator().manual_seed(0)
     batch = random_batch(cfg, 2, 16, gen)
-    fast = Trainer(cfg, w0, device="cpu", mode="fast", **HP)
-    lean = Trainer(cfg, w0, device="cpu", mode="lean", **HP)
+    fast = engine(cfg, w0, device="cpu", mode="fast", **HP)
+    lean = engine(cfg, w0, device="cpu", mode="lean", **HP)
     assert fast.step(*batch) == lean.step(*batch)
     with pytest.raises(ValueError, match="mode must be"):
-        Trainer(cfg, w0, device="cpu", mode="quick")
+        engine(cfg, w0, device="cpu", mode="quick")
     with pytest.raises(ValueError, match="not divisible by micro_batches"):
-        Trainer(cfg, w0, device="cpu", micro_batches=3).step(*batch)
+        engine(cfg, w0, device="cpu", micro_batches=3).step(*batch)
 
 
 def test_host_store_layout_bf16_shadow():
     """In fast mode with a bf16 compute dtype the store keeps an exact bf16 copy of each master unit."""
     cfg = model.PRESETS["toy"]
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", dtype=torch.bfloat16)
+    t = engine(cfg, model.init_weights(cfg, 0), device="cpu", dtype=torch.bfloat16)
     assert t.opt.shadow is not None
     for u in range(len(t.units)):
         assert torch.equal(t.opt.shadow[u], t.opt.master[u].to(torch.bfloat16))
     assert t.wslot[0].dtype == torch.bfloat16 and t.gslot[0].dtype == torch.float32
 
 
-class CountingTrainer(Trainer):
+class CountingTrainer(stream.Trainer):
     """A Trainer that notes the name of every unit copied into a weight slot (load_unit: the one place weights cross)."""
 
     def __init__(self, *args, **kw):
@@ -150,16 +150,16 @@ def test_weights_cross_once_per_visit_whatever_the_micro_batches(M):
 
 
 def test_gradient_store_only_when_updates_wait_for_the_global_norm(gen):
-    """No clipping: gradients pass through stream.STAGING_SLABS pinned staging slabs (no 4 B/param store), also
-    with the non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
+    """No clipping: gradients pass through stream.GRAD_SLABS pinned slabs (no 4 B/param store), also with the
+    non-finite guard on; clipping: an fp32 gradient per unit, since every gradient precedes any update."""
     cfg = SPECIAL  # tied: the head holds a slab until the embedding scatter
     w0 = model.init_weights(cfg, 0)
-    t = Trainer(cfg, w0, device="cpu", micro_batches=2, skip_nonfinite=True, **HP)
+    t = engine(cfg, w0, device="cpu", micro_batches=2, skip_nonfinite=True, **HP)
     for _ in range(3):
         t.step(*random_batch(cfg, 4, 16, gen))
     t.weights()
-    assert all(g is None for g in t.opt.grad) and t.slabs.qsize() == stream.STAGING_SLABS
-    clipped = Trainer(cfg, w0, device="cpu", grad_clip=1.0, **HP)
+    assert all(g is None for g in t.opt.grad) and t.opt.pool.qsize() == stream.GRAD_SLABS
+    clipped = engine(cfg, w0, device="cpu", grad_clip=1.0, **HP)
     assert all(g is not None and g.numel() == lay.numel for g, lay in zip(clipped.opt.grad, clipped.units))
 
 
@@ -183,11 +183,11 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
 @pytest.mark.parametrize("clip", [0.0, 1.0], ids=["noclip", "clip"])
 @pytest.mark.parametrize("M", [1, 2])
 def test_bf16_engine_equals_autocast_reference(M, clip):
-    """bf16 compute: the engine (blocks and head under autocast, fp32 residual stream, weights from the bf16
+    """bf16 compute: the engine (blocks and head under autocast, fp32 residual, weights from the bf16
     shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= 1e-3
     relative at every step, weight updates <= 1e-2 relative after 2 steps (DESIGN.md section 2)."""
     w0 = model.init_weights(NARROW, 0)
-    ours = Trainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
+    ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
     ref = ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
     worst, rel = two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=1e-3)
     print(f"bf16 engine vs autocast reference: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
@@ -196,11 +196,11 @@ def test_bf16_engine_equals_autocast_reference(M, clip):
 
 def test_bf16_residual_option_is_explicit_and_drifts_further():
     """residual_dtype=bf16 is a memory saver, not the default: it keeps x, checkpoints and dy in bf16 and so
-    drifts further from the autocast reference than the default fp32 residual stream does (README: Numerics)."""
+    drifts further from the autocast reference than the default fp32 residual does (README: Numerics)."""
     w0 = model.init_weights(NARROW, 0)
     runs = {}
-    for name, t in (("fp32-residual", Trainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, **HP)),
-                    ("bf16-residual", Trainer(NARROW, w0, device="cpu", dtype=torch.bfloat16,
+    for name, t in (("fp32-residual", engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, **HP)),
+                    ("bf16-residual", engine(NARROW, w0, device="cpu", dtype=torch.bfloat16,
                                               residual_dtype=torch.bfloat16, **HP)),
                     ("autocast-ref", ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, **HP))):
         gen = torch.Generator().manual_seed(0)
@@ -211,17 +211,17 @@ def test_bf16_residual_option_is_explicit_and_drifts_further():
     print(f"update rel diff vs autocast reference: fp32 residual {near:.1e}, bf16 residual {far:.1e}")
     assert near <= 1e-2 and far > 3 * near
     with pytest.raises(ValueError, match="residual_dtype"):
-        Trainer(NARROW, w0, device="cpu", dtype=torch.float32, residual_dtype=torch.bfloat16)
+        engine(NARROW, w0, device="cpu", dtype=torch.float32, residual_dtype=torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- failures, threads, buffers
 @pytest.mark.parametrize("clip", [0.0, 1.0], ids=["noclip", "clip"])
 def test_optimizer_thread_failure_is_raised_not_hung(clip, monkeypatch):
     """A failing optimizer update must surface in the main thread (from Trainer.step, within seconds), never
-    leave it waiting forever for a staging slab that the failed update would have given back."""
+    leave it waiting forever for a gradient slab that the failed update would have given back."""
     import signal
     cfg = model.PRESETS["toy"]
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", grad_clip=clip, **HP)
+    t = engine(cfg, model.init_weights(cfg, 0), device="cpu", grad_clip=clip, **HP)
 
     def broken(*a, **k):
         raise RuntimeError("injected optimizer failure")
@@ -239,41 +239,45 @@ def test_optimizer_thread_failure_is_raised_not_hung(clip, monkeypatch):
 
 
 def test_offload_is_decided_once(monkeypatch):
-    """offload_checkpoints=None is decided at the first step from the device's free memory, then kept: the
-    caching allocator's reserve lowers the free figure after step 1, which must not flip the decision."""
-    assert stream.offload_needed(10, 5, 14) and not stream.offload_needed(10, 4, 14)
+    """activations.Auto decides at the first step from the device's free memory, then keeps its decision: the
+    caching allocator's reserve lowers the free figure after step 1, which must not flip it."""
+    from megatrain_min import activations, memory
+    assert memory.offload_needed(10, 5, 14) and not memory.offload_needed(10, 4, 14)
     cfg = model.PRESETS["toy"]
-    free = iter([10**12] + [1] * 10)               # plenty at the first step, nothing after
-    lanes = stream.Lanes(torch.device("cpu"))
-    monkeypatch.setattr(lanes, "free_memory", lambda: next(free))
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", lanes=lanes, **HP)
-    assert t.offload_checkpoints is None
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        t.step(*random_batch(cfg, 2, 16, gen))
-        assert t.offload_checkpoints is False
+    for first, offloaded in ((10**12, False), (1, True)):   # plenty at the first step, or nothing
+        free = iter([first] + [10**12 - first + 1] * 10)     # ... and the other way after
+        lanes = stream.Lanes(torch.device("cpu"))
+        monkeypatch.setattr(lanes, "free_memory", lambda: next(free))
+        auto = activations.Auto()
+        t = engine(cfg, model.init_weights(cfg, 0), device="cpu", lanes=lanes, activations=auto, **HP)
+        assert t.activations.offloaded is None
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            t.step(*random_batch(cfg, 2, 16, gen))
+            assert t.activations.offloaded is offloaded
 
 
-def test_pinned_staging_is_made_once_per_shape_and_stays_bounded():
-    """The per-step host buffers (targets, embedding rows, dy, offloaded checkpoints) are allocated once per shape
-    and reused: no pinned allocation (cudaHostAlloc / cudaFreeHost, which syncs the device) per step. Each name
-    keeps only its last shape, as do the checkpoint ring and the RoPE tables: nothing grows with the shapes seen.
-    The checkpoints' host copies and ring exist before the step's first op (they are made in its staging)."""
+def test_pinned_buffers_are_made_once_per_shape_and_stay_bounded():
+    """The per-step host buffers (targets, embedding rows, dy, offloaded boundary activations) are allocated once
+    per shape and reused: no pinned allocation (cudaHostAlloc / cudaFreeHost, which syncs the device) per step.
+    Each name keeps only its last shape, as do the activations' device ring and the RoPE tables: nothing grows
+    with the shapes seen. The activations' host rows and ring exist before the step's first op."""
     cfg = model.PRESETS["toy"]
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", offload_checkpoints=True, micro_batches=2, **HP)
+    t = engine(cfg, model.init_weights(cfg, 0), device="cpu", offload_activations=True, micro_batches=2, **HP)
     gen = torch.Generator().manual_seed(0)
     t.step(*random_batch(cfg, 4, 16, gen))
-    first = {k: v.data_ptr() for k, v in t.staging.items()}
-    assert set(first) == {"targets", "rows", "dy", "checkpoints"}
+    first = {k: v.data_ptr() for k, v in t.pinned_buffers.items()}
+    assert set(first) == {"targets", "rows", "dy", "activations"}
     t.step(*random_batch(cfg, 4, 16, gen))
     t.evaluate(*random_batch(cfg, 4, 16, gen))
-    assert {k: v.data_ptr() for k, v in t.staging.items()} == first
+    assert {k: v.data_ptr() for k, v in t.pinned_buffers.items()} == first
     for B, T in ((2, 8), (4, 32), (2, 24), (4, 16)):
         t.step(*random_batch(cfg, B, T, gen))
         t.evaluate(*random_batch(cfg, B, T + 1, gen))
-        assert set(t.staging) == set(first) and len(t.ring) == 1 and len(t.rope) == 1
-        assert t.staging["checkpoints"].shape == (cfg.n_layer, B, T, cfg.d_model)
-        assert t.staging["targets"].shape == (B, T + 1) and list(t.rope) == [T + 1]
+        ring = t.activations.ring
+        assert set(t.pinned_buffers) == set(first) and len(t.rope) == 1 and ring[0].shape == (B, T, cfg.d_model)
+        assert t.pinned_buffers["activations"].shape == (cfg.n_layer, B, T, cfg.d_model)
+        assert t.pinned_buffers["targets"].shape == (B, T + 1) and list(t.rope) == [T + 1]
     t.wait()
 
 
@@ -282,17 +286,17 @@ def test_cpu_threads_split_the_usable_cpus(monkeypatch):
     affinity mask (not os.cpu_count()): with CUDA the main thread keeps 2 and AdamW gets the rest, on the CPU the
     worker gets a quarter; a Trainer sets both teams (the worker's on its own thread)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert stream.cpu_threads("cuda") == (2, 14) and stream.cpu_threads("cpu") == (12, 4)
-    assert stream.cpu_threads("cuda", procs=4) == (2, 2) and stream.cpu_threads("cuda", procs=8) == (1, 1)
+    assert optim.cpu_threads(True) == (2, 14) and optim.cpu_threads(False) == (12, 4)
+    assert optim.cpu_threads(True, procs=4) == (2, 2) and optim.cpu_threads(True, procs=8) == (1, 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
-    assert stream.cpu_threads("cuda") == stream.cpu_threads("cpu") == (1, 1)
+    assert optim.cpu_threads(True) == optim.cpu_threads(False) == (1, 1)
     monkeypatch.undo()
     before = torch.get_num_threads()
     try:
         cfg = model.PRESETS["toy"]
-        t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
+        t = engine(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
         main, worker = t.lanes.threads
-        assert (main, worker) == stream.cpu_threads("cpu") and main + worker == max(2, len(os.sched_getaffinity(0)))
+        assert (main, worker) == optim.cpu_threads(False) and main + worker == max(2, len(os.sched_getaffinity(0)))
         assert t.lanes.submit(torch.get_num_threads).result() == worker and torch.get_num_threads() == main
     finally:
         torch.set_num_threads(before)
@@ -332,14 +336,16 @@ LONG = model.GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model
 
 
 def test_tiled_engine_equals_reference_at_2048_tokens():
-    """Sequence tiling in the engine (tiles of 700 tokens: 2048 is not a multiple), checkpoints through the offload
-    ring as at long T, against the plain PyTorch reference, which runs the untiled layer: 2 steps at 2 x 2048
+    """Sequence tiling in the engine (tiles of 700 tokens: 2048 is not a multiple), boundary activations through
+    the host ring as at long T, against the plain PyTorch reference, which runs the untiled layer: 2 steps at 2 x 2048
     tokens in 2 micro-batches, loss <= 1e-5, updates <= 1e-3."""
     w0 = model.init_weights(LONG, seed=0)
-    ours = Trainer(LONG, w0, device="cpu", micro_batches=2, offload_checkpoints=True, tile_tokens=700, **HP)
+    ours = engine(LONG, w0, device="cpu", micro_batches=2, offload_activations=True, tile_tokens=700, **HP)
     ref = ReferenceTrainer(LONG, w0, micro_batches=2, **HP)
     worst, rel = two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=1e-5)
     print(f"tiled engine vs reference at T=2048: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
     assert rel <= 1e-3
     with pytest.raises(ValueError, match="tile_tokens"):
-        Trainer(LONG, w0, device="cpu", tile_tokens=-1)
+        engine(LONG, w0, device="cpu", tile_tokens=-1)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        engine(LONG, w0, device="cpu", tile_tokens=2.5)

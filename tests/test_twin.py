@@ -4,8 +4,8 @@
 - Twin and planner agree on the step time within 10% and name the same bottleneck, on the presets' layer shapes
   (reduced depth here, for CI time; the full-depth README rows: bench/twin_vs_plan.py) over fast/lean and
   clipping on/off.
-- Memory: with checkpoint offload, the peak device memory stays flat in depth; with the engine's device ring
-  replaced by a fresh buffer per checkpoint (record_stream'ed, the pre-ring engine), it grows with depth.
+- Memory: with the boundary activations offloaded, the peak device memory stays flat in depth; with the device
+  ring replaced by a fresh buffer per activation (record_stream'ed, an engine without the ring), it grows.
 - The CLI: --json fields, --trace writes a Perfetto trace.
 """
 import dataclasses
@@ -18,8 +18,8 @@ import torch
 import model
 from conftest import ROOT, train_py
 from megatrain_min import plan as planner
-from megatrain_min import sim, twin
-from megatrain_min.sim import SimEvent
+from megatrain_min import record, twin
+from megatrain_min.record import SimEvent
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -88,12 +88,12 @@ def replay(cfg, hardware, steps=3, trainer_cls=None, B=2, T=1024, host_op_s=plan
     a = dict(grad_clip=0.0, mode="fast", micro_batches=1, skip_nonfinite=True)   # as train.py runs the engine
     a.update(kw)
     p = planner.plan(cfg, hardware, batch_size=B, seq_len=T, micro_batches=a["micro_batches"], mode=a["mode"],
-                     dtype="bf16", grad_clip=a["grad_clip"], offload_checkpoints=a.get("offload_checkpoints"),
+                     dtype="bf16", grad_clip=a["grad_clip"], offload_activations=a.get("offload_activations"),
                      skip_nonfinite=a["skip_nonfinite"])
     tw = twin.Twin(p["hardware"], host_op_s=host_op_s)
-    a.setdefault("offload_checkpoints", p["offload_checkpoints"])
-    sim.run(cfg, [tw], steps, trainer_cls=trainer_cls, fake=True, sources=False, costs=True, batch=(B, T),
-            dtype=torch.bfloat16, staging_slabs=p["staging_slabs"], **a)
+    a.setdefault("offload_activations", p["offload_activations"])
+    record.run(cfg, [tw], steps, trainer_cls=trainer_cls, fake=True, sources=False, costs=True, batch=(B, T),
+               dtype=torch.bfloat16, grad_slabs=p["grad_slabs"] or 1, **a)
     return tw.result_of(cfg, B * T), p
 
 
@@ -111,28 +111,28 @@ def test_twin_and_planner_agree(preset, hw, mode, clip):
 
 
 def test_offload_ring_keeps_peak_memory_flat_in_depth():
-    """The pre-ring engine: a fresh device buffer per offloaded checkpoint, kept (record_stream) for the D2H. The
+    """Without the ring: a fresh device buffer per offloaded activation, kept (record_stream) for the D2H. The
     host never waits in the forward, so how many are live is how far it runs ahead: with a host much faster than
     the GPU (here: issuing for free), the whole depth."""
-    src = (ROOT / "stream.py").read_text()
-    old = "        if shape not in self.ring:\n"
-    assert old in src, "the engine changed: update this test's ringless mutant"
-    keep = "            self.ring_free[r] = self.d2h.record()\n"
-    assert keep in src
-    mutated = src.replace(old, "        if True:  # ringless mutant: a fresh buffer per checkpoint\n").replace(
-        keep, keep + "            self.d2h.keep(slot)\n")
-    ringless = types.ModuleType("stream_ringless")
-    exec(compile(mutated, str(ROOT / "stream.py"), "exec"), ringless.__dict__)
+    src = (ROOT / "megatrain_min" / "activations.py").read_text()
+    old = "        t.comp.wait(self.free[r])                  # the slot's last D2H is done\n"
+    keep = "            self.free[r] = t.d2h.record()\n"
+    assert old in src and keep in src, "the ring changed: update this test's ringless mutant"
+    mutated = src.replace(old, "        self.ring[r] = torch.empty_like(self.ring[r])   # ringless: a fresh buffer\n")
+    mutated = mutated.replace(keep, keep + "            t.d2h.keep(self.ring[r])\n")
+    ringless = types.ModuleType("activations_ringless")
+    exec(compile(mutated, str(ROOT / "megatrain_min" / "activations.py"), "exec"), ringless.__dict__)
     peaks = {}
-    for name, cls in (("ring", None), ("ringless", ringless.Trainer)):
+    for name, ring in (("ring", None), ("ringless", ringless.HostRing)):
         for L in (4, 16):
             cfg = dataclasses.replace(model.PRESETS["1b"], n_layer=L)
-            r, _ = replay(cfg, "h100", steps=2, trainer_cls=cls, grad_clip=1.0, offload_checkpoints=True, B=4, T=2048,
-                          host_op_s=0.0)
+            kw = dict(activations=ring()) if ring else {}
+            r, _ = replay(cfg, "h100", steps=2, grad_clip=1.0, offload_activations=True, B=4, T=2048,
+                          host_op_s=0.0, **kw)
             peaks[name, L] = r["peak_gpu_bytes"]
     print({k: f"{v / 1e9:.2f} GB" for k, v in peaks.items()})
     assert peaks["ring", 16] == peaks["ring", 4]                      # flat: the ring bounds it
-    assert peaks["ringless", 16] > peaks["ringless", 4] + 8 * 4 * 2048 * 2048 * 4   # + 12 layers' checkpoints
+    assert peaks["ringless", 16] > peaks["ringless", 4] + 8 * 4 * 2048 * 2048 * 4   # + 12 layers' activations
 
 
 def test_cli_timeline_json_and_trace(tmp_path):

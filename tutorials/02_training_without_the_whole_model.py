@@ -4,7 +4,7 @@
 # **What you will learn**
 #
 # * what normal training keeps in memory (every intermediate of every layer, for the backward pass);
-# * how to train keeping only the **boundary checkpoints** -- the input of each layer -- and
+# * how to train keeping only the **boundary activations** -- the input of each layer -- and
 #   **recomputing** one layer at a time during the backward pass;
 # * how `torch.autograd.grad` on one layer turns "gradient w.r.t. my output" into "gradient w.r.t. my
 #   input and my weights", so the chain rule runs layer by layer with no graph across layers;
@@ -81,19 +81,19 @@ print(f"whole-model loss {loss_ref.item():.6f}; autograd saved {graph_bytes / 1e
 # ## 2. Forward with no graph: keep only each layer's input
 #
 # Under `torch.no_grad()` nothing is saved. We keep one tensor per layer -- its input, (B, T, d) -- the
-# *boundary checkpoint*. That is all the backward pass will need.
+# *boundary activation* (what activation checkpointing keeps). That is all the backward pass will need.
 
 # %%
 rope = model.rope_cache(cfg, T)
 L = cfg.n_layer
 with torch.no_grad():
     x = units[0].views(flats[0])["embed"][tokens]          # (B, T, d) embedding rows
-    ckpt = []
+    acts = []
     for i in range(L):
-        ckpt.append(x)                                     # boundary checkpoint of layer i
+        acts.append(x)                                     # boundary activation of layer i
         x = model.block(cfg, x, units[1 + i].views(flats[1 + i]), rope)
-ckpt_bytes = sum(c.numel() * c.element_size() for c in ckpt)
-print(f"{L} boundary checkpoints: {ckpt_bytes / 1e6:.2f} MB")
+acts_bytes = sum(c.numel() * c.element_size() for c in acts)
+print(f"{L} boundary activations: {acts_bytes / 1e6:.2f} MB")
 
 # %% [markdown]
 # ## 3. The head: loss and the gradient that starts the chain
@@ -119,7 +119,7 @@ print(f"layer-by-layer loss {loss.item():.6f}")
 # %% [markdown]
 # ## 4. Backward, one layer at a time
 #
-# For layer i = L-1 ... 0: rebuild its graph from the checkpoint (the *recompute*: one extra forward
+# For layer i = L-1 ... 0: rebuild its graph from its boundary activation (the *recompute*: one extra forward
 # of one layer), then ask autograd for the gradient of `y . dy` w.r.t. (input, weights). The input
 # gradient is the `dy` of the layer below. The graph is dropped at the end of each iteration, so at
 # most **one layer's** activations exist at a time -- we measure that too.
@@ -127,19 +127,19 @@ print(f"layer-by-layer loss {loss.item():.6f}")
 # %%
 peak_layer_bytes = 0
 for i in reversed(range(L)):
-    xin = ckpt[i].detach().requires_grad_()                # (B, T, d) boundary checkpoint
+    xin = acts[i].detach().requires_grad_()                # (B, T, d) boundary activation
     w_flat = flats[1 + i].detach().requires_grad_()        # this layer's flat buffer as the leaf
     with torch.enable_grad():
         y, nbytes = saved_bytes(lambda: model.block(cfg, xin, units[1 + i].views(w_flat), rope), [w_flat, xin])
         dy, grads[1 + i] = torch.autograd.grad(y, [xin, w_flat], dy)   # vector-Jacobian product
     peak_layer_bytes = max(peak_layer_bytes, nbytes)
-    ckpt[i] = None                                         # this checkpoint is done
+    acts[i] = None                                         # this boundary activation is done
 
 # the embedding: dy of layer 0 is the gradient of each gathered row; scatter-add it into the table
 V, d = cfg.vocab_size, cfg.d_model
 grads[0].view(V, d).index_add_(0, tokens.reshape(-1), dy.reshape(-1, d))
 print(f"one layer's recompute graph saved {peak_layer_bytes / 1e6:.2f} MB "
-      f"(+ {ckpt_bytes / 1e6:.2f} MB of checkpoints) vs {graph_bytes / 1e6:.2f} MB for the whole graph")
+      f"(+ {acts_bytes / 1e6:.2f} MB of boundary activations) vs {graph_bytes / 1e6:.2f} MB for the whole graph")
 
 # %% [markdown]
 # ## 5. Proof: the same gradients as normal training
@@ -207,7 +207,7 @@ assert worst <= 1e-5, worst
 assert engine_worst <= 1e-5 and norm_rel <= 1e-5, (engine_worst, norm_rel)
 assert abs(loss_engine - loss_ref.item()) <= 1e-6 * loss_ref.item()
 assert loss_worst <= 1e-5 and w_worst <= 1e-5, (loss_worst, w_worst)
-assert peak_layer_bytes + ckpt_bytes < graph_bytes
+assert peak_layer_bytes + acts_bytes < graph_bytes
 print(f"OK  gradients max rel diff {worst:.1e} (engine {engine_worst:.1e}); 3 steps vs reference: "
       f"loss rel diff {loss_worst:.1e}, weights max diff {w_worst:.1e}; activation memory "
-      f"{(peak_layer_bytes + ckpt_bytes) / graph_bytes:.0%} of the whole graph")
+      f"{(peak_layer_bytes + acts_bytes) / graph_bytes:.0%} of the whole graph")

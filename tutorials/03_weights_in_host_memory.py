@@ -112,7 +112,7 @@ else:
 #
 # With clipping every gradient must be on the host before the global norm is known, so the store keeps
 # one per unit (`grad_store=True`). Without it each unit is updated as soon as its gradient lands, and the
-# engine passes gradients through a few unit-sized staging slabs instead (`grad_store=False`: 4 B/param
+# engine passes gradients through a few unit-sized gradient slabs instead (`grad_store=False`: 4 B/param
 # less). The GPU holds only two weight slots and two gradient slots: independent of the number of layers.
 
 # %%

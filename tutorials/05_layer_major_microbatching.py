@@ -45,7 +45,7 @@ from stream import Trainer  # noqa: E402
 # for each layer i (forward, then backward in reverse):  for each micro-batch j: ...   -> 2L visits
 # ```
 #
-# One copy of layer i serves all M micro-batches. The price: the boundary checkpoints (lesson 2) of all
+# One copy of layer i serves all M micro-batches. The price: the boundary activations (lesson 2) of all
 # micro-batches must be kept at once, L x (B, T, d) -- on the GPU or offloaded to pinned host memory.
 #
 # Count the copies on the real engine: a small subclass overrides `Trainer.load_unit`, the one place weights are
@@ -178,7 +178,7 @@ for B in (1, 2, 4, 8, 16):
 C70 = model.PRESETS["70b"]
 mb = {}
 for M in (1, 2, 4, 8):
-    p = planner.plan(C70, "h100", batch_size=8, seq_len=4096, micro_batches=M, offload_checkpoints=True)
+    p = planner.plan(C70, "h100", batch_size=8, seq_len=4096, micro_batches=M, offload_activations=True)
     act = next(v for k, v in p["gpu"].items() if k.startswith("recompute activations"))
     mb[M] = p
     print(f"  M = {M}: recompute activations {act / 1e9:5.1f} GB, GPU total {p['gpu_bytes'] / 1e9:5.1f} GB, "

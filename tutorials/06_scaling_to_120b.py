@@ -5,7 +5,7 @@
 #
 # * how many bytes of host memory each parameter costs, component by component, and how big a model
 #   1.5 TB can hold in each memory mode;
-# * why the GPU side does not grow with depth, and the one term that does grow (boundary checkpoints);
+# * why the GPU side does not grow with depth, and the one term that does grow (boundary activations);
 # * `fast` (stream a bf16 shadow: +2 B/param, half the PCIe bytes) versus `lean` (stream the fp32
 #   master and cast on the GPU: 12 B/param) -- and what each costs in time;
 # * what `megatrain_min.plan` says for the 100b and 120b presets on an H200 and a GH200 with 1.5 TB:
@@ -39,7 +39,7 @@ from stream import Trainer  # noqa: E402
 # | fp32 gradient store | 4 if clipping | 4 if clipping | global-norm clipping needs *every* gradient before *any* update (lesson 2's order) |
 #
 # Without clipping each unit is updated as soon as its gradient lands, so a couple of unit-sized
-# staging slabs suffice instead of a full gradient store.
+# gradient slabs suffice instead of a full gradient store.
 
 # %%
 def bytes_per_param(mode, clip):
@@ -64,7 +64,7 @@ for mode in ("fast", "lean"):
 #
 # The GPU holds two weight slots and two fp32 gradient slots sized for the largest streamed unit, one
 # layer's recompute activations and the loss chunk: nothing there depends on the number of layers. The
-# exception is the boundary checkpoints of lesson 2 -- L x (tokens, d) -- which the engine offloads to
+# exception is the boundary activations of lesson 2 -- L x (tokens, d) -- which the engine offloads to
 # pinned host memory when they would not fit (and then they cost host RAM instead).
 
 # %%
@@ -74,15 +74,15 @@ tokens = 8 * 4096
 ckpt = C120.n_layer * tokens * C120.d_model * 2                  # bf16 (B, T, d) per layer
 print(f"120b: largest unit {biggest / 1e9:.2f}B params -> weight slots 2 x {biggest * 2 / 1e9:.1f} GB (bf16), "
       f"grad slots 2 x {biggest * 4 / 1e9:.1f} GB (fp32)")
-print(f"      boundary checkpoints at {tokens:,} tokens: {C120.n_layer} x {tokens:,} x {C120.d_model} x 2 B "
+print(f"      boundary activations at {tokens:,} tokens: {C120.n_layer} x {tokens:,} x {C120.d_model} x 2 B "
       f"= {ckpt / 1e9:.0f} GB (grows with depth and tokens)")
 
 # %% [markdown]
 # ## 3. The planner's verdict
 #
 # Now the planner, with the paper's host (1.5 TB) on both GPUs, 4 x 4096 tokens per step (lesson 5:
-# enough to hide PCIe on an H200), clipping off, and the engine's default fp32 residual stream (x, the
-# boundary checkpoints and dy in fp32: what torch.autocast computes):
+# enough to hide PCIe on an H200), clipping off, and the engine's default fp32 residual (x, the
+# boundary activations and dy in fp32: what torch.autocast computes):
 
 # %%
 rows = {}
@@ -98,17 +98,17 @@ for name in ("100b", "120b"):
             print(f"{name:<6}{hw:<7}{mode:<6}{p['host_bytes'] / 1e12:>8.2f}T{p['host_bytes'] / p['params']:>9.1f}"
                   f"{p['gpu_bytes'] / 1e9:>8.0f}G{p['step_time_s']:>8.1f}{p['tokens_per_s']:>9,.0f}  "
                   f"{p['bottleneck']:<10} {'FITS' if p['fits'] else 'no' + why}"
-                  + ("  ckpts offloaded" if p["offload_checkpoints"] else ""))
+                  + ("  ckpts offloaded" if p["offload_activations"] else ""))
 
 # %% [markdown]
 # Read the table:
 #
 # * **120b needs lean**: fast is 1.7 TB. Lean on the H200 fits at 1.46 TB with fp32 master weights and
 #   fp32 Adam states, compute-bound: at 16k tokens the 4-byte copies of lean are nearly hidden.
-# * **Checkpoints decide the rest.** 76 layers x 4 x 4096 tokens x 12288 x 4 bytes = 61 GB of fp32 boundary
-#   checkpoints. The H200 keeps them; the GH200's 96 GB cannot keep them beside its working set, so they are
+# * **Boundary activations decide the rest.** 76 layers x 4 x 4096 tokens x 12288 x 4 bytes = 61 GB of fp32
+#   boundary activations. The H200 keeps them; the GH200's 96 GB cannot keep them beside its working set, so they are
 #   offloaded -- to the host, which then overflows. Twice the tokens (8 x 4096) would push them out of the
-#   H200 too. The planner names the way out, and a bf16 residual stream (half the bytes, some accuracy:
+#   H200 too. The planner names the way out, and a bf16 residual (half the bytes, some accuracy:
 #   README, Numerics) is one:
 
 # %%
@@ -154,8 +154,8 @@ print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB ({'FITS' if cli
 # A plan is only useful if it counts what the engine allocates. On a toy model, build the real
 # `stream.Trainer` for each mode, with and without clipping (bf16 compute on the CPU gives fast mode its
 # shadow), and ask its store what it holds (`HostAdamW.nbytes()`). Without clipping the engine keeps no
-# per-unit gradient; it allocates unit-sized staging slabs instead -- as many as the plan says hide a
-# gradient's trip to the optimizer (train.py passes p["staging_slabs"]), which the plan lists apart.
+# per-unit gradient; it allocates unit-sized gradient slabs instead -- as many as the plan says hide a
+# gradient's trip to the optimizer (train.py passes p["grad_slabs"]), which the plan lists apart.
 
 # %%
 toy = model.PRESETS["toy"]
@@ -166,20 +166,20 @@ for mode in ("fast", "lean"):
     for clip_on in (True, False):
         p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=1.0 if clip_on else 0.0)
         t = Trainer(toy, w0, device="cpu", dtype=torch.bfloat16, mode=mode, grad_clip=1.0 if clip_on else 0.0,
-                    staging_slabs=p["staging_slabs"])
-        slabs_engine = t.slabs.qsize()
-        slabs_plan = sum(int(k.split(":")[1].split()[0]) for k in p["host"] if k.startswith("fp32 grad staging"))
+                    grad_slabs=p["grad_slabs"])
+        slabs_engine = t.opt.pool.qsize()       # the slabs waiting to be lent (none is, between steps)
+        slabs_plan = sum(int(k.split(":")[1].split()[0]) for k in p["host"] if k.startswith("fp32 grad slabs"))
         store[mode, clip_on] = (t.opt.nbytes(), p["host_bytes_per_param"] * N)
         print(f"toy {mode:<4} clip {str(clip_on):<5}: engine store {store[mode, clip_on][0] / N:.0f} B/param, "
               f"plan {store[mode, clip_on][1] / N:.0f} B/param; "
-              f"staging slabs: engine {slabs_engine}, plan {slabs_plan}")
+              f"grad slabs: engine {slabs_engine}, plan {slabs_plan}")
 
 # %% [markdown]
 # ## Check
 #
 # * the planner's bytes per parameter equal section 1's arithmetic for every mode;
 # * with the paper's 1.5 TB, 120b fits on an H200 in lean mode (>= 12 B/param: fp32 master + Adam) and
-#   not in fast mode; 100b fits in both; on the GH200 a bf16 residual stream makes 120b fit;
+#   not in fast mode; 100b fits in both; on the GH200 a bf16 residual makes 120b fit;
 # * the plan's per-parameter store is exactly the bytes the engine's store allocates, in all four cases.
 
 # %%

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from megatrain_min import chat, data  # noqa: E402
 from megatrain_min.hf import load_hf, save_hf  # noqa: E402
+from megatrain_min.tokenizer import HFTokenizer  # noqa: E402
 from optim import lr_at  # noqa: E402
 from stream import Trainer  # noqa: E402
 
@@ -125,7 +126,7 @@ print(f"model.forward vs transformers on the base checkpoint: max rel diff {diff
 # %% [markdown]
 # ## 4. Tokenize the data with the model's tokenizer
 #
-# `data.HFTokenizer(dir)` reads `tokenizer.json` (the `tokenizers` package, no transformers at run time),
+# `HFTokenizer(dir)` (megatrain_min/tokenizer.py) reads `tokenizer.json` (the `tokenizers` package, no transformers at run time),
 # finds bos/eos and the chat template. `data.chat_tokens(tokenizer, messages)` renders a conversation with
 # that template (jinja2, as transformers' `apply_chat_template` does: the same ids, token for token) and
 # marks the tokens to learn: each assistant answer and the end-of-turn marker after it (`<|im_end|>`, so
@@ -135,7 +136,7 @@ print(f"model.forward vs transformers on the base checkpoint: max rel diff {diff
 # each: `.` is a target without loss, its text otherwise.
 
 # %%
-tokenizer = data.HFTokenizer(base)
+tokenizer = HFTokenizer(base)
 ids, supervised = data.chat_tokens(tokenizer, rows[0]["messages"])
 print("rendered, loss on [[ ]]:", repr(chat.layout(tokenizer, ids, supervised)))
 SEQ = 32

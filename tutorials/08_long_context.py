@@ -7,7 +7,7 @@
 # * **sequence tiling**: the token-local parts of a layer (norms, projections, MLP) computed a tile of
 #   tokens at a time -- in the forward, the recompute and the backward -- while attention sees the whole
 #   sequence; why it is exact, and how the backward of a tiled layer goes;
-# * what each technique buys in context length: tiling, checkpoint offload, the chunked loss, flash
+# * what each technique buys in context length: tiling, activation offload, the chunked loss, flash
 #   attention -- with the planner's numbers for Llama-2-7B on one GH200;
 # * the longest context per model and GPU, next to the published ones (MegaTrain: 7B at 512k on one GH200;
 #   Arctic Long Sequence Training: Llama-8B at 500k on one H100). Predictions: no GPU ran them.
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
+from megatrain_min import memory, tiling  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 
 GB = 1e9
@@ -47,7 +48,7 @@ print(f"7b, T = {T:,}, bf16:")
 print(f"  q, k or v        (T, d)    {T * C7.d_model * 2 / GB:6.1f} GB each")
 print(f"  MLP intermediate (T, d_ff) {T * C7.d_ff * 2 / GB:6.1f} GB each, and the untiled layer saves ~6 of them")
 print(f"  attention scores (h, T, T) {C7.n_head * T * T * 2 / GB:8,.0f} GB -- never made by flash attention")
-untiled = model.block_activation_bytes(C7, T, 2, 4)
+untiled = memory.block_activation_bytes(C7, T, 2, 4)   # the planner's formula (megatrain_min/memory.py)
 print(f"  the untiled layer's backward: ~{untiled / GB:.0f} GB of activations; a GH200 has 96 GB")
 
 # %% [markdown]
@@ -78,15 +79,16 @@ with torch.no_grad():
 print(f"MLP whole vs in tiles of 256: max |diff| = {(whole - tiled).abs().max():.1e}")
 
 # %% [markdown]
-# `model.block(cfg, x, w, rope, tile_tokens)` does this for the whole layer. It is written as two
-# token-local parts around the one global operation:
+# `tiling.Tiled(tile_tokens)` does this for the whole layer: its `block` and `block_grad` are what the
+# engine is handed for long sequences (`stream.Trainer(layer=Tiled(n))`; `megatrain_min/tiling.py`). The
+# layer is written in model.py as two token-local parts around the one global operation:
 #
 #     A  (per tile)  norm -> q, k, v projections -> RoPE              model.attn_in
 #        (whole T)   causal SDPA on q, k, v of all T tokens           model.attention
 #     C  (per tile)  x + o_proj(y) -> norm -> MLP -> + residual        model.attn_out_mlp
 #
-# and one loop, `model.over_tiles`, runs a part over the tiles (`tile_tokens=0`: one tile, the plain
-# layer). The backward (`model.block_grad`) goes the same way in reverse, recomputing as it goes:
+# and one loop, `tiling.over_tiles`, runs a part over the tiles. The backward (`Tiled.block_grad`) goes
+# the same way in reverse, recomputing as it goes:
 #
 #     C  per tile: recompute from (x, y) with grad; dout -> dx (part), dy_att, dW_C added to fp32 grads
 #     attention:   SDPA's backward on the whole sequence: dy_att -> dq, dk, dv
@@ -102,9 +104,10 @@ dy = torch.randn_like(x)
 res = {}
 for tile in (0, 256, 300):                                             # 300 does not divide 1024
     acc = {k: torch.zeros(v.shape) for k, v in w.items()}             # fp32 gradient accumulators
+    layer = tiling.Tiled(tile) if tile else model                       # 0: model's own, untiled layer
     with torch.no_grad():
-        out = model.block(cfg, x, w, rope, tile)
-    dx = model.block_grad(cfg, x, w, rope, dy, acc, tile)
+        out = layer.block(cfg, x, w, rope)
+    dx = layer.block_grad(cfg, x, w, rope, dy, acc)
     res[tile] = (out, dx, acc)
 rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()      # noqa: E731
 errs = {}
@@ -134,7 +137,8 @@ class Largest(TorchDispatchMode):
 largest = {}
 for tile in (0, 256):
     with Largest() as m:
-        model.block_grad(cfg, x, w, rope, dy, {k: torch.zeros(v.shape) for k, v in w.items()}, tile)
+        layer = tiling.Tiled(tile) if tile else model
+        layer.block_grad(cfg, x, w, rope, dy, {k: torch.zeros(v.shape) for k, v in w.items()})
     largest[tile] = m.numel
     print(f"tile {tile:>3}: largest tensor of the layer's recompute + backward {m.numel:>9,} elements "
           f"(T x d_ff = {Tc * cfg.d_ff:,}, T x d = {Tc * cfg.d_model:,})")
@@ -143,9 +147,9 @@ for tile in (0, 256):
 # ## 3. What each technique buys
 #
 # The planner (`megatrain_min/plan.py`) counts what the engine holds on the GPU at long T: the residual
-# stream x and its gradient dy (fp32 by default), the whole sequence's attention tensors (q, k, v, the
+# x and its gradient dy (fp32 by default), the whole sequence's attention tensors (q, k, v, the
 # output, their gradients, the flash backward's fp32 workspace: all O(T)), one tile's token-local
-# activations, the loss chunk, the RoPE tables, and the boundary checkpoints -- offloaded to pinned host
+# activations, the loss chunk, the RoPE tables, and the boundary activations -- offloaded to pinned host
 # memory through a ring of two device slots when they do not fit. `max_context` searches the longest T
 # that fits. Take 7b on a GH200 (96 GB HBM, its 480 GB of LPDDR5X) at batch 1 with train.py's defaults,
 # and switch one technique off at a time:
@@ -160,24 +164,24 @@ def gh200(**change):
 base = gh200()
 longest = {"all of them": planner.max_context(base)[0],
            "no tiling (--tile-tokens 0)": planner.max_context(gh200(tile_tokens=0))[0],
-           "no checkpoint offload": planner.max_context(gh200(offload_checkpoints=False))[0],
+           "no activation offload": planner.max_context(gh200(offload_activations=False))[0],
            "no chunked loss (one chunk of T)": planner.max_context(gh200(chunk_tokens=1 << 30))[0]}
 # flash attention off: the math kernel keeps (h, T, T) scores; softmax output and its gradient, bf16, ~2 x 2 B
 math_T = int((96 * GB / (C7.n_head * 2 * 2)) ** 0.5)
 longest["no flash attention (math kernel, by hand)"] = math_T
-longest["+ bf16 residual stream (--residual-dtype bf16)"] = planner.max_context(gh200(residual_dtype="bf16"))[0]
+longest["+ bf16 residual (--residual-dtype bf16)"] = planner.max_context(gh200(residual_dtype="bf16"))[0]
 for k, v in longest.items():
     print(f"  {k:<48} {v:>9,} tokens")
 print(planner.format_plan(base))
 
 # %% [markdown]
-# Read it from the bottom of the plan up: at 512k the fp32 checkpoints of 32 layers are 275 GB -- only the
-# host can hold them, and they cost no time (a layer's compute at 512k takes seconds, its checkpoint's
+# Read it from the bottom of the plan up: at 512k the fp32 boundary activations of 32 layers are 275 GB -- only the
+# host can hold them, and they cost no time (a layer's compute at 512k takes seconds, their
 # copy milliseconds). Without tiling the MLP's (T, d_ff) tensors alone exceed the GPU long before 512k.
 # The chunked loss saves the (T, V) logits (67 GB in fp32 at 512k with Llama-2's 32k vocabulary, more with
 # Llama 3's 128k). And without a flash kernel the (T, T) scores end the story at a few ten thousand
-# tokens. What is left is O(T) with a large constant: x, dy, the checkpoint ring and attention's tensors.
-# A bf16 residual stream halves three of those, at the accuracy cost README's Numerics section measures.
+# tokens. What is left is O(T) with a large constant: x, dy, the activation ring and attention's tensors.
+# A bf16 residual halves three of those, at the accuracy cost README's Numerics section measures.
 #
 # ## 4. How long, per model and GPU
 #
@@ -209,9 +213,9 @@ print("published: MegaTrain 7B at 512k on one GH200; ALST Llama-8B at 500k on on
 assert (whole - tiled).abs().max() < 1e-5
 assert max(errs.values()) <= 1e-6, errs
 assert largest[0] >= Tc * cfg.d_ff > largest[256]
-assert base["fits"] and base["tile_tokens"] and base["offload_checkpoints"]
+assert base["fits"] and base["tile_tokens"] and base["offload_activations"]
 assert longest["all of them"] >= T
 assert all(v < longest["all of them"] for k, v in longest.items() if k.startswith("no "))
-assert longest["+ bf16 residual stream (--residual-dtype bf16)"] > longest["all of them"]
+assert longest["+ bf16 residual (--residual-dtype bf16)"] > longest["all of them"]
 print(f"OK  tiled == untiled (<= {max(errs.values()):.0e}); no (T, d_ff) tensor with tiles; 7b at {T:,} tokens fits a "
       f"GH200 with 480 GB (longest: {longest['all of them']:,}); each technique off shortens it")

@@ -11,7 +11,7 @@
 # * (with CUDA) the same picture from a real `torch.profiler` trace.
 #
 # Lesson 4 built the ping-pong by hand and checked the order of the few ops it logged itself. The engine has
-# more on its lanes -- boundary checkpoints offloaded through a device ring, staging slabs, tiles -- and
+# more on its lanes -- boundary activations offloaded through a device ring, gradient slabs, tiles -- and
 # lessons 6-9 scaled it up. Here the same two questions -- is every access ordered, and how long does a step
 # take -- are answered for the engine itself, every aten op it runs, at any size.
 #
@@ -32,29 +32,29 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min import race, sim, twin  # noqa: E402
+from megatrain_min import race, record, twin  # noqa: E402
 
 # %% [markdown]
 # ## 1. Checked lanes: the real engine, every op on a stream
 #
 # `stream.Trainer` asks its hardware for lanes (`stream.Lanes`: three streams, the host's waits, the optimizer
-# thread). `megatrain_min.sim` hands it another backend with the same methods: each lane has an identity, a
+# thread). `megatrain_min.record` hands it another backend with the same methods: each lane has an identity, a
 # TorchDispatchMode attributes every aten op to a lane (or to the main / optimizer thread) with the bytes it
-# reads and writes, and every record, wait, host wait, future and staging-slab hand-off is an edge.
+# reads and writes, and every record, wait, host wait, future and gradient-slab hand-off is an edge.
 # `race.Checker` keeps a vector clock per lane and thread, as lesson 4's checker did for its own log (and as
 # PyTorch's CUDA sanitizer does on a GPU): two accesses to the same bytes, one a write, from two lanes with no
 # edge between them, is a race. The engine runs unchanged. Two steps of the toy model, 2 micro-batches,
-# boundary checkpoints offloaded through the device ring:
+# boundary activations offloaded through the device ring:
 
 # %%
 cfg = model.PRESETS["toy"]
 clean = race.Checker()
-sim.run(cfg, [clean], 2, batch=(4, 16), micro_batches=2, offload_checkpoints=True, grad_clip=0.0)
+record.run(cfg, [clean], 2, batch=(4, 16), micro_batches=2, offload_activations=True, grad_clip=0.0)
 print(clean.summary())
 
 # %% [markdown]
 # No races. Per step the main thread syncs with the device once (`host_wait`: the loss) and waits for the
-# optimizer thread at each staging slab it takes; the weight copies are what lesson 4 drew: every layer twice
+# optimizer thread at each gradient slab it takes; the weight copies are what lesson 4 drew: every layer twice
 # (forward, backward) but the last, which is still in its slot when the backward starts, and the head once.
 #
 # ## 2. A deliberately broken engine
@@ -62,7 +62,7 @@ print(clean.summary())
 # The same slip as in lesson 4, now in the engine: an h2d lane that ignores every event it is told to wait for.
 
 # %%
-class ForgetfulLanes(sim.SimLanes):
+class ForgetfulLanes(record.SimLanes):
     def __init__(self, rec, device_bytes=None):
         super().__init__(rec, device_bytes)
         self.h2d.wait = lambda event: None           # the h2d stream waits for nothing
@@ -74,8 +74,8 @@ class ForgetfulTrainer(stream.Trainer):
 
 
 broken = race.Checker()
-sim.run(cfg, [broken], 1, trainer_cls=ForgetfulTrainer, batch=(4, 16), micro_batches=2, offload_checkpoints=True,
-        grad_clip=0.0)
+record.run(cfg, [broken], 1, trainer_cls=ForgetfulTrainer, batch=(4, 16), micro_batches=2,
+           offload_activations=True, grad_clip=0.0)
 print("\n".join(broken.summary().splitlines()[:9]))
 
 # %% [markdown]
@@ -101,8 +101,8 @@ H100 = planner.HARDWARE["h100"]
 def predicted(B, T=4096):
     p = planner.plan(C7, "h100", batch_size=B, seq_len=T, grad_clip=0.0)
     tw = twin.Twin(dict(H100, name="h100"))
-    sim.run(C7, [tw], 3, fake=True, sources=False, costs=True, batch=(B, T), dtype=torch.bfloat16, grad_clip=0.0,
-            staging_slabs=p["staging_slabs"], skip_nonfinite=True, offload_checkpoints=p["offload_checkpoints"])
+    record.run(C7, [tw], 3, fake=True, sources=False, costs=True, batch=(B, T), dtype=torch.bfloat16, grad_clip=0.0,
+            grad_slabs=p["grad_slabs"], skip_nonfinite=True, offload_activations=p["offload_activations"])
     return tw, tw.result_of(C7, B * T), p
 
 

@@ -1,0 +1,196 @@
+"""cli.py -- the command-line flags of train.py, the planner and the stream checker, with one home for defaults.
+
+What it is
+    Flag groups, each added to a parser by one function, their defaults in one place (DEFAULTS):
+      model     --config and the shape overrides, --max-seq-len                      (config_of: the GPTConfig)
+      step      batch, sequence, micro-batches, clipping, memory mode, dtypes, offload, loss chunk, tile
+      hardware  what to plan for: --hardware, --host-mem, --host-bw, --gpus, --nodes
+      run       train.py's own: steps, schedule, data, outputs, checkpoints, --init-from, --plan
+    python train.py, python -m megatrain_min.plan and python -m megatrain_min.sim take the same flags with the
+    same defaults; plan.from_flags turns them into a plan, plan.engine_kw a plan into the engine's arguments.
+    check(a) says in one line what is wrong with flags that cannot be right (FlagError), before anything runs.
+What it is not
+    Not a configuration system: a preset from model.PRESETS plus flags, nothing read from files.
+"""
+import dataclasses
+import math
+
+import model
+import optim
+from megatrain_min.checks import HyperParameterError, check_hyper
+
+# The defaults of the shared flags. lr: the toy preset's (train.py's default model); the library's (optim.LR)
+# suits large models.
+DEFAULTS = dict(config="toy", batch_size=32, seq_len=128, micro_batches=1, grad_clip=1.0, mode="fast",
+                dtype=None, residual_dtype="fp32", offload_activations="auto", chunk_tokens=0,
+                tile_tokens=None, hardware="local", gpus=1, nodes=1, lr=3e-3, weight_decay=optim.WEIGHT_DECAY)
+SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
+OFFLOAD = {"auto": None, "on": True, "off": False}
+
+
+class FlagError(ValueError):
+    """A flag no run can use: one line naming it."""
+
+
+def add_model(p, config_default=True):
+    """--config, the shape overrides, --max-seq-len."""
+    p.add_argument("--config", default=DEFAULTS["config"] if config_default else None,
+                   help=f"preset: {', '.join(model.PRESETS)} (default: {DEFAULTS['config']})")
+    for f in SHAPE:
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="raise (or lower) the model's max_seq_len: longer sequences than the preset's (RoPE has no "
+                        "table; default: the preset's)")
+
+
+def add_step(p):
+    """What one step is: its batch, micro-batches and sequence length, and how the engine runs it."""
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="sequences per optimizer step (default: %(default)s)")
+    p.add_argument("--micro-batches", type=int, default=DEFAULTS["micro_batches"],
+                   help="split each step (under torchrun: each rank's share of it) into this many micro-batches "
+                        "(default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
+                   help="tokens per sequence, <= the model's max_seq_len (default: %(default)s)")
+    p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"],
+                   help="global grad-norm clip, 0 = off (default: %(default)s)")
+    p.add_argument("--mode", default=DEFAULTS["mode"], choices=["fast", "lean"],
+                   help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param (default: %(default)s)")
+    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bf16", "fp32"],
+                   help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--residual-dtype", default=DEFAULTS["residual_dtype"], choices=["fp32", "bf16"],
+                   help="dtype of the residual (x, dy, boundary activations); bf16 halves those bytes at some "
+                        "accuracy (default: %(default)s)")
+    p.add_argument("--offload-activations", default=DEFAULTS["offload_activations"], choices=list(OFFLOAD),
+                   help="boundary activations in host memory; auto: when they would not fit on the device "
+                        "(default: %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"],
+                   help="tokens per loss chunk (default: 0 = model.default_chunk_tokens)")
+    p.add_argument("--tile-tokens", type=int, default=DEFAULTS["tile_tokens"],
+                   help="run each layer's norms, projections and MLP this many tokens at a time (exact; 0 = untiled; "
+                        "default: the planner's choice, untiled unless long sequences need it)")
+
+
+def add_hardware(p, default=DEFAULTS["hardware"]):
+    """What to plan for (the planner, the stream checker's twin; train.py: --plan)."""
+    p.add_argument("--hardware", default=default,
+                   help="plan for: local (this machine) or a profile of plan.HARDWARE (python -m megatrain_min.plan "
+                        "--hardware all lists them) (default: %(default)s)")
+    p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the hardware's)")
+    p.add_argument("--host-bw", type=float, default=None,
+                   help="host DRAM bandwidth in GB/s seen by AdamW (default: the hardware's)")
+    p.add_argument("--gpus", type=int, default=DEFAULTS["gpus"],
+                   help="GPUs per node (train.py under torchrun: its ranks per node) (default: %(default)s)")
+    p.add_argument("--nodes", type=int, default=DEFAULTS["nodes"],
+                   help="nodes, each with --gpus GPUs and --host-mem of RAM (default: %(default)s)")
+
+
+def add_run(p):
+    """train.py's own flags: the schedule, the data, the outputs, where the weights come from, --plan."""
+    a = p.add_argument
+    a("--steps", type=int, default=400, help="total optimizer steps; a resumed run continues to this "
+                                             "(default: %(default)s)")
+    a("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate: warmup, then cosine to lr/10 "
+                                                       "(default: %(default)s)")
+    a("--warmup", type=int, default=30, help="linear warmup steps (default: %(default)s)")
+    a("--weight-decay", type=float, default=DEFAULTS["weight_decay"],
+      help="AdamW decay on tensors with >= 2 dims (default: %(default)s)")
+    a("--seed", type=int, default=0, help="seed for init and batches (default: %(default)s)")
+    a("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    a("--data", default=None, help="a .txt (bytes), a .npy token array, an SFT .jsonl, or a directory made by "
+                                   "python -m megatrain_min.data prepare (default: data/tinyshakespeare.txt)")
+    a("--out", default="out", help="output directory for metrics, config and checkpoints (default: %(default)s)")
+    a("--engine", default="stream", choices=["stream", "reference"],
+      help="layer streaming, or plain PyTorch (default: %(default)s)")
+    a("--eval-every", type=int, default=100, help="evaluate val loss every N steps and at the end "
+                                                  "(default: %(default)s)")
+    a("--eval-batches", type=int, default=8, help="val batches per evaluation (default: %(default)s)")
+    a("--init-from", default=None,
+      help="start from a Hugging Face model directory or one of our checkpoints (weights only)")
+    a("--save-hf", default=None, help="at the end, write the weights as a Hugging Face checkpoint to this directory")
+    a("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype of --save-hf "
+                                                                         "(default: %(default)s)")
+    a("--chat-format", default=None, choices=["native", "fixed"],
+      help="how .jsonl conversations are rendered: native = the model directory's own chat_template (the default "
+           "when it has one), fixed = '<|role|>\\n' + content + eos per message")
+    a("--plan", action="store_true", help="print the memory and throughput plan for --hardware and exit "
+                                          "(nothing allocated)")
+    a("--json", action="store_true", help="with --plan: print the plan as one JSON object")
+    a("--max-context", action="store_true",
+      help="with --plan: print the longest --seq-len that fits at --batch-size on --hardware")
+    a("--save-every", type=int, default=0, help="save a checkpoint every N steps, 0 = only at the end "
+                                                "(default: %(default)s)")
+    a("--keep", type=int, default=2, help="keep the last K >= 1 checkpoints of this run (default: %(default)s)")
+    a("--resume", nargs="?", const="latest", default=None,
+      help="continue from the latest checkpoint in --out (or the given one)")
+    a("--max-skips", type=int, default=10, help="stop after this many consecutive non-finite steps "
+                                                "(default: %(default)s)")
+    a("--profile", action="store_true", help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
+    a("--sample-tokens", type=int, default=300, help="length of the sample printed at the end, 0 = none "
+                                                     "(default: %(default)s)")
+
+
+def check(a, world=1):
+    """FlagError naming the first flag that cannot be right, whatever the model: counts that must be positive
+    or >= 0, hyper-parameters (checks.check_hyper), hardware numbers that must be finite and > 0, empty paths,
+    flags that apply only with others; the batch split over `world` ranks (torchrun) and micro-batches."""
+    run = hasattr(a, "out")   # train.py's flags (cli.add_run) too
+    for flag in ("batch_size", "seq_len", "gpus", "nodes") + \
+            (("steps", "eval_batches", "eval_every", "keep", "max_skips") if run else ()):
+        if getattr(a, flag) <= 0:
+            raise FlagError(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+    for flag in ("chunk_tokens",) + (("warmup", "save_every", "sample_tokens", "seed") if run else ()):
+        if getattr(a, flag) < 0:
+            raise FlagError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(a, flag)}")
+    hyper = dict(grad_clip=a.grad_clip, micro_batches=a.micro_batches)
+    try:   # the one home of what a hyper-parameter may be (the engines check the same)
+        check_hyper(**hyper, **(dict(lr=a.lr, weight_decay=a.weight_decay) if run else {}))
+    except HyperParameterError as e:
+        raise FlagError(f"--{e.name.replace('_', '-')}: {e}") from None
+    if a.batch_size % a.micro_batches:
+        raise FlagError(f"--batch-size {a.batch_size} is not divisible by --micro-batches {a.micro_batches}")
+    if world > 1 and a.batch_size % (world * a.micro_batches):
+        raise FlagError(f"--batch-size {a.batch_size} is not divisible by {world} ranks x --micro-batches "
+                        f"{a.micro_batches} (each rank computes --batch-size / {world} sequences in "
+                        f"--micro-batches micro-batches)")
+    if a.tile_tokens is not None and a.tile_tokens < 0:
+        raise FlagError(f"--tile-tokens must be >= 0 (0 = untiled), got {a.tile_tokens}")
+    if a.max_seq_len is not None and a.max_seq_len <= 0:
+        raise FlagError(f"--max-seq-len must be positive, got {a.max_seq_len}")
+    for flag in ("host_mem", "host_bw"):
+        v = getattr(a, flag)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise FlagError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v}")
+    if not run:
+        return
+    for flag in ("out", "save_hf", "init_from", "data"):
+        if getattr(a, flag) == "":
+            raise FlagError(f"--{flag.replace('_', '-')} is an empty path")
+    if world > 1 and (a.engine != "stream" or a.profile):
+        raise FlagError(f"under torchrun ({world} ranks) train.py runs --engine stream without --profile")
+    planning = a.plan or a.json
+    for flag, default in (("hardware", DEFAULTS["hardware"]), ("gpus", 1), ("nodes", 1)):
+        if getattr(a, flag) != default and not planning:
+            raise FlagError(f"--{flag} {getattr(a, flag)} applies to --plan (a run is checked against this "
+                            f"machine, and under torchrun its ranks say how many GPUs); add --plan")
+    if a.init_from and a.config:
+        raise FlagError(f"--config {a.config} and --init-from both give the model; drop --config (the shape comes "
+                        f"from {a.init_from})")
+    over = [f for f in SHAPE if getattr(a, f) is not None]
+    if a.init_from and over:
+        raise FlagError(f"--init-from takes the model shape from {a.init_from}; drop "
+                        f"--{over[0].replace('_', '-')}")
+
+
+def config_of(a, preset=None):
+    """The GPTConfig the flags describe: the preset (or `preset`, a config from a model directory) with the shape
+    overrides (a multi-head preset stays multi-head when only --n-head changes) and --max-seq-len. Unchecked:
+    checks.check_config says what is wrong with it."""
+    over = {f: getattr(a, f) for f in SHAPE if getattr(a, f) is not None}
+    base = preset or model.PRESETS[a.config]
+    if "n_head" in over and "n_kv_head" not in over and base.n_kv_head == base.n_head:
+        over["n_kv_head"] = over["n_head"]
+    cfg = dataclasses.replace(base, head_dim=0, **over) if over else dataclasses.replace(base)
+    if a.max_seq_len is not None:
+        cfg = dataclasses.replace(cfg, max_seq_len=a.max_seq_len)
+    return cfg

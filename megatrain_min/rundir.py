@@ -1,0 +1,277 @@
+"""rundir.py -- a training run's output directory: nothing lost, one line per refusal, documented exit codes.
+
+What it is
+    Run(args) owns --out (and --save-hf) for train.py:
+      check()     before anything is allocated: every place the run writes to is writable, an export never
+                  replaces what is not an earlier export, the disk holds a checkpoint (12 B/param) and the
+                  export; --resume reads the checkpoint's meta.json and refuses other settings
+      claim()     the run lock (one run per --out; the kernel drops it even on SIGKILL), and a new run never
+                  writes into a directory that holds another run's files
+      record()    config.json (the resolved settings) written atomically; on --resume metrics.jsonl is cut to
+                  the checkpoint's step by a new file renamed over it; then one flushed line per step (log)
+      save()      a checkpoint (megatrain_min/checkpoint.py), its failures turned into exit codes
+      signals     SIGTERM / the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C: out at once (130)
+    fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code (EXIT).
+Exit codes (README: Troubleshooting)
+    0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained, nothing lost;
+    3 training diverged (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output
+    could not be written (disk full, file too large, no permission), every earlier checkpoint whole; 130 Ctrl-C
+    before the first step or a second one while training: out at once, no save.
+"""
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megatrain_min import checkpoint, hf
+
+EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, interrupted=130)
+SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data")
+SHUTDOWN_S = 30   # torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
+# this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same errors
+state = dict(rank=0, quiet=False)
+
+
+def fail(msg, code=EXIT["bad_input"]):
+    """One line on stderr and an exit code: 2 = bad input, refused before training, nothing half-written."""
+    if not state["quiet"]:
+        rank = state["rank"]
+        print(f"error: {f'rank {rank}: ' if rank else ''}{msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def torchrun():
+    """(rank, world, gpus per node) of this process from torchrun's RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (a
+    plain run: 0, 1, 1), checked: one line and exit 2 when they are not what torchrun sets. A rank other than 0
+    prints nothing (its errors: fail) and, until the run directory is checked, says no error the others say."""
+    env = os.environ
+    try:
+        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        gpus, local = int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))
+    except ValueError:
+        fail("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (torchrun sets them); "
+             "launch with torchrun, or unset them for a plain run")
+    if not (world >= 1 and 0 <= rank < world and 1 <= gpus <= world and world % gpus == 0 and
+            0 <= local < gpus):
+        fail(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}, LOCAL_WORLD_SIZE={gpus} do not describe a "
+             f"torchrun launch (0 <= RANK < WORLD_SIZE, a whole number of nodes of LOCAL_WORLD_SIZE ranks); "
+             f"launch with torchrun, or unset them for a plain run")
+    state.update(rank=rank, quiet=rank > 0)
+    if rank:
+        sys.stdout = open(os.devnull, "w")   # only rank 0 prints
+    return rank, world, gpus
+
+
+def writable(path, flag):
+    """The nearest existing directory at or above `path`; fail unless this process may create files there."""
+    base = path
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        fail(f"{flag} {path}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: {base} is not writable by this user")
+    return base
+
+
+def write_atomically(path, text):
+    """Replace path by a file holding text: a new file, fsynced, renamed over it (a crash leaves old or new)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+class Run:
+    def __init__(self, args, rank=0, world=1, gpus=1):
+        self.a, self.rank, self.world, self.gpus = args, rank, world, gpus
+        self.out = Path(args.out)
+        self.hf_dir = Path(args.save_hf) if args.save_hf else None
+        self.run_id, self.start_step, self.val_loss, self.skips = uuid.uuid4().hex[:12], 0, None, 0
+        self.resume_from, self.metrics, self.stop, self.saved = None, None, [], []
+
+    # ------------------------------------------------------------------ before anything is allocated
+    def check(self, cfg, n_params, init_dir, batches):
+        """Every output writable, the export target ours to replace, the disk big enough; --resume's checkpoint
+        of this model made with these settings (its sampler position and RNG restored into `batches` and the
+        generators)."""
+        a, out, hf_dir = self.a, self.out, self.hf_dir
+        state["quiet"] = False    # from here a rank may find what the others do not (its disk, its device)
+        out_base = writable(out, "--out")
+        if a.resume:              # its meta.json now (cheap); its weights once the engine exists
+            if a.engine != "stream":
+                fail("--resume needs --engine stream (the reference engine keeps no host store to checkpoint)")
+            self.resume_from = checkpoint.latest(out) if a.resume == "latest" else Path(a.resume)
+            if self.resume_from is None:
+                fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
+            self._resume(cfg, batches)
+        hf_base = None
+        if hf_dir is not None:
+            try:
+                hf.check_export_dir(hf_dir)
+            except hf.HFError as e:
+                fail(f"--save-hf: {e}")
+            if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
+                fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole directory: put it beside "
+                     f"the run")
+            if init_dir is not None and hf_dir.resolve() == init_dir.resolve():
+                fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace the model this run "
+                     f"starts from")
+            hf_base = writable(hf_dir.parent, "--save-hf")
+        need = {}  # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
+        for base, n in ((out_base, 12 * n_params if a.engine == "stream" else 0),
+                        (hf_base, n_params * {"bf16": 2, "fp32": 4}[a.save_hf_dtype] if hf_dir else 0)):
+            if n:
+                dev_base, had = need.get(os.stat(base).st_dev, (base, 0))
+                need[os.stat(base).st_dev] = (dev_base, had + n)
+        for base, n in need.values():
+            if (free := shutil.disk_usage(base).free) < n:
+                fail(f"{base} has {free / 1e9:.2f} GB free; this run writes {n / 1e9:.2f} GB there (a checkpoint "
+                     f"is 12 B/param, --save-hf 2 or 4). Free some space, or write elsewhere")
+
+    def _resume(self, cfg, batches):
+        a, path = self.a, self.resume_from
+        try:
+            doc = checkpoint.read_meta(path)
+            checkpoint.check_model(path, doc, cfg)
+            ck = doc["meta"]
+            changed = [k for k in SAME_RUN if ck["args"].get(k) != vars(a)[k]]
+            if changed:
+                was = ', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
+                fail(f"--resume: {path.name} was made with other settings ({was}); pass the same flags to "
+                     f"continue bit-exactly")
+            self.run_id, self.start_step, self.val_loss = ck.get("run"), doc["step"], ck["val_loss"]
+            self.skips = int(ck["skips"])
+            batches.load_state_dict(ck["data"])
+            checkpoint.set_rng_state(ck["rng"])
+        except checkpoint.CheckpointError as e:
+            fail(str(e))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:  # edited meta
+            fail(f"--resume: {path}/meta.json does not hold what train.py saves ({type(e).__name__}: {e})")
+        if self.start_step >= a.steps:
+            fail(f"--resume: {path.name} is at step {self.start_step}, already >= --steps {a.steps}; raise --steps "
+                 f"to train on")
+
+    def claim(self):
+        """The run lock (rank 0 holds it for the run: its ranks write their checkpoint parts there too), and no
+        file of another run in --out: a new run never writes where another one did."""
+        out = self.out
+        try:
+            self.lock = checkpoint.lock(out) if self.rank == 0 else None   # held until this process ends
+            out.mkdir(parents=True, exist_ok=True)       # (rank 0 made it in lock(), maybe not yet)
+            probe = out / f".probe-{os.getpid()}"        # the lock file may exist already: can we create files?
+            probe.touch()
+            probe.unlink()
+        except checkpoint.LockError as e:
+            fail(f"{e}; wait for it to finish, or pass another --out")
+        except OSError as e:
+            fail(f"--out {out}: cannot write there ({e.strerror})")
+        held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + \
+            [p for _, p in checkpoint.checkpoints(out)] if self.rank == 0 else []
+        for p in held:  # under the lock: nobody else writes here now
+            try:
+                owner = (json.loads(p.read_text()).get("run") if p.name == "config.json" else
+                         checkpoint.read_meta(p)["meta"].get("run") if p.name.startswith("ckpt-") else self.run_id)
+            except (OSError, ValueError, AttributeError):
+                owner = "unknown"
+            if not self.a.resume or owner != self.run_id:
+                fail(f"--out {out} holds {'another' if self.a.resume else 'a'} run ({p.name}); continue it with "
+                     f"--resume, or pass a fresh --out (nothing here is overwritten)")
+
+    # ------------------------------------------------------------------ while training
+    def record(self, settings):
+        """config.json (the resolved settings), metrics.jsonl cut to the checkpoint's step on --resume, then open
+        for one flushed line per step. Rank 0 keeps the record."""
+        if self.rank:
+            return
+        out = self.out
+        try:
+            write_atomically(out / "config.json", json.dumps({"run": self.run_id, **settings}, indent=2) + "\n")
+            if self.a.resume and (out / "metrics.jsonl").exists():  # keep the lines up to the checkpoint
+                kept = []
+                for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
+                    try:
+                        if json.loads(line)["step"] <= self.start_step:
+                            kept.append(line + "\n")
+                    except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                        pass
+                write_atomically(out / "metrics.jsonl", "".join(kept))
+            self.metrics = open(out / "metrics.jsonl", "a")
+        except OSError as e:
+            fail(f"could not write the run record in {out} ({e.strerror}: {e.filename})", EXIT["write_failed"])
+
+    def log(self, rec):
+        """One line of metrics.jsonl, flushed (rank 0)."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+        except OSError as e:
+            fail(f"could not write {self.out / 'metrics.jsonl'} ({e.strerror}); the last checkpoint is "
+                 f"{checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
+
+    def save(self, trainer, step, state, tokenizer_from=None):
+        """checkpoint.save of the trainer at `step`, with train.py's state (the data sampler's, the RNG's, the
+        flags') and the tokenizer files of `tokenizer_from` (the model directory the run started from); a
+        non-finite master: exit 3, a write error: exit 4. Under torchrun the first save says how long it took:
+        a stop on SIGTERM must save within torchrun's --shutdown-timeout."""
+        t0 = time.time()
+        meta = {"run": self.run_id, "args": vars(self.a), "skips": self.skips, "val_loss": self.val_loss, **state}
+        try:
+            path = checkpoint.save(trainer, self.out, step, meta, keep=self.a.keep, tokenizer_from=tokenizer_from)
+        except checkpoint.NonFiniteError as e:
+            fail(f"{e}; the last good checkpoint is {checkpoint.latest(self.out) or 'none'}. Try a lower --lr",
+                 EXIT["diverged"])
+        except checkpoint.SaveError as e:
+            fail(f"{e}. Free space (or fix the permission), then continue with --resume", EXIT["write_failed"])
+        took = time.time() - t0
+        if self.world > 1 and not self.saved:
+            self.saved.append(took)
+            tqdm.write(f"checkpoint {path.name} took {took:.1f} s" + (
+                f": more than half of torchrun's default {SHUTDOWN_S} s between its SIGTERM and SIGKILL; launch it "
+                f"with --shutdown-timeout {math.ceil(3 * took)} so that a stop can save" if took > SHUTDOWN_S / 2
+                else ""))
+        return path
+
+    def close(self):
+        if self.metrics is not None:
+            self.metrics.close()
+
+    # ------------------------------------------------------------------ signals
+    def catch_signals(self):
+        """SIGTERM / the first Ctrl-C: finish the step, save, exit (self.stop holds the signal); a second
+        Ctrl-C interrupts at once."""
+        def request_stop(signum, frame):
+            if self.stop and signum == signal.SIGINT:
+                print(f"error: interrupted twice: exiting now without a save; the last checkpoint is "
+                      f"{checkpoint.latest(self.out) or 'none'}", file=sys.stderr)
+                raise SystemExit(EXIT["interrupted"])   # where the main thread is: a save cleans up after itself
+            self.stop.append(signum)
+            tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of this step, then exiting")
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def agree_stop(self, trainer):
+        """A signal may reach the ranks in different steps: they stop (and save) in the same one."""
+        if self.world > 1:
+            self.stop[:] = [s for s in trainer.placement.gather_object(self.stop[0] if self.stop else None)
+                            if s is not None][:1]
+
+    def describe_checkpoints(self, n_params):
+        """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM window."""
+        return (f"a checkpoint writes {12 * n_params / max(1, self.world // self.gpus) / 1e9:.1f} GB per node. A "
+                f"SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them {SHUTDOWN_S} s later "
+                f"unless launched with --shutdown-timeout SECONDS: the first save says how long one takes")

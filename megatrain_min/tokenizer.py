@@ -1,0 +1,144 @@
+"""tokenizer.py -- a model directory's tokenizer: tokenizer.json, its special tokens, its chat template.
+
+What it is
+    HFTokenizer(model_dir): tokenizer.json through the `tokenizers` package (no transformers at run time), the
+    bos and eos tokens the directory names, its named special tokens, and its chat template (load_template:
+    where transformers looks for it). Any directory holding the TOKENIZER_FILES is a tokenizer source: a
+    Hugging Face model directory, an export of ours (hf.save_hf), one of our checkpoints (checkpoint.save with
+    tokenizer_from=); copy_tokenizer_files carries them along, with config.json's bos/eos/pad ids (config_ids).
+What it is not
+    No BPE training and no tokenizer of our own beyond bytes (data.ByteTokenizer).
+Try it
+    python -m megatrain_min.chat MODEL_DIR chat.jsonl     # a conversation through a model's tokenizer
+"""
+import json
+import shutil
+from pathlib import Path
+
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be found, rendered, or whose turns cannot be found. One line."""
+
+
+def load_template(model_dir):
+    """The model directory's chat template (a jinja source string), or None if it has none."""
+    d = Path(model_dir)
+    files = {p.stem: p for p in sorted((d / "additional_chat_templates").glob("*.jinja"))}
+    if (d / "chat_template.jinja").is_file():          # files win over tokenizer_config.json, as in transformers
+        files["default"] = d / "chat_template.jinja"
+    if files:
+        template = {name: p.read_text(encoding="utf-8") for name, p in files.items()}
+    else:
+        try:
+            template = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError):
+            return None
+        if isinstance(template, list):                  # [{"name": ..., "template": ...}, ...]
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if isinstance(template, dict):
+        if not isinstance(template.get("default"), str):
+            raise ChatTemplateError(f"{d}: chat templates {sorted(map(str, template))} and none named 'default'")
+        template = template["default"]
+    return template if isinstance(template, str) and template.strip() else None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+CONFIG_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")   # what a model's config.json says of its tokenizer
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def config_ids(model_dir):
+    """{bos/eos/pad_token_id: value} of a model directory's config.json; for one of our checkpoints (no config.json)
+    the copy of them that checkpoint.save recorded in its meta.json under "tokenizer"."""
+    d = Path(model_dir)
+    if (d / "config.json").is_file():
+        conf = _read_json(d / "config.json")
+    else:
+        conf = _read_json(d / "meta.json")
+        conf = conf.get("tokenizer") if isinstance(conf, dict) else None
+        conf = conf.get("config_ids") if isinstance(conf, dict) else None
+    return {k: conf[k] for k in CONFIG_IDS if k in conf} if isinstance(conf, dict) else {}
+
+
+def copy_tokenizer_files(src, dst):
+    """Copy src's tokenizer files (TOKENIZER_FILES and additional_chat_templates/) into the directory dst.
+    Returns {"files": [names copied], "config_ids": config_ids(src)}: what dst needs to be the same tokenizer
+    source as src (hf.save_hf writes the ids into its config.json, checkpoint.save into its meta.json)."""
+    src, dst = Path(src), Path(dst)
+    files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+    for f in files:
+        shutil.copyfile(src / f, dst / f)
+    if (src / "additional_chat_templates").is_dir():             # named chat templates beside the default
+        shutil.copytree(src / "additional_chat_templates", dst / "additional_chat_templates")
+        files.append("additional_chat_templates")
+    return {"files": files, "config_ids": config_ids(src)}
+
+
+class HFTokenizer:
+    """A model directory's tokenizer.json through the `tokenizers` package (no transformers at run time).
+    model_dir: a Hugging Face model directory, or one of our checkpoints that carries the tokenizer files.
+
+    eos_id: the eos token named by tokenizer_config.json or special_tokens_map.json, else generation_config.json's
+    or config.json's eos_token_id (config_ids: a checkpoint's record of them), else None. bos_id: the bos token
+    named by those tokenizer files (and not switched off by add_bos_token: false), else None -- Qwen has none,
+    Llama and Mistral do.
+    chat_template: the directory's template (chat.load_template) or None; special_tokens: the named ones
+    ({"bos_token": "<s>", ...}) that a template sees.
+    """
+
+    def __init__(self, model_dir):
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"{d}: no tokenizer.json (a model directory's fast tokenizer is needed to tokenize text)")
+        from tokenizers import Tokenizer
+        try:
+            self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own exception type
+            raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+        self.vocab_size = self.tok.get_vocab_size()
+        files = [_read_json(d / "tokenizer_config.json"), _read_json(d / "special_tokens_map.json")]
+        self.eos_id = self._named(files, "eos_token")
+        if self.eos_id is None:
+            for conf in (_read_json(d / "generation_config.json"), config_ids(d)):
+                ids = conf.get("eos_token_id")
+                ids = ids[0] if isinstance(ids, list) and ids else ids
+                if isinstance(ids, int):
+                    self.eos_id = ids
+                    break
+        self.bos_id = self._named(files, "bos_token") if files[0].get("add_bos_token", True) else None
+        self.special_tokens = {}
+        for name in SPECIAL_NAMES:
+            tok = next((conf[name] for conf in files if conf.get(name) is not None), None)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(tok, str):
+                self.special_tokens[name] = tok
+        self.chat_template = load_template(d)
+
+    def _named(self, files, field):
+        for conf in files:
+            tok = conf.get(field)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(tok, str) and self.tok.token_to_id(tok) is not None:
+                return self.tok.token_to_id(tok)
+        return None
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text):
+        """(ids, [(start, end)] character offsets of each token in text)."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
