@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import checkpoint, cli, data, hf, rundir, sample, sharded
+from megatrain_min import checkpoint, cli, corpus, hf, rundir, sample, sharded
 from megatrain_min import plan as planner
 from megatrain_min.checks import Trainer, check_config, check_device
 from megatrain_min.lazy_init import LazyInit
@@ -49,6 +49,7 @@ from megatrain_min.tokenizer import HFTokenizer
 from optim import lr_at
 
 # --- flags ----------------------------------------------------------------------------------------
+cli.survive_closed_pipe()               # `python train.py --plan --json | head`: no traceback
 RANK, WORLD, GPUS = rundir.torchrun()   # rank RANK of WORLD processes, GPUS per node; plain: 0 of 1
 p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host RAM.")
 for add in (cli.add_model, cli.add_step, cli.add_hardware, cli.add_run):
@@ -88,7 +89,7 @@ except ValueError as e:
 dtype = planner.DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
                                       "default on CPU: bf16 matmuls are slow there")
-plan_only = args.plan or args.json
+plan_only = args.plan or args.json or args.max_context
 if args.seq_len > cfg.max_seq_len and plan_only:  # planning is arithmetic: any length
     cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
     if not args.json:
@@ -132,18 +133,17 @@ print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual
 print(planner.describe_run(pl, WORLD, GPUS))
 
 # --- data -----------------------------------------------------------------------------------------
-try:
+try:   # a model that is not a byte model reads text through its own tokenizer
     needs_tokenizer = init_weights is not None or (init_dir is not None and cfg.vocab_size != 256)
-    train_batches, val_batches, lines = data.for_training(
-        args.data, cfg.vocab_size, args.batch_size, args.seq_len, args.seed, tokenizer, init_dir,
-        args.chat_format, needs_tokenizer)
+    source = corpus.open_data(args.data, cfg, args.batch_size, args.seq_len, args.seed, tokenizer,
+                              init_dir, args.chat_format, needs_tokenizer, args.sample_prompt)
 except ValueError as e:
     fail(str(e))
-print("\n".join(lines))
+print("\n".join(source.lines))
 
 # --- the run directory, checked first -------------------------------------------------------------
 run = rundir.Run(args, RANK, WORLD, GPUS)
-run.check(cfg, n_params, init_dir, train_batches)   # writable, disk space; --resume: its checkpoint
+run.check(cfg, n_params, init_dir, source)   # writable, disk space; --resume: its checkpoint
 run.claim()                                         # the lock; no other run's files in --out
 
 # --- weights and engine ---------------------------------------------------------------------------
@@ -164,39 +164,27 @@ try:  # a tensor of --init-from that is not finite, say: one line naming it
 except (ValueError, TypeError) as e:
     fail(f"{init_dir or 'weights'}: {e}")
 del weights  # the engine holds its own copy (the host store)
-for path, fresh in ((init_dir, True), (run.resume_from, False)):
-    if path is not None and (path / "meta.json").is_file():  # ours: weights (--resume: + optimizer)
-        try:
-            checkpoint.load(trainer, path)
-        except checkpoint.CheckpointError as e:
-            fail(str(e))
-        if fresh:  # --init-from: weights only, Adam starts fresh (--resume continues a run)
-            trainer.wait()
-            trainer.opt.reset()
-if init_dir is not None:
-    print(f"initialised from {init_dir}")
-if run.resume_from is not None:
-    print(f"resumed from {run.resume_from} at step {run.start_step}")
+run.load(trainer, init_dir)   # --resume: its checkpoint; --init-from a checkpoint: its weights
 
 
 def evaluate():
     """Mean val loss over --eval-batches fixed batches (the same ones at every evaluation)."""
-    state = val_batches.state_dict()
-    losses = [trainer.evaluate(*val_batches.next()) for _ in range(args.eval_batches)]
-    val_batches.load_state_dict(state)
+    state = source.val.state_dict()
+    losses = [trainer.evaluate(*source.val.next()) for _ in range(args.eval_batches)]
+    source.val.load_state_dict(state)
     return sum(losses) / len(losses)
 
 
 def save(step_done):
     if args.engine == "stream":
-        state = {"data": train_batches.state_dict(), "rng": checkpoint.rng_state()}
+        state = {"data": source.train.state_dict(), "rng": checkpoint.rng_state()}
         return run.save(trainer, step_done, state, tokenizer_from=init_dir if tokenizer else None)
 
 
 # --- the loop -------------------------------------------------------------------------------------
+run.catch_signals()    # SIGTERM, SIGHUP, a first Ctrl-C: finish the step, save, exit 0
 run.record({"args": vars(args), "model": cfg.to_dict(), "params": n_params, "device": str(device),
             "dtype": str(dtype), "world_size": WORLD})      # config.json; metrics.jsonl opened
-run.catch_signals()    # SIGTERM / first Ctrl-C: finish the step, save, exit 0
 peak = planner.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
 peak = peak and peak * WORLD                             # every rank's GPU (the tokens are global)
 guard, t_start = trainer.guard, time.time()
@@ -215,7 +203,7 @@ if args.profile:  # skip step 1 (allocations, warm-up), record the next three, e
 for step in bar:
     lr = lr_at(step, args.lr, args.steps, warmup=args.warmup)
     trainer.set_lr(lr)
-    x, y = train_batches.next()
+    x, y = source.train.next()
     t0 = time.time()
     loss = trainer.step(x, y)
     if guard is not None and not trainer.defer_updates:
@@ -278,11 +266,11 @@ if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 
              f"was replaced, the run's checkpoint is {checkpoint.latest(run.out) or 'none'}",
              EXIT["write_failed"])
     print(f"saved a Hugging Face checkpoint to {run.hf_dir} ({args.save_hf_dtype})")
-if args.sample_tokens and n_params < 2e9 and cfg.vocab_size == 256:
+if args.sample_tokens and n_params < 2e9 and source.prompt and source.decode:
     final = trainer.weights(to=0) if WORLD > 1 else trainer.weights()  # torchrun: a collective
-    ids = sample.generate(cfg, final, list(b"\n"), args.sample_tokens if RANK == 0 else 0,
-                          window=args.seq_len, seed=args.seed)
+    ids = sample.generate(cfg, final, source.prompt, args.sample_tokens if RANK == 0 else 0,
+                          window=args.seq_len, seed=args.seed, stop=source.stop)
     rule = "-" * 40
-    print(f"{rule} sample (temperature {sample.TEMPERATURE})\n{data.decode(ids)}\n{rule}")
+    print(f"{rule} {source.what} (temperature {sample.TEMPERATURE})\n{source.decode(ids)}\n{rule}")
 if WORLD > 1:
     sharded.dist.destroy_process_group()

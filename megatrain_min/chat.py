@@ -49,6 +49,7 @@ import numpy as np
 
 from megatrain_min.tokenizer import ChatTemplateError
 
+ROLES = ("system", "user", "assistant", "tool")   # the roles chat templates know, as they spell them
 REASONING = ("reasoning_content", "thinking", "reasoning")   # names a message's reasoning goes by, as transformers
 
 
@@ -105,7 +106,9 @@ def check_messages(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f'messages[{i}] must be an object with string "role" and "content"')
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("no assistant message: nothing to learn from this conversation")
+        cased = sorted({m["role"] for m in messages if m["role"].lower() in ROLES and m["role"] not in ROLES})
+        raise ValueError(f"roles are lower-case ({', '.join(ROLES)}): found {', '.join(map(repr, cased))}" if cased
+                         else "no assistant message: nothing to learn from this conversation")
 
 
 def _as_given(messages):

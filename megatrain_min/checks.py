@@ -34,6 +34,12 @@ def integer(v):
 
 
 # ----------------------------------------------------------------------------- the model
+# The largest value of each size that can describe a model at all (the largest presets are far below): beyond
+# them a config is a typo, and even its arithmetic (model.units lists every layer) would exhaust the memory.
+LIMITS = dict(vocab_size=1 << 24, n_layer=10_000, n_head=1 << 14, n_kv_head=1 << 14, d_model=1 << 20,
+              d_ff=1 << 22, head_dim=1 << 14, max_seq_len=1 << 30)
+
+
 def check_config(cfg):
     """cfg, checked: TypeError when it is not a model.GPTConfig at all (a preset's name, say), ValueError (one
     line, what to do) for one that cannot describe a model."""
@@ -44,6 +50,8 @@ def check_config(cfg):
             raise ValueError(f"{k} must be an integer, got {v!r}")
         if v <= 0:
             raise ValueError(f"{k} must be positive, got {v}")
+        if v > LIMITS[k]:   # a typo, not a model: its layout alone would fill the memory
+            raise ValueError(f"{k}={v:,} is beyond any model this engine can hold (at most {LIMITS[k]:,})")
     for k in ("rope_theta", "norm_eps"):
         if not (real(getattr(cfg, k)) and getattr(cfg, k) > 0):
             raise ValueError(f"{k} must be a finite number > 0, got {getattr(cfg, k)!r}")

@@ -14,6 +14,8 @@ What it is not
 """
 import dataclasses
 import math
+import os
+import sys
 
 import model
 import optim
@@ -23,13 +25,67 @@ from megatrain_min.checks import HyperParameterError, check_hyper
 # suits large models.
 DEFAULTS = dict(config="toy", batch_size=32, seq_len=128, micro_batches=1, grad_clip=1.0, mode="fast",
                 dtype=None, residual_dtype="fp32", offload_activations="auto", chunk_tokens=0,
-                tile_tokens=None, hardware="local", gpus=1, nodes=1, lr=3e-3, weight_decay=optim.WEIGHT_DECAY)
+                tile_tokens=None, hardware="local", gpus=1, nodes=1, lr=3e-3, weight_decay=optim.WEIGHT_DECAY,
+                keep=2)
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
+# The largest values a flag can take: beyond them it is a typo, and the planner's searches and schedule
+# replay would run for a long time on numbers no machine has.
+MOST = dict(batch_size=1 << 24, seq_len=1 << 30, micro_batches=1 << 24, gpus=1 << 10, nodes=1 << 14,
+            host_mem=1e7, host_bw=1e5, seed=(1 << 63) - 1)
+LEAST = dict(host_bw=0.01)   # GB/s: below it a host is not a host
 
 
 class FlagError(ValueError):
     """A flag no run can use: one line naming it."""
+
+
+class _Survivor:
+    """A standard stream whose reader may go away: the first write or flush that fails (a closed pipe, a
+    terminal hung up) points the file descriptor at /dev/null, and the program goes on."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _gone(self):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError:                 # BrokenPipeError, EIO of a closed terminal
+            self._gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError:
+            self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def finite_json(obj):
+    """obj with every non-finite float (NaN, an infinity) replaced by None, recursively, and whether there
+    was one: json.dumps of it is strict JSON (no NaN or Infinity, which jq and JavaScript reject)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, True
+    if isinstance(obj, dict):
+        pairs = [(k, finite_json(v)) for k, v in obj.items()]
+        return {k: v for k, (v, _) in pairs}, any(bad for _, (_, bad) in pairs)
+    if isinstance(obj, (list, tuple)):
+        items = [finite_json(v) for v in obj]
+        return [v for v, _ in items], any(bad for _, bad in items)
+    return obj, False
+
+
+def survive_closed_pipe():
+    """stdout and stderr survive a reader that went away (`python train.py --plan --json | head -c 100`, a
+    closed ssh session): no BrokenPipeError traceback, no "Exception ignored" at exit; a training run goes on
+    (and saves) with its output discarded."""
+    sys.stdout, sys.stderr = _Survivor(sys.stdout), _Survivor(sys.stderr)
 
 
 def add_model(p, config_default=True):
@@ -120,7 +176,8 @@ def add_run(p):
       help="with --plan: print the longest --seq-len that fits at --batch-size on --hardware")
     a("--save-every", type=int, default=0, help="save a checkpoint every N steps, 0 = only at the end "
                                                 "(default: %(default)s)")
-    a("--keep", type=int, default=2, help="keep the last K >= 1 checkpoints of this run (default: %(default)s)")
+    a("--keep", type=int, default=DEFAULTS["keep"],
+      help="keep the last K >= 1 checkpoints of this run (default: %(default)s)")
     a("--resume", nargs="?", const="latest", default=None,
       help="continue from the latest checkpoint in --out (or the given one)")
     a("--max-skips", type=int, default=10, help="stop after this many consecutive non-finite steps "
@@ -128,6 +185,9 @@ def add_run(p):
     a("--profile", action="store_true", help="write OUT/trace.json (torch.profiler, open in Perfetto) for steps 2-4")
     a("--sample-tokens", type=int, default=300, help="length of the sample printed at the end, 0 = none "
                                                      "(default: %(default)s)")
+    a("--sample-prompt", default=None,
+      help="what the closing sample continues -- or, fine-tuning on conversations, the user turn it answers "
+           "(default: a newline; fine-tuning: the first held-out conversation's prompt)")
 
 
 def check(a, world=1):
@@ -161,6 +221,11 @@ def check(a, world=1):
         v = getattr(a, flag)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise FlagError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v}")
+    for flag, most in MOST.items():
+        v, least = getattr(a, flag, None), LEAST.get(flag, 0)
+        if v is not None and not least <= v <= most:
+            raise FlagError(f"--{flag.replace('_', '-')} {v:g} is out of range: at most {most:g}" +
+                            (f" and at least {least:g}" if least else ""))
     if not run:
         return
     for flag in ("out", "save_hf", "init_from", "data"):
@@ -168,7 +233,14 @@ def check(a, world=1):
             raise FlagError(f"--{flag.replace('_', '-')} is an empty path")
     if world > 1 and (a.engine != "stream" or a.profile):
         raise FlagError(f"under torchrun ({world} ranks) train.py runs --engine stream without --profile")
-    planning = a.plan or a.json
+    planning = a.plan or a.json or a.max_context
+    if a.engine == "reference" and not planning:   # it keeps no host store: nothing to checkpoint
+        given = (("--resume", a.resume), ("--save-every", a.save_every),
+                 ("--keep", a.keep != DEFAULTS["keep"]))
+        for flag, given in given:
+            if given:
+                raise FlagError(f"{flag} with --engine reference: the reference engine writes no checkpoint; "
+                                f"drop {flag}, or use --engine stream")
     for flag, default in (("hardware", DEFAULTS["hardware"]), ("gpus", 1), ("nodes", 1)):
         if getattr(a, flag) != default and not planning:
             raise FlagError(f"--{flag} {getattr(a, flag)} applies to --plan (a run is checked against this "

@@ -47,7 +47,7 @@ def load_tokens(path):
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data file {path} does not exist; pass --data with a .txt or .npy file")
-    if path.suffix == ".npy":
+    if path.suffix.lower() == ".npy":
         try:
             arr = np.load(path, mmap_mode="r")
         except Exception as e:  # a corrupt header is a user error, not a crash
@@ -194,12 +194,17 @@ def load_sft_jsonl(path, tokenizer, seq_len, chat_format=None):
                 ids, sup = example_tokens(json.loads(line), tokenizer, chat_format)
             except ValueError as e:   # json.JSONDecodeError and chat.ChatTemplateError are ValueErrors too
                 raise ValueError(f"{path}:{n}: {e}") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{n}: JSON nested too deeply to be an example") from None
             x, y = example_xy(ids, sup, seq_len)
             cut += len(ids) - 1 > seq_len
             if (y == IGNORE).all():
                 dropped += 1
                 continue
             examples.append((x, y))
+    if not examples and cut:
+        raise ValueError(f"{path}: no example with a supervised token within seq_len={seq_len}: every answer lies "
+                         f"beyond it ({cut} examples cut); raise --seq-len")
     if not examples:
         raise ValueError(f"{path}: no example with a supervised token within seq_len={seq_len}")
     if cut:

@@ -53,6 +53,7 @@ import os
 import re
 import shutil
 import sys
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -79,7 +80,12 @@ class HFError(ValueError):
 # ----------------------------------------------------------------------------- config.json -> GPTConfig
 def config_from_hf(c, where="config.json"):
     """Translate a transformers config dict into a GPTConfig, or raise HFError naming what is unsupported."""
-    arch = (c.get("architectures") or [None])[0] or c.get("model_type", "?")
+    archs = c.get("architectures")
+    archs = [archs] if isinstance(archs, str) else archs if isinstance(archs, list) else []   # a bare string too
+    arch = next((a for a in archs if isinstance(a, str)), None) or c.get("model_type", "?")
+    if not isinstance(arch, str):
+        raise HFError(f"{where}: \"architectures\" and \"model_type\" name no architecture; supported: "
+                      f"{', '.join(ARCHS)}")
     family = ARCHS.get(arch) or (arch if arch in ARCHS.values() else None)   # an architecture or a model_type
     if family is None:
         moe = "Moe" in arch or "Mixtral" in arch or c.get("num_experts") or c.get("num_local_experts")
@@ -184,8 +190,12 @@ def _headers(d):
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise HFError(f"{index}: not a safetensors index ({_first_line(e)})") from None
+        if not (isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str) and "/" not in v
+                                                     for k, v in weight_map.items())):
+            raise HFError(f"{index}: \"weight_map\" must map each tensor name to a shard file name in {d}, got "
+                          f"{type(weight_map).__name__}")
         files = sorted(set(weight_map.values()))
     elif (d / "model.safetensors").is_file():
         weight_map, files = None, ["model.safetensors"]
@@ -245,6 +255,10 @@ class HFWeights(Mapping):
 def load_hf(model_dir):
     """(GPTConfig, HFWeights) of a transformers checkpoint directory; HFError for anything unsupported."""
     d = Path(model_dir)
+    runs = sorted(d.glob("ckpt-*/meta.json"))
+    if runs:                                            # a run's output directory, not a model
+        raise HFError(f"{d} is a training run's output directory; pass one of its checkpoints, e.g. "
+                      f"{runs[-1].parent}")
     if not (d / "config.json").is_file():
         raise HFError(f"{d}: no config.json (expected a Hugging Face model directory)")
     try:
@@ -313,13 +327,30 @@ def _write_safetensors(path, entries, weights, dtype):
         os.fsync(f.fileno())
 
 
-def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tokenizer_from=None):
+ANY = object()   # save_hf(replaces=ANY): replace whatever check_export_dir allows at the time of writing
+
+
+def export_state(model_dir):
+    """What save_hf would replace at model_dir now: None (nothing there), else the text of its export marker
+    (each export's differs). save_hf(replaces=state) replaces only that: an export another run wrote there in
+    between is kept."""
+    d = Path(model_dir)
+    if not d.is_dir() or not any(d.iterdir()):
+        return None
+    try:
+        return (d / EXPORT_MARKER).read_text()
+    except OSError:
+        return "unreadable"
+
+
+def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tokenizer_from=None, replaces=ANY):
     """Write a transformers-loadable checkpoint of weights (any Mapping {key: tensor}) to model_dir.
 
     dtype: torch.bfloat16 or torch.float32 (an fp32 round trip is exact). Shards hold at most
     shard_size bytes (one tensor may exceed it). tokenizer_from: a directory whose tokenizer files
     (tokenizer.copy_tokenizer_files: and generation_config.json, and config.json's bos/eos/pad ids) are copied along.
-    An existing model_dir is replaced only when check_export_dir allows it (empty, or an earlier export).
+    An existing model_dir is replaced only when check_export_dir allows it (empty, or an earlier export), and,
+    given replaces (export_state when the caller checked it), only when it still holds what it held then.
     """
     if dtype not in ST_NAME:
         raise HFError(f"save dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
@@ -351,7 +382,11 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
             config.update(copy_tokenizer_files(tokenizer_from, tmp)["config_ids"])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         written = sorted(p.name for p in tmp.iterdir())
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"format": "megatrain-min save_hf", "files": written}) + "\n")
+        marker = {"format": "megatrain-min save_hf", "files": written, "id": uuid.uuid4().hex}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
+        if replaces is not ANY and export_state(out) != replaces:
+            raise HFError(f"{out} changed while this run trained (another export was written there); nothing "
+                          f"was replaced")
         old_dir = out.parent / f".old-{out.name}-{os.getpid()}"
         if out.exists():
             out.rename(old_dir)

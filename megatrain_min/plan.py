@@ -502,7 +502,7 @@ def plan_json(p):
     """One JSON object: params, host_bytes, gpu_bytes, fits, step_time_s, tokens_per_s, model_tflops,
     bottleneck, mode -- and every other field of the plan (components in bytes, times in seconds), and "fix":
     the nearest setting that fits (train.py flags) when it does not."""
-    return json.dumps({**p, "fix": None if p["fits"] else suggest(p)})
+    return json.dumps(cli.finite_json({**p, "fix": None if p["fits"] else suggest(p)})[0], allow_nan=False)
 
 
 def tiling(p):
@@ -720,6 +720,7 @@ def main(argv=None):
     cli.add_hardware(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = ap.parse_args(argv)
+    cli.survive_closed_pipe()
     try:
         cli.check(a)
         if a.config not in model.PRESETS:

@@ -10,7 +10,7 @@ What it is
       record()    config.json (the resolved settings) written atomically; on --resume metrics.jsonl is cut to
                   the checkpoint's step by a new file renamed over it; then one flushed line per step (log)
       save()      a checkpoint (megatrain_min/checkpoint.py), its failures turned into exit codes
-      signals     SIGTERM / the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C: out at once (130)
+      signals     SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C: out at once
     fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code (EXIT).
 Exit codes (README: Troubleshooting)
     0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained, nothing lost;
@@ -30,10 +30,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatrain_min import checkpoint, hf
+from megatrain_min import checkpoint, cli, hf
 
 EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, interrupted=130)
-SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data")
+SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data",
+            "init_from", "chat_format")
+NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
 SHUTDOWN_S = 30   # torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
 # this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same errors
 state = dict(rank=0, quiet=False)
@@ -51,13 +53,17 @@ def torchrun():
     """(rank, world, gpus per node) of this process from torchrun's RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (a
     plain run: 0, 1, 1), checked: one line and exit 2 when they are not what torchrun sets. A rank other than 0
     prints nothing (its errors: fail) and, until the run directory is checked, says no error the others say."""
-    env = os.environ
+    env, names = os.environ, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     try:
         rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
         gpus, local = int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))
     except ValueError:
-        fail("RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (torchrun sets them); "
-             "launch with torchrun, or unset them for a plain run")
+        fail(f"{', '.join(names)} must be integers (torchrun sets them); launch with torchrun, or unset them "
+             f"for a plain run")
+    missing = [k for k in names + ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if world > 1 and missing:
+        fail(f"WORLD_SIZE={world} but {', '.join(missing)} not set: that is not a torchrun launch; launch with "
+             f"torchrun --nproc-per-node {world} train.py ..., or unset WORLD_SIZE for a plain run")
     if not (world >= 1 and 0 <= rank < world and 1 <= gpus <= world and world % gpus == 0 and
             0 <= local < gpus):
         fail(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}, LOCAL_WORLD_SIZE={gpus} do not describe a "
@@ -69,10 +75,24 @@ def torchrun():
     return rank, world, gpus
 
 
+def check_path(path, flag):
+    """fail unless path can name a file on Linux: no component longer than NAME_MAX bytes, at most PATH_MAX
+    bytes in all, and not a symbolic link to nothing."""
+    full = os.fsencode(os.path.abspath(path))
+    long = next((c for c in full.split(b"/") if len(c) > NAME_MAX), None)
+    if long is not None or len(full) >= PATH_MAX:
+        what = (f"a component of {len(long)} bytes (at most {NAME_MAX})" if long is not None else
+                f"{len(full):,} bytes long (at most {PATH_MAX - 1})")
+        fail(f"{flag}: the path is {what}; pick a shorter one")
+    if Path(path).is_symlink() and not Path(path).exists():
+        fail(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist; make its target, "
+             f"or pass another path")
+
+
 def writable(path, flag):
     """The nearest existing directory at or above `path`; fail unless this process may create files there."""
     base = path
-    while not base.exists():
+    while not base.exists() and not base.is_symlink():
         base = base.parent
     if not base.is_dir():
         fail(f"{flag} {path}: {base} is not a directory")
@@ -101,22 +121,30 @@ class Run:
         self.hf_dir = Path(args.save_hf) if args.save_hf else None
         self.run_id, self.start_step, self.val_loss, self.skips = uuid.uuid4().hex[:12], 0, None, 0
         self.resume_from, self.metrics, self.stop, self.saved = None, None, [], []
+        self.fingerprint, self.hf_state = None, None   # of the data; of what --save-hf would replace
 
     # ------------------------------------------------------------------ before anything is allocated
-    def check(self, cfg, n_params, init_dir, batches):
+    def check(self, cfg, n_params, init_dir, source):
         """Every output writable, the export target ours to replace, the disk big enough; --resume's checkpoint
-        of this model made with these settings (its sampler position and RNG restored into `batches` and the
-        generators)."""
+        of this model made with these settings and this data (source: corpus.Source; its sampler position and
+        the RNG restored into source.train and the generators)."""
         a, out, hf_dir = self.a, self.out, self.hf_dir
         state["quiet"] = False    # from here a rank may find what the others do not (its disk, its device)
+        self.fingerprint = source.fingerprint
+        for flag, path in (("--out", out), ("--save-hf", hf_dir)):
+            if path is not None:
+                check_path(path, flag)
         out_base = writable(out, "--out")
         if a.resume:              # its meta.json now (cheap); its weights once the engine exists
             if a.engine != "stream":
                 fail("--resume needs --engine stream (the reference engine keeps no host store to checkpoint)")
             self.resume_from = checkpoint.latest(out) if a.resume == "latest" else Path(a.resume)
+            if self.resume_from is None and (out / "config.json").is_file():
+                fail(f"--resume: {out} holds a run that stopped before its first checkpoint: nothing to resume. "
+                     f"To start over, remove {out}/config.json and {out}/metrics.jsonl (or pass another --out)")
             if self.resume_from is None:
                 fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
-            self._resume(cfg, batches)
+            self._resume(cfg, source.train)
         hf_base = None
         if hf_dir is not None:
             try:
@@ -126,10 +154,14 @@ class Run:
             if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
                 fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole directory: put it beside "
                      f"the run")
+            if hf_dir.resolve() in (Path.cwd(), *Path.cwd().parents):
+                fail(f"--save-hf {hf_dir} is the current directory (or holds it); an export replaces its whole "
+                     f"directory: name a new one, e.g. --save-hf {out}-hf")
             if init_dir is not None and hf_dir.resolve() == init_dir.resolve():
                 fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace the model this run "
                      f"starts from")
             hf_base = writable(hf_dir.parent, "--save-hf")
+            self.hf_state = hf.export_state(hf_dir)   # what is there now: the export replaces only that
         need = {}  # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
         for base, n in ((out_base, 12 * n_params if a.engine == "stream" else 0),
                         (hf_base, n_params * {"bf16": 2, "fp32": 4}[a.save_hf_dtype] if hf_dir else 0)):
@@ -152,6 +184,12 @@ class Run:
                 was = ', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
                 fail(f"--resume: {path.name} was made with other settings ({was}); pass the same flags to "
                      f"continue bit-exactly")
+            was = ck.get("data_fingerprint")
+            if was is not None and was != self.fingerprint:
+                fail(f"--resume: the data changed since {path.name} was saved ({a.data or 'the shipped corpus'}: "
+                     f"{was['bytes']:,} bytes then, {self.fingerprint['bytes']:,} now"
+                     f"{'' if was['bytes'] != self.fingerprint['bytes'] else ', other content'}); resume on the "
+                     f"same data, or start a new run in another --out")
             self.run_id, self.start_step, self.val_loss = ck.get("run"), doc["step"], ck["val_loss"]
             self.skips = int(ck["skips"])
             batches.load_state_dict(ck["data"])
@@ -163,6 +201,26 @@ class Run:
         if self.start_step >= a.steps:
             fail(f"--resume: {path.name} is at step {self.start_step}, already >= --steps {a.steps}; raise --steps "
                  f"to train on")
+
+    def load(self, trainer, init_dir):
+        """Into the trainer: --resume's checkpoint (weights, Adam's moments and step counts), else the weights of
+        --init-from when it is one of our checkpoints (Adam starts fresh). A checkpoint that fails its checks:
+        one line, naming the checkpoint before it (often intact) to resume from instead."""
+        path = self.resume_from or init_dir
+        if path is None:
+            return
+        if (path / "meta.json").is_file():   # ours (a Hugging Face model's weights made the trainer)
+            try:
+                checkpoint.load(trainer, path)
+            except checkpoint.CheckpointError as e:
+                before = [p for _, p in checkpoint.checkpoints(path.parent) if p.name < path.name]
+                fail(f"{e}" + (f"; the checkpoint before it may be intact: --resume {before[-1]}"
+                               if before and self.resume_from else ""))
+            if self.resume_from is None:   # --init-from: the weights only
+                trainer.wait()
+                trainer.opt.reset()
+        print(f"resumed from {path} at step {self.start_step}" if self.resume_from else
+              f"initialised from {path}")
 
     def claim(self):
         """The run lock (rank 0 holds it for the run: its ranks write their checkpoint parts there too), and no
@@ -178,6 +236,14 @@ class Run:
             fail(f"{e}; wait for it to finish, or pass another --out")
         except OSError as e:
             fail(f"--out {out}: cannot write there ({e.strerror})")
+        for p in (out / "config.json", out / "metrics.jsonl"):
+            if p.exists() and not p.is_file():
+                fail(f"--out {out}: {p.name} is not a file (a directory?); the run writes its record there: "
+                     f"move it away, or pass another --out")
+        broken = sorted(p.name for p in out.glob("ckpt-*") if not (p / "meta.json").is_file())
+        if broken:
+            fail(f"--out {out}: {broken[0]} is not a finished checkpoint (no meta.json: damaged, or copied "
+                 f"incompletely); move it out of {out} (nothing there is deleted), then run again")
         held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + \
             [p for _, p in checkpoint.checkpoints(out)] if self.rank == 0 else []
         for p in held:  # under the lock: nobody else writes here now
@@ -213,11 +279,15 @@ class Run:
             fail(f"could not write the run record in {out} ({e.strerror}: {e.filename})", EXIT["write_failed"])
 
     def log(self, rec):
-        """One line of metrics.jsonl, flushed (rank 0)."""
+        """One line of metrics.jsonl, flushed (rank 0). Strict JSON: a non-finite number is null, and the
+        line says "nonfinite": true."""
         if self.metrics is None:
             return
+        rec, nonfinite = cli.finite_json(rec)   # strict JSON: a NaN loss is null, and flagged
+        if nonfinite:
+            rec["nonfinite"] = True
         try:
-            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.write(json.dumps(rec, allow_nan=False) + "\n")
             self.metrics.flush()
         except OSError as e:
             fail(f"could not write {self.out / 'metrics.jsonl'} ({e.strerror}); the last checkpoint is "
@@ -229,7 +299,8 @@ class Run:
         non-finite master: exit 3, a write error: exit 4. Under torchrun the first save says how long it took:
         a stop on SIGTERM must save within torchrun's --shutdown-timeout."""
         t0 = time.time()
-        meta = {"run": self.run_id, "args": vars(self.a), "skips": self.skips, "val_loss": self.val_loss, **state}
+        meta = {"run": self.run_id, "args": vars(self.a), "skips": self.skips, "val_loss": self.val_loss,
+                "data_fingerprint": self.fingerprint, **state}
         try:
             path = checkpoint.save(trainer, self.out, step, meta, keep=self.a.keep, tokenizer_from=tokenizer_from)
         except checkpoint.NonFiniteError as e:
@@ -237,6 +308,8 @@ class Run:
                  EXIT["diverged"])
         except checkpoint.SaveError as e:
             fail(f"{e}. Free space (or fix the permission), then continue with --resume", EXIT["write_failed"])
+        except checkpoint.CheckpointError as e:      # its name taken by a directory that is not this run's
+            fail(f"{e}; the last checkpoint is {checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
         took = time.time() - t0
         if self.world > 1 and not self.saved:
             self.saved.append(took)
@@ -252,8 +325,8 @@ class Run:
 
     # ------------------------------------------------------------------ signals
     def catch_signals(self):
-        """SIGTERM / the first Ctrl-C: finish the step, save, exit (self.stop holds the signal); a second
-        Ctrl-C interrupts at once."""
+        """SIGTERM, SIGHUP or the first Ctrl-C: finish the step, save, exit (self.stop holds the signal); a
+        second Ctrl-C interrupts at once."""
         def request_stop(signum, frame):
             if self.stop and signum == signal.SIGINT:
                 print(f"error: interrupted twice: exiting now without a save; the last checkpoint is "
@@ -261,8 +334,8 @@ class Run:
                 raise SystemExit(EXIT["interrupted"])   # where the main thread is: a save cleans up after itself
             self.stop.append(signum)
             tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of this step, then exiting")
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):   # SIGHUP: the terminal or ssh went away
+            signal.signal(sig, request_stop)
 
     def agree_stop(self, trainer):
         """A signal may reach the ranks in different steps: they stop (and save) in the same one."""

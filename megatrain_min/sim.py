@@ -90,6 +90,7 @@ def main(argv=None):
                            help="the host issues work this many times faster than the CPU the issue costs were "
                                 "measured on (default: %(default)s)")
     a = ap.parse_args(argv)
+    cli.survive_closed_pipe()
     if a.config not in model.PRESETS:
         ap.exit(2, f"error: unknown preset --config {a.config!r}; choose one of: {', '.join(model.PRESETS)}\n")
     try:

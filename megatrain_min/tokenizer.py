@@ -29,12 +29,16 @@ def load_template(model_dir):
     if (d / "chat_template.jinja").is_file():          # files win over tokenizer_config.json, as in transformers
         files["default"] = d / "chat_template.jinja"
     if files:
-        template = {name: p.read_text(encoding="utf-8") for name, p in files.items()}
+        template = {}
+        for name, p in files.items():
+            try:
+                template[name] = p.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ChatTemplateError(f"{p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                                        f"{e.start:,}); save the template as UTF-8") from None
     else:
-        try:
-            template = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-        except (OSError, ValueError):
-            return None
+        conf = _read_json(d / "tokenizer_config.json", strict=True)
+        template = conf.get("chat_template") if isinstance(conf, dict) else None
         if isinstance(template, list):                  # [{"name": ..., "template": ...}, ...]
             template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
     if isinstance(template, dict):
@@ -50,10 +54,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CONFIG_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")   # what a model's config.json says of its tokenizer
 
 
-def _read_json(path):
+def _read_json(path, strict=False):
+    """The JSON object in path; {} when there is no such file. A file that is there but not JSON: {} or, when
+    strict (a file the tokenizer's behaviour depends on: its chat template, its special tokens), ValueError."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        if strict:
+            why = e.strerror if isinstance(e, OSError) else f"not valid JSON: {(str(e).splitlines() or [''])[0]}"
+            raise ValueError(f"{path}: {why}; fix or remove it (it holds the tokenizer's special tokens and chat "
+                             f"template)") from None
         return {}
 
 
@@ -84,6 +96,16 @@ def copy_tokenizer_files(src, dst):
     return {"files": files, "config_ids": config_ids(src)}
 
 
+def _valid(text):
+    """text, unless it holds a lone surrogate (JSON's "\\ud800"): not Unicode, so no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone surrogate {text[e.start]!r} at character {e.start:,}: not valid "
+                         f"Unicode (a half of a UTF-16 pair); fix the text") from None
+    return text
+
+
 class HFTokenizer:
     """A model directory's tokenizer.json through the `tokenizers` package (no transformers at run time).
     model_dir: a Hugging Face model directory, or one of our checkpoints that carries the tokenizer files.
@@ -106,7 +128,8 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own exception type
             raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
         self.vocab_size = self.tok.get_vocab_size()
-        files = [_read_json(d / "tokenizer_config.json"), _read_json(d / "special_tokens_map.json")]
+        files = [_read_json(d / "tokenizer_config.json", strict=True),
+                 _read_json(d / "special_tokens_map.json", strict=True)]
         self.eos_id = self._named(files, "eos_token")
         if self.eos_id is None:
             for conf in (_read_json(d / "generation_config.json"), config_ids(d)):
@@ -133,11 +156,11 @@ class HFTokenizer:
         return None
 
     def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode(_valid(text), add_special_tokens=False).ids
 
     def encode_offsets(self, text):
         """(ids, [(start, end)] character offsets of each token in text)."""
-        enc = self.tok.encode(text, add_special_tokens=False)
+        enc = self.tok.encode(_valid(text), add_special_tokens=False)
         return enc.ids, enc.offsets
 
     def decode(self, ids):

@@ -185,6 +185,12 @@ FLAGS = ["--config", "toy", "--n-kv-head", "2", "--batch-size", "8", "--seq-len"
          "--grad-clip", "1.0", "--steps", "8", "--save-every", "4", "--sample-tokens", "0"]
 
 
+def torchrun_env(world, local, rank=0):
+    """The environment torchrun gives rank `rank` of `world` (`local` per node): what train.py reads."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT="29599")
+
+
 def _run(tmp, out, *extra, world=1, check=True, env=None):
     """python train.py (forked by conftest's runner), or torchrun --standalone with `world` CPU ranks; returns the
     CompletedProcess. One OpenMP thread per process, as torchrun sets it."""
@@ -239,7 +245,7 @@ def test_train_py_under_torchrun_writes_the_losses_of_one_process(tmp_path, mult
 def test_the_plan_under_torchrun_is_for_its_ranks(tmp_path, multi_gpu_smoke):
     """Under torchrun the plan is made for the run's ranks (LOCAL_WORLD_SIZE GPUs per node, WORLD_SIZE in all):
     host memory per node, the device's per GPU -- not for one GPU (which refuses runs that fit on N)."""
-    r = _run(tmp_path, "o", "--plan", "--json", env=dict(RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2"))
+    r = _run(tmp_path, "o", "--plan", "--json", env=torchrun_env(world=4, local=2))
     p = json.loads(r.stdout)
     assert (p["gpus"], p["nodes"], p["world"]) == (2, 2, 4), r.stdout[:300]
     one = json.loads(_run(tmp_path, "o", "--plan", "--json").stdout)
@@ -281,10 +287,10 @@ def test_an_export_gathers_the_weights_on_rank_0_alone():
 
 def test_train_py_under_torchrun_refuses_a_batch_the_ranks_cannot_split(tmp_path):
     """Checked before the ranks join (so torchrun's environment alone shows it): one line, exit 2, nothing made."""
-    r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=dict(RANK="0", WORLD_SIZE="2"))
+    r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=torchrun_env(world=2, local=2))
     assert r.returncode == 2 and r.stderr.splitlines() == [
         "error: --batch-size 6 is not divisible by 2 ranks x --micro-batches 2 (each rank computes --batch-size / 2 "
         "sequences in --micro-batches micro-batches)"]
     assert not (tmp_path / "o").exists()
-    r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=dict(RANK="1", WORLD_SIZE="2"))
+    r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=torchrun_env(world=2, local=2, rank=1))
     assert r.returncode == 2 and r.stderr == "" and r.stdout == ""    # rank 1 finds the same and leaves it to rank 0
