@@ -56,14 +56,15 @@ class Trainer:
         fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm."""
         self.cfg, self.M, self.lr, self.grad_clip = cfg, micro_batches, lr, grad_clip
         self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.lanes = lanes or Lanes(self.dev)
+        self.lanes = lanes if lanes is not None else Lanes(self.dev)
         self.h2d, self.comp, self.d2h = self.lanes.h2d, self.lanes.comp, self.lanes.d2h
         self.dtype = dtype or model.default_dtype(self.dev.type)
         self.residual_dtype = residual_dtype or torch.float32
         self.defer_updates = bool(grad_clip)        # every update waits for the global norm
         self.chunk = chunk_tokens or model.default_chunk_tokens(cfg)
         self.layer, self.guard, self.grad_norm = layer, guard, None
-        self.activations, self.placement = activations or OnDevice(), placement or Whole()
+        self.activations = activations if activations is not None else OnDevice()
+        self.placement = placement if placement is not None else Whole()
         if self.dev.type == "cuda" and self.dtype == torch.float32:   # fp32 is fp32: no TF32
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 

@@ -23,8 +23,9 @@ step).
 Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input,
 refused before anything is trained, nothing lost; 3 training diverged (non-finite steps in a row, or
 non-finite weights that are never saved); 4 an output could not be written (disk full, file too
-large, no permission), every earlier checkpoint whole; 130 Ctrl-C before the first step or a second
-one while training: out at once, no save.
+large, no permission), every earlier checkpoint whole; 5 under torchrun: another rank failed or was
+killed, this one stopped too (torchrun exits 1 and names the first failure; a refusal's line is
+rank 0's); 130 Ctrl-C before the first step or a second one while training: out at once, no save.
 """
 import argparse
 import dataclasses
@@ -120,8 +121,8 @@ try:
         if args.max_context and not args.json:
             print(planner.describe_max_context(pl, longest, cfg.max_seq_len))
         sys.exit(0)
-    pl = planner.from_flags(args, cfg, "local", name=args.config, device=device, gpus=GPUS,
-                            nodes=WORLD // GPUS, dtype=planner.DTYPE_NAMES[dtype])
+    pl = planner.from_flags(args, cfg, "local", name=args.config, device=device, real=True,
+                            gpus=GPUS, nodes=WORLD // GPUS, dtype=planner.DTYPE_NAMES[dtype])
     if args.engine == "stream":  # refuse before anything is allocated
         planner.check(pl)
 except ValueError as e:  # does not fit (and what would), an unknown --hardware
@@ -148,7 +149,10 @@ run.claim()                                         # the lock; no other run's f
 
 # --- weights and engine ---------------------------------------------------------------------------
 if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RANK), or gloo on CPUs
-    device = sharded.init_from_env(args.device)
+    try:
+        device = sharded.init_from_env(args.device)
+    except ValueError as e:   # the other ranks never came
+        fail(str(e))
     print(f"torchrun: {WORLD} ranks, each holding 1/{WORLD} of the host store and computing "
           f"{args.batch_size // WORLD} of the {args.batch_size} sequences of a step; "
           + run.describe_checkpoints(n_params))
@@ -188,7 +192,6 @@ run.record({"args": vars(args), "model": cfg.to_dict(), "params": n_params, "dev
 peak = planner.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
 peak = peak and peak * WORLD                             # every rank's GPU (the tokens are global)
 guard, t_start = trainer.guard, time.time()
-moved = trainer.traffic.copy() if WORLD > 1 else None   # bytes this rank moved per wire (sharded)
 bar = tqdm(range(run.start_step, args.steps), desc="train", dynamic_ncols=True,
            disable=True if RANK else None, initial=run.start_step, total=args.steps)
 prof = None
@@ -204,6 +207,7 @@ for step in bar:
     lr = lr_at(step, args.lr, args.steps, warmup=args.warmup)
     trainer.set_lr(lr)
     x, y = source.train.next()
+    moved = trainer.traffic.copy() if WORLD > 1 else None   # bytes moved per wire (sharded.py)
     t0 = time.time()
     loss = trainer.step(x, y)
     if guard is not None and not trainer.defer_updates:
@@ -214,7 +218,7 @@ for step in bar:
     if peak:
         rec["mfu"] = rec["model_tflops"] / peak
     if moved is not None:   # torchrun: what rank 0 moved over PCIe (h2d, d2h) and between the GPUs
-        rec["traffic"], moved = dict(trainer.traffic - moved), trainer.traffic.copy()
+        rec["traffic"] = dict(trainer.traffic - moved)
     skipped = guard is not None and (guard.skipped or guard.units)
     run.skips = run.skips + 1 if skipped else 0
     if skipped:
@@ -235,10 +239,10 @@ for step in bar:
         fail(f"{run.skips} consecutive steps had a non-finite loss or gradient; stopping. Last "
              f"good checkpoint: {checkpoint.latest(run.out) or 'none'}. Try a lower --lr or "
              f"--grad-clip 1.0.", EXIT["diverged"])
-    run.agree_stop(trainer)   # a signal may reach the ranks in different steps: all stop in one
-    if run.stop or step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0:
+    stop = run.agree_stop(trainer)   # a signal may reach the ranks in different steps: all agree
+    if stop or step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0:
         path = save(step + 1)
-        if run.stop:
+        if stop:
             print(f"stopped at step {step + 1}; checkpoint {path}; continue with --resume")
             sys.exit(EXIT["done"])
 bar.close()

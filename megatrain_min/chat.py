@@ -40,7 +40,10 @@ Try it
     python -m megatrain_min.chat MODEL_DIR chat.jsonl [LINE]     # the token / loss-mask layout of one example
     python -m pytest tests/test_chat.py                          # ids and masks vs transformers, four templates
 """
+import contextlib
 import json
+import signal
+import threading
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -49,6 +52,7 @@ import numpy as np
 
 from megatrain_min.tokenizer import ChatTemplateError
 
+RENDER_S, RENDER_CHARS = 10.0, 16 << 20   # one conversation's rendering: time and size (far above any real one)
 ROLES = ("system", "user", "assistant", "tool")   # the roles chat templates know, as they spell them
 REASONING = ("reasoning_content", "thinking", "reasoning")   # names a message's reasoning goes by, as transformers
 
@@ -88,14 +92,50 @@ def _compile(template):
         raise ChatTemplateError(f"chat_template does not compile: {e}") from None
 
 
-def render(template, messages, special_tokens, add_generation_prompt=False, now=None):
-    """The template's text for messages. now: the datetime strftime_now reads (default: now)."""
-    compiled, now = _compile(template), now or datetime.now()
+class _TooLong(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Raise _TooLong in the block after `seconds` (a timer signal: the main thread only; elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(*_):
+        raise _TooLong
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                               strftime_now=lambda fmt: now.strftime(fmt), **special_tokens)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def render(template, messages, special_tokens, add_generation_prompt=False, now=None):
+    """The template's text for messages. now: the datetime strftime_now reads (default: now). A template that
+    runs longer than RENDER_S or writes more than RENDER_CHARS for one conversation is refused (a loop)."""
+    compiled, now, parts, size = _compile(template), now or datetime.now(), [], 0
+    try:
+        with _deadline(RENDER_S):
+            for piece in compiled.generate(messages=messages, tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt,
+                                           strftime_now=lambda fmt: now.strftime(fmt), **special_tokens):
+                size += len(piece)
+                if size > RENDER_CHARS:
+                    raise ChatTemplateError(f"chat_template wrote more than {RENDER_CHARS:,} characters for one "
+                                            f"conversation: a runaway loop in the template?")
+                parts.append(piece)
+    except ChatTemplateError:
+        raise
+    except _TooLong:
+        raise ChatTemplateError(f"chat_template ran longer than {RENDER_S:g} s for one conversation: a runaway "
+                                f"loop in the template?") from None
     except Exception as e:   # raise_exception, undefined names, sandbox refusals, a TypeError in the template ...
         raise ChatTemplateError(f"chat_template failed ({type(e).__name__}): {(str(e).splitlines() or [''])[0]}") from None
+    return "".join(parts)
 
 
 def check_messages(messages):

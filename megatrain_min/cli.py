@@ -12,6 +12,7 @@ What it is
 What it is not
     Not a configuration system: a preset from model.PRESETS plus flags, nothing read from files.
 """
+import argparse
 import dataclasses
 import math
 import os
@@ -120,6 +121,8 @@ def add_step(p):
     p.add_argument("--offload-activations", default=DEFAULTS["offload_activations"], choices=list(OFFLOAD),
                    help="boundary activations in host memory; auto: when they would not fit on the device "
                         "(default: %(default)s)")
+    p.add_argument("--offload-checkpoints", dest="offload_activations", choices=list(OFFLOAD),
+                   help=argparse.SUPPRESS)   # its earlier name: commands written with it still run
     p.add_argument("--chunk-tokens", type=int, default=DEFAULTS["chunk_tokens"],
                    help="tokens per loss chunk (default: 0 = model.default_chunk_tokens)")
     p.add_argument("--tile-tokens", type=int, default=DEFAULTS["tile_tokens"],

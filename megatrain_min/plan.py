@@ -21,9 +21,11 @@ Reference
     DESIGN.md §3-4; stream.py and optim.py for what is allocated where; MegaTrain (arXiv 2604.05091:
     120B on one H200 with 1.5 TB of host memory).
 Try it
-    python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0
-    python -m megatrain_min.plan --config 70b --hardware all       # one verdict line per profile
-    python -m megatrain_min.plan --config 70b --hardware h100 --gpus 8 --nodes 2 --host-mem 2000 --batch-size 64
+    python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0 \
+        --batch-size 4 --seq-len 4096
+    python -m megatrain_min.plan --config 70b --hardware all --batch-size 8 --seq-len 4096   # a line per profile
+    python -m megatrain_min.plan --config 70b --hardware h100 --gpus 8 --nodes 2 --host-mem 2000 --batch-size 64 \
+        --seq-len 4096
     python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # long context
     python -m pytest tests/test_plan.py
 """
@@ -254,7 +256,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         # they go to pinned host memory through a ring of activations.RING device slots
         off = offload_activations if offload_activations is not None else \
             cuda and memory.offload_needed(L * act, sum(gpu.values()), hw["gpu_mem_gb"] * GB)
-        gpu[f"boundary activations: ring of {activations.RING} layers (offloaded)" if off else
+        gpu[f"boundary activations: device ring of {activations.RING}" if off else
             f"boundary activations: {L} layers"] = activations.RING * act if off else L * act
         return gpu, off
 
@@ -491,8 +493,10 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
             for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
                 upd[u] = run("cpu_adam", 0.0, cost("adam", u) + t.get("host_update", 0.0))
     now = starts[-1]
-    while now > starts[-2] and now in ends:
+    while now > starts[-2] and now in ends:      # each task ends where it starts, or earlier: bounded
         lane, start = ends[now]
+        if start >= now:                         # a duration lost to float rounding at huge times: no progress
+            break
         critical[lane] += now - max(start, starts[-2])
         now = start
     return starts[-1] - starts[-2], busy, critical
@@ -641,12 +645,12 @@ def suggest(p):
         tries.append((f"--chunk-tokens {small_chunk}", dict(chunk_tokens=small_chunk)))
     tries += [(f"--tile-tokens {n}", dict(tile_tokens=n)) for n in (TILE_TOKENS, 2048)
               if n < p["seq_len"] and (not p["tile_tokens"] or n < p["tile_tokens"])]
-    B, M = p["batch_size"], p["micro_batches"]
-    # the next divisors of B above M: the near ones and M's doublings (a bounded search, whatever B is)
-    near = {*range(M + 1, min(B, M + 64) + 1), *(M << k for k in range(1, 64) if M << k <= B)}
-    tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in sorted(near) if B % m == 0][:4]
-    tries += [(f"--batch-size {b} --micro-batches {min(M, b)}", dict(batch_size=b, micro_batches=min(M, b)))
-              for b in (B // 2, B // 4, B // 8, 1) if 0 < b < B and b % min(M, b) == 0]
+    B, M, N = p["batch_size"], p["micro_batches"], p["world"]      # N GPUs share the batch: B/N each
+    # the next divisors of B/N above M: the near ones and M's doublings (a bounded search, whatever B is)
+    near = {*range(M + 1, min(B // N, M + 64) + 1), *(M << k for k in range(1, 64) if M << k <= B // N)}
+    tries += [(f"--micro-batches {m}", dict(micro_batches=m)) for m in sorted(near) if B // N % m == 0][:4]
+    tries += [(f"--batch-size {b} --micro-batches {min(M, b // N)}", dict(batch_size=b, micro_batches=min(M, b // N)))
+              for b in (B // 2, B // 4, B // 8, N) if N <= b < B and b % N == 0 and b // N % min(M, b // N) == 0]
     if p["dtype"] == "bf16" and p["residual_dtype"] == "fp32":  # last: it trades accuracy for memory
         tries.append(("--residual-dtype bf16", dict(residual_dtype="bf16")))
     for flags, change in tries:
@@ -679,14 +683,19 @@ def check(p):
     longest = max_context(p)[0] if p["seq_len"] > 1024 else 0
     if 0 < longest < p["seq_len"]:  # a long context: say how long one can be with these settings
         msg += f"; the longest context that fits at --batch-size {p['batch_size']} is --seq-len {longest}"
-    fix = suggest(p)
+    fix = suggest(p) or (f"--seq-len {longest}" if 0 < longest < p["seq_len"] else None)
     raise PlanError(msg + (f". Try {fix}, or --plan for the breakdown." if fix else
                            ". Nothing smaller fits either; see --plan for the breakdown."))
 
 
-def from_flags(a, cfg, hardware=None, guarded=True, **change):
+def from_flags(a, cfg, hardware=None, guarded=True, real=False, **change):
     """plan() for the command-line flags of megatrain_min/cli.py (hardware: --hardware unless given; guarded:
-    train.py's non-finite guard; change: arguments of plan() that replace the flags')."""
+    train.py's non-finite guard; change: arguments of plan() that replace the flags'). real: the plan of a run
+    about to train here, whose --host-mem may lower this machine's memory, never raise it."""
+    if real and a.host_mem is not None and a.host_mem * GB > host_available_bytes():
+        raise PlanError(f"--host-mem {a.host_mem:g} GB is more than this machine has available "
+                        f"({host_available_bytes() / GB:.0f} GB); a run is checked against the memory it has: "
+                        f"drop --host-mem, or plan for another machine with --plan")
     kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches, mode=a.mode,
               dtype=a.dtype, grad_clip=a.grad_clip, offload_activations=cli.OFFLOAD[a.offload_activations],
               residual_dtype=a.residual_dtype, chunk_tokens=a.chunk_tokens or None, host_mem_gb=a.host_mem,

@@ -15,8 +15,9 @@ What it is
 Exit codes (README: Troubleshooting)
     0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained, nothing lost;
     3 training diverged (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output
-    could not be written (disk full, file too large, no permission), every earlier checkpoint whole; 130 Ctrl-C
-    before the first step or a second one while training: out at once, no save.
+    could not be written (disk full, file too large, no permission), every earlier checkpoint whole; 5 under
+    torchrun, another rank failed or was killed (torchrun itself exits 1 and names it); 130 Ctrl-C before the
+    first step or a second one while training: out at once, no save.
 """
 import json
 import math
@@ -28,11 +29,12 @@ import time
 import uuid
 from pathlib import Path
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 from megatrain_min import checkpoint, cli, hf
 
-EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, interrupted=130)
+EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, rank_lost=5, interrupted=130)
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data",
             "init_from", "chat_format")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
@@ -65,7 +67,7 @@ def torchrun():
         fail(f"WORLD_SIZE={world} but {', '.join(missing)} not set: that is not a torchrun launch; launch with "
              f"torchrun --nproc-per-node {world} train.py ..., or unset WORLD_SIZE for a plain run")
     if not (world >= 1 and 0 <= rank < world and 1 <= gpus <= world and world % gpus == 0 and
-            0 <= local < gpus):
+            (world == 1 or 0 <= local < gpus)):
         fail(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}, LOCAL_WORLD_SIZE={gpus} do not describe a "
              f"torchrun launch (0 <= RANK < WORLD_SIZE, a whole number of nodes of LOCAL_WORLD_SIZE ranks); "
              f"launch with torchrun, or unset them for a plain run")
@@ -336,12 +338,27 @@ class Run:
             tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of this step, then exiting")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):   # SIGHUP: the terminal or ssh went away
             signal.signal(sig, request_stop)
+        if self.world > 1:
+            sys.excepthook = self._rank_lost
+
+    def _rank_lost(self, kind, e, tb):
+        """Under torchrun: a collective that failed because another rank went away (killed, or failed) is one
+        line and exit 5 -- torchrun then names the rank that failed first. Anything else: the traceback."""
+        if not (isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e)):
+            return sys.__excepthook__(kind, e, tb)
+        print(f"error: rank {self.rank}: another rank stopped answering ({(str(e).splitlines() or [''])[0][:160]}"
+              f"); this rank stops too. The last checkpoint is {checkpoint.latest(self.out) or 'none'}",
+              file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT["rank_lost"])
 
     def agree_stop(self, trainer):
-        """A signal may reach the ranks in different steps: they stop (and save) in the same one."""
-        if self.world > 1:
-            self.stop[:] = [s for s in trainer.placement.gather_object(self.stop[0] if self.stop else None)
-                            if s is not None][:1]
+        """Whether to stop after this step. A signal may reach the ranks in different steps (or between this
+        question and the answer): they agree on a value that they all act on, and stop (and save) together."""
+        if self.world == 1:
+            return bool(self.stop)
+        return any(s is not None for s in trainer.placement.gather_object(self.stop[0] if self.stop else None))
 
     def describe_checkpoints(self, n_params):
         """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM window."""

@@ -60,6 +60,7 @@ import stream
 from megatrain_min import checks
 
 TIMEOUT = datetime.timedelta(minutes=10)   # a collective that waits this long for a dead rank raises
+RENDEZVOUS = datetime.timedelta(minutes=2)  # ranks that have not all joined by then never will
 
 
 def shard_numel(numel, world):
@@ -185,7 +186,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         (default: the whole world, initialised). micro_batches are per rank: the step's batch is split over the
         ranks, then each rank's share into micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
         dev = checks.check_device(device)
-        lanes = lanes or ShardedLanes(dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        lanes = lanes if lanes is not None else ShardedLanes(dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         shards = Shards(group if group is not None else dist.group.WORLD, lanes, dev)
         self.comm, self.rank, self.world = lanes.comm, shards.rank, shards.world
         super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards, **kw)
@@ -206,6 +207,13 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
     @property
     def traffic(self):
         return self.placement.traffic
+
+    def check_batch(self, tokens, targets):
+        """The global batch, checked; it splits over the ranks, each rank's share into its micro-batches."""
+        super().check_batch(tokens, targets)
+        if tokens.shape[0] % (self.world * self.M):
+            raise ValueError(f"batch size {tokens.shape[0]} is not divisible by {self.world} ranks x "
+                             f"micro_batches={self.M}")
 
     def shard_numel(self, u):
         return self.placement.shard(self.units[u])
@@ -373,11 +381,18 @@ def init_from_env(device=None):
     """Join the run torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     in the environment): NCCL with each rank on its own GPU (rank_device), or gloo on CPUs. device: "cuda", "cpu"
     or None (cuda when there is one). Returns the torch.device of this rank."""
-    dev = rank_device(device)
-    if dev.type == "cuda":
-        dist.init_process_group("nccl", device_id=dev, timeout=TIMEOUT)
-    else:
-        dist.init_process_group("gloo", timeout=TIMEOUT)
+    dev, env = rank_device(device), os.environ
+    try:   # the rendezvous alone waits RENDEZVOUS for the ranks; the collectives get TIMEOUT
+        store, rank, world = next(dist.rendezvous("env://", timeout=RENDEZVOUS))
+    except (RuntimeError, ValueError) as e:          # DistStoreError: a rank that never came
+        raise ValueError(f"rank {env.get('RANK')} of {env.get('WORLD_SIZE')}: the other ranks did not join at "
+                         f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} within {RENDEZVOUS.seconds} s "
+                         f"({(str(e).splitlines() or [''])[0][:120]}); launch every rank with torchrun") from None
+    store.set_timeout(TIMEOUT)
+    store = dist.PrefixStore("default_pg", store)    # as init_process_group keys its own rendezvous
+    kw = dict(store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    dist.init_process_group("nccl", device_id=dev, **kw) if dev.type == "cuda" else \
+        dist.init_process_group("gloo", **kw)
     return dev
 
 

@@ -13,7 +13,9 @@ per run), each in its own directory, with files_under() of that directory taken 
 import json
 import math
 import shutil
+import tempfile
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +53,14 @@ def world(tmp_path_factory, cli):
                           {"role": "assistant", "content": "Four."}]}, {"prompt": "Yes or no?", "completion": " Yes."}]
     (w / "chat.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows * 8))
     (w / "text.txt").write_text("What is two plus two? Four. " * 200)
+    # runs on data named by a relative path (a case copies the run and changes the file under the same name),
+    # a fine-tune of the Hugging Face model (its checkpoint carries the tokenizer)
+    (w / "corpus.txt").write_text("What is two plus two? Four. " * 200)
+    r = cli(*TINY, "--save-every", "1", "--data", "corpus.txt", "--out", w / "run-data", cwd=w)
+    assert r.returncode == 0, r.stderr
+    r = cli(*TINY, "--save-every", "1", "--init-from", w / "hf", "--data", "chat.jsonl", "--seq-len", "64",
+            "--out", w / "sft", cwd=w)
+    assert r.returncode == 0, r.stderr
     return w
 
 
@@ -75,7 +85,8 @@ def edit_meta(ck, fn):
 
 
 def npy(path, arr):
-    np.save(path, arr)
+    with open(path, "wb") as f:    # np.save(name) would add ".npy" to a name that ends otherwise
+        np.save(f, arr)
     return path
 
 
@@ -129,6 +140,107 @@ def _file(t, name="file.txt"):
     return t / name
 
 
+def _in_place(run, data, content):
+    """Copy world's `run` and write its data file, named relatively, with new content: (argv, t) for --resume."""
+    def setup(t, w):
+        copy(w / run, t / run)
+        (t / data).write_text(content(w / data)) if content else copy(w / data, t / data)
+        return ["--steps", "3", "--resume", "--out", t / run, "--data", data] + (
+            ["--init-from", w / "hf", "--seq-len", "64"] if run == "sft" else [])
+    return setup
+
+
+def _resume_data_changed(t, w):
+    argv = _in_place("run-data", "corpus.txt", lambda p: p.read_text().replace("Four", "Five"))(t, w)
+    return argv, 2, ["data changed"], []
+
+
+def _resume_sft_shrunk(t, w):
+    argv = _in_place("sft", "chat.jsonl", lambda p: "".join(p.read_text().splitlines(True)[:6]))(t, w)
+    return argv, 2, ["data changed"], []
+
+
+def _resume_other_chat_format(t, w):
+    argv = _in_place("sft", "chat.jsonl", None)(t, w)
+    return argv + ["--chat-format", "fixed"], 2, ["--chat-format"], []
+
+
+def _resume_other_init_from(t, w):
+    argv = _in_place("sft", "chat.jsonl", None)(t, w)
+    other = copy(w / "hf", t / "hf-other")
+    return argv[:-4] + ["--init-from", other, "--seq-len", "64"], 2, ["--init-from"], []
+
+
+def _hf_with(fn, data="chat.jsonl", seq="64"):
+    """A copy of world's Hugging Face directory changed by fn(dir, t): --init-from it."""
+    def setup(t, w):
+        d = copy(w / "hf", t / "hf")
+        words = fn(d, t)
+        return ["--init-from", d, "--data", w / data if (w / data).exists() else t / data, "--seq-len", seq,
+                "--out", t / "o"], 2, words, []
+    return setup
+
+
+def _chat_rows(t, rows, name="c.jsonl"):
+    (t / name).write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return t / name
+
+
+def _resume_newest_meta_gone(t, w):
+    run = copy(w / "run", t / "run")
+    (run / "ckpt-00000002" / "meta.json").unlink()
+    return ["--steps", "3", "--resume", "--out", run], 2, ["ckpt-00000002", "meta.json"], []
+
+
+def _out_with_empty_ckpt(t, w):
+    (t / "o" / "ckpt-00000002").mkdir(parents=True)
+    return ["--out", t / "o"], 2, ["ckpt-00000002"], []
+
+
+def _resume_damaged_newest(t, w):
+    run = copy(w / "run", t / "run")
+    unit = run / "ckpt-00000002" / "layer.1.bin"
+    raw = bytearray(unit.read_bytes())
+    raw[100] ^= 0xFF
+    unit.write_bytes(bytes(raw))
+    return ["--steps", "3", "--resume", "--out", run], 2, ["layer.1.bin", "--resume", "ckpt-00000001"], []
+
+
+def _record_is_a_directory(name):
+    def setup(t, w):
+        (t / "o" / name).mkdir(parents=True)
+        return ["--out", t / "o"], 2, [name], []
+    return setup
+
+
+def _resume_never_saved(t, w):
+    (t / "o").mkdir()
+    (t / "o" / "config.json").write_text('{"run": "abc", "args": {}}\n')
+    return ["--resume", "--out", t / "o"], 2, ["config.json", "start over"], []
+
+
+def _dangling_out(t, w):
+    (t / "link").symlink_to(t / "nowhere" / "at-all")
+    return ["--out", t / "link"], 2, ["symbolic link"], []
+
+
+def _fifo(t):
+    import os
+    os.mkfifo(t / "pipe.txt")
+    return t / "pipe.txt"
+
+
+def _other_vocab_tokenizer(d, t):
+    """A tokenizer of another, larger vocabulary in the model's directory."""
+    (t / "tk").mkdir()
+    make_bpe_tokenizer(t / "tk", ["Completely different words, zebra quartz jackdaws vexing."] * 50, 2000, [EOS],
+                       {"eos_token": EOS})
+    shutil.copyfile(t / "tk" / "tokenizer.json", d / "tokenizer.json")
+    (t / "zebra.txt").write_text("Completely different words, zebra quartz jackdaws vexing. " * 300)
+    return ["another model's"]
+
+
+TORCHRUN = dict(LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29598")
 CLI = {
     # flags that were ignored or misread
     "eval-every-negative": lambda t, w: (["--eval-every", "-1"], 2, ["--eval-every"], []),
@@ -185,6 +297,88 @@ CLI = {
     "data-text-too-short": lambda t, w: (["--data", _file(t, "s.txt")], 2, ["--seq-len"], []),
     # a control: a valid run with every checkpoint flag at its edge
     "keep-one-save-every-step": lambda t, w: (["--save-every", "1", "--keep", "1", "--out", t / "o"], 0, [], [t / "o"]),
+
+    # ---- round 2: accepted silently before
+    "chunk-tokens-negative": lambda t, w: (["--chunk-tokens", "-1"], 2, ["--chunk-tokens"], []),
+    "data-utf16-through-a-tokenizer": _hf_with(lambda d, t: (t / "u.txt").write_text(
+        "What is two plus two? Four. " * 100, encoding="utf-16") and ["UTF-8", "UTF-16"], data="u.txt"),
+    "data-latin1-bytes": lambda t, w: (["--data", (lambda p: p.write_bytes("caf\xe9 ".encode("latin-1") * 900)
+                                                   and p)(t / "l.txt")], 2, ["UTF-8", "iconv"], []),
+    "data-npz": lambda t, w: (["--data", (np.savez(t / "tok.npz", ids=np.arange(5000) % 256) or t / "tok.npz")],
+                              2, [".npz", ".npy"], []),
+    "data-npy-upper-case-suffix": lambda t, w: (["--data", npy(t / "tok.NPY", (np.arange(5000) % 256).astype(np.uint16)),
+                                                 "--out", t / "o"], 0, [], [t / "o"]),
+    "data-json-array": lambda t, w: (["--data", (lambda p: p.write_text(json.dumps([{"prompt": "a", "completion": "b"}]))
+                                                 and p)(t / "sft.json")], 2, [".jsonl"], []),
+    "tokenizer-config-not-json": _hf_with(lambda d, t: (d / "tokenizer_config.json").write_text("{not json")
+                                          and ["tokenizer_config.json"]),
+    "resume-other-chat-format": _resume_other_chat_format,
+    "resume-other-init-from": _resume_other_init_from,
+    "resume-data-changed": _resume_data_changed,
+    "max-context-without-plan": lambda t, w: (["--max-context", "--out", t / "o"], 0, [], [],
+                                              dict(check=lambda r, t: "longest context" in r.stdout
+                                                   and not (t / "o").exists())),
+    "reference-with-checkpoint-flags": lambda t, w: (["--engine", "reference", "--save-every", "1", "--keep", "1"],
+                                                     2, ["--engine reference"], []),
+    "leftover-rank-1": lambda t, w: ([], 2, ["RANK"], [], dict(env=dict(RANK="1"))),
+    "plan-host-mem-1e308": lambda t, w: (["--plan", "--json", "--host-mem", "1e308"], 2, ["--host-mem"], []),
+    # ---- round 2: tracebacks before
+    "data-jsonl-nested-deep": lambda t, w: (["--data", _chat_rows(t, ["[" * 100_000 + "]" * 100_000])], 2,
+                                            ["c.jsonl:1", "nested"], []),
+    "data-lone-surrogate-through-a-tokenizer": _hf_with(lambda d, t: _chat_rows(t, [
+        '{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "yo"}]}'])
+        and ["surrogate"], data="c.jsonl"),
+    "index-weight-map-a-list": _hf_with(lambda d, t: (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": []}') and ["weight_map"]),
+    "index-null": _hf_with(lambda d, t: (d / "model.safetensors.index.json").write_text("null") and ["index"]),
+    "init-from-a-billion-layers": _init_from_config(num_hidden_layers=10 ** 9),
+    "n-layer-a-billion": lambda t, w: (["--n-layer", str(10 ** 9)], 2, ["n_layer"], []),
+    "n-layer-a-billion-plan": lambda t, w: (["--n-layer", str(10 ** 9), "--plan"], 2, ["n_layer"], []),
+    "host-mem-above-this-machine": lambda t, w: (["--host-mem", "100000"], 2, ["--host-mem"], []),
+    "out-component-too-long": lambda t, w: (["--out", t / ("x" * 300)], 2, ["--out", "255"], []),
+    "out-path-too-long": lambda t, w: (["--out", t / "/".join(["d" * 20] * 250)], 2, ["--out", "bytes long"], []),
+    "resume-newest-meta-gone": _resume_newest_meta_gone,
+    "out-holds-an-empty-ckpt": _out_with_empty_ckpt,
+    "resume-sft-data-shrunk": _resume_sft_shrunk,
+    "world-size-without-torchrun": lambda t, w: ([], 2, ["WORLD_SIZE", "torchrun"], [], dict(env=dict(WORLD_SIZE="2"))),
+    "rank-not-a-number": lambda t, w: ([], 2, ["RANK"], [], dict(env=dict(RANK="abc"))),
+    "rank-1-into-a-finished-run": lambda t, w: (["--out", copy(w / "run", t / "run")], 2, ["RANK"], [],
+                                                dict(env=dict(RANK="1"))),
+    # ---- round 2: hangs before
+    "chat-template-writes-100-mb": _hf_with(lambda d, t: (d / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}") and ["chat_template", "characters"]),
+    "batch-size-1e11": lambda t, w: (["--batch-size", str(10 ** 11)], 2, ["--batch-size"], []),
+    "plan-batch-size-1e12": lambda t, w: (["--plan", "--batch-size", str(10 ** 12)], 2, ["--batch-size"], []),
+    "plan-host-bw-1e-300": lambda t, w: (["--plan", "--host-bw", "1e-300"], 2, ["--host-bw"], []),
+    "plan-batch-and-seq-1e18": lambda t, w: (["--plan", "--batch-size", str(10 ** 18), "--seq-len", str(10 ** 18)], 2,
+                                             ["--batch-size"], []),
+    "plan-huge-but-allowed": lambda t, w: (["--plan", "--json", "--batch-size", str(1 << 24), "--seq-len",
+                                            str(1 << 30)], 0, [], []),
+    # ---- round 2: messages that misled
+    "data-fifo": lambda t, w: (["--data", _fifo(t)], 2, ["pipe.txt", "not a regular file"], []),
+    "data-roles-capitalised": lambda t, w: (["--data", _chat_rows(t, [{"messages": [
+        {"role": "User", "content": "hi"}, {"role": "Assistant", "content": "yo"}]}])], 2, ["lower-case"], []),
+    "data-every-answer-past-seq-len": lambda t, w: (["--data", _chat_rows(t, [{"messages": [
+        {"role": "user", "content": "q" * 200}, {"role": "assistant", "content": "yo"}]}] * 4)], 2,
+        ["raise --seq-len"], []),
+    "architectures-a-string": lambda t, w: (_init_from_config(architectures="LlamaForCausalLM")(t, w)[0], 0, [],
+                                            [t / "o"]),
+    "tokenizer-of-another-vocabulary": _hf_with(_other_vocab_tokenizer, data="zebra.txt"),
+    "chat-template-not-utf8": _hf_with(lambda d, t: (d / "chat_template.jinja").write_bytes(b"{{ '\xff\xfe' }}")
+                                       and ["chat_template.jinja", "UTF-8"]),
+    "init-from-a-run-directory": lambda t, w: (["--init-from", copy(w / "run", t / "run"), "--out", t / "o"], 2,
+                                               ["ckpt-00000002"], []),
+    "resume-damaged-newest-checkpoint": _resume_damaged_newest,
+    "out-metrics-is-a-directory": _record_is_a_directory("metrics.jsonl"),
+    "out-config-is-a-directory": _record_is_a_directory("config.json"),
+    "seq-len-a-billion": lambda t, w: (["--seq-len", str(10 ** 9), "--max-seq-len", str(10 ** 9)], 2,
+                                       ["Try --seq-len"], []),
+    "seed-2-to-the-64": lambda t, w: (["--seed", str(2 ** 64)], 2, ["--seed"], []),
+    "save-hf-dot": lambda t, w: (["--save-hf", ".", "--out", t / "o"], 2, ["--save-hf"], []),
+    "save-hf-dot-out-elsewhere": lambda t, w: (["--save-hf", ".", "--out", Path(tempfile.mkdtemp()) / "o"], 2,
+                                               ["--save-hf", "current directory"], []),
+    "out-dangling-symlink": _dangling_out,
+    "resume-a-run-that-never-saved": _resume_never_saved,
 }
 
 
@@ -203,11 +397,14 @@ def verdict(r, before, code, words):
 
 @pytest.mark.parametrize("name", CLI)
 def test_cli(name, world, cli, tmp_path):
-    argv, code, words, unwatched = CLI[name](tmp_path, world)
+    argv, code, words, unwatched, *extra = CLI[name](tmp_path, world)
+    extra = extra[0] if extra else {}
     before = {p: b for p, b in files_under(tmp_path).items() if not any(p.is_relative_to(u) for u in unwatched)}
     out = [] if "--out" in argv else ["--out", tmp_path / "out"]
-    r = cli(*TINY, *out, *argv, cwd=tmp_path)
+    r = cli(*TINY, *out, *argv, cwd=tmp_path, env=extra.get("env"))
     v = verdict(r, before, code, words)
+    if v == "clean" and "check" in extra and not extra["check"](r, tmp_path):
+        v = "silent"
     if v == "clean" and name == "resume-torn-metrics-line":   # and the log continues where the checkpoint was
         steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         v = "clean" if steps == [1, 2, 3] else "silent"

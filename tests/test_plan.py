@@ -246,7 +246,7 @@ def test_7b_at_512k_tokens_fits_a_gh200_with_480_gb():
     assert p["fits"] and p["tile_tokens"] == P.TILE_TOKENS and p["offload_activations"]
     gpu = p["gpu"]
     assert gpu["residual x and its grad dy"] == 2 * T * d * 4                     # fp32
-    assert gpu[f"boundary activations: ring of {activations.RING} layers (offloaded)"] == activations.RING * T * d * 4
+    assert gpu[f"boundary activations: device ring of {activations.RING}"] == activations.RING * T * d * 4
     # q, k, v, SDPA's output (bf16) + lse (fp32) saved; d(out), dq, dk, dv; the fp32 dq accumulator, row statistic
     assert gpu[f"whole-sequence attention: {T:,} tok"] == T * (2 * 4 * d + 4 * 32 + 2 * d + 2 * 3 * d + 4 * d + 4 * 32)
     assert gpu["token-local activations: tiles of 8,192 tok"] == memory.block_activation_bytes(LONG7B, 8192, 2, 4)

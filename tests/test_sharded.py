@@ -272,14 +272,24 @@ def test_rank_device_from_local_rank(monkeypatch, local, seen, want):
 
 
 def _export_rank():
-    """A 2-rank ShardedTrainer's weights(to=0): every tensor on rank 0, nothing on the others."""
+    """A 2-rank ShardedTrainer's weights(to=0): every tensor on rank 0, nothing on the others; and the message
+    of a batch of 4 with 4 micro-batches per rank (each rank's 2 sequences cannot make 4)."""
     cfg = UNTIED
     t = sharded.ShardedTrainer(cfg, model.init_weights(cfg, 0), device="cpu")
-    return {k: v.shape for k, v in t.weights(to=0).items()}, sorted(t.weights())
+    four = sharded.ShardedTrainer(cfg, model.init_weights(cfg, 0), device="cpu", micro_batches=4)
+    x = torch.zeros(4, 8, dtype=torch.long)
+    try:
+        four.step(x, x)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {k: v.shape for k, v in t.weights(to=0).items()}, sorted(t.weights()), refused
 
 
 def test_an_export_gathers_the_weights_on_rank_0_alone():
-    (w0, every0), (w1, every1) = ranks.spawn(_export_rank, 2)[0]
+    """... and a batch the ranks cannot split into their micro-batches is refused before any work."""
+    (w0, every0, refused), (w1, every1, _) = ranks.spawn(_export_rank, 2)[0]
+    assert refused == "batch size 4 is not divisible by 2 ranks x micro_batches=4"
     keys = sorted(model.init_weights(UNTIED, 0))
     assert sorted(w0) == keys == every0 == every1 and w1 == {}
     assert all(tuple(w0[k]) == tuple(v.shape) for k, v in model.init_weights(UNTIED, 0).items())

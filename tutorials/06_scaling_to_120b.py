@@ -133,7 +133,8 @@ print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB 
 # ![120b host memory by component](figures/memory.png)
 #
 # `format_plan` prints what `python -m megatrain_min.plan --config 120b --hardware h200 --mode lean
-# --host-mem 1536 --grad-clip 0` (or `python train.py --config 120b --plan ...`) shows:
+# --host-mem 1536 --grad-clip 0 --batch-size 4 --seq-len 4096` (or `python train.py --config 120b --plan
+# ...` with the same flags) shows:
 
 # %%
 p120 = rows["120b", "h200", "lean"]
