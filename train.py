@@ -17,7 +17,7 @@ Try it
     python train.py                                  # toy, CPU or GPU
     torchrun --standalone --nproc-per-node 2 train.py --batch-size 8 --micro-batches 2   # 2 ranks
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
-    python train.py --config 70b --plan              # memory and speed plan, nothing allocated
+    python train.py --config 70b --plan --batch-size 4 --seq-len 4096  # the plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
 step).
 Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input,

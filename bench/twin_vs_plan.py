@@ -1,6 +1,6 @@
-"""bench/twin_vs_plan.py -- the timeline twin against the planner at full depth: README's 100b/120b table and
+"""bench/twin_vs_plan.py -- the timeline twin against the planner at full depth: docs/planning.md's 100b/120b table and
 7b/14b on an H100 (fast and lean, clipping on and off). Predictions both; the point is that two independent
-models of one schedule agree (DESIGN.md section 5). Writes bench/results/twin_vs_plan.md.
+models of one schedule agree (docs/design.md, section 'Without a GPU'). Writes bench/results/twin_vs_plan.md.
 
     python bench/twin_vs_plan.py              # ~15 min on a 2-core CPU (each 100b/120b row replays ~100k ops)
     python bench/twin_vs_plan.py --quick      # the 7b rows only

@@ -1,6 +1,8 @@
-"""megatrain_min: the supporting cast of megatrain-min, one concept per file.
+"""megatrain_min: the periphery of megatrain-min, one concept per file, each readable alone.
 
-data.py (bytes, corpus, batches), reference.py (the plain PyTorch oracle trainer), plan.py (memory and
-throughput planner), checkpoint.py (save/resume), hf.py (Hugging Face import/export). The engine itself lives
-at the top level: model.py, stream.py, optim.py, train.py; measurements live in bench/.
+The engine lives at the top level (model.py, stream.py, optim.py, train.py). Here are its variations
+(tiling, activations, sharded, guard), its inputs and outputs (data, prepare, tokenizer, chat,
+checkpoint, hf, rundir), its checks, its oracle (reference), the planner (plan, memory, cost) and
+the instruments that prove the schedule on a CPU (record, race, twin, sim). docs/design.md, section
+'Layout', says which file holds which concept; measurements live in bench/.
 """

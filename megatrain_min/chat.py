@@ -229,7 +229,7 @@ def chat_tokens(tokenizer, messages):
 
 
 def layout(tokenizer, ids, supervised):
-    """The tokens as text, each supervised run in [[ ]] -- what the README shows and __main__ prints."""
+    """The tokens as text, each supervised run in [[ ]] -- what docs/fine-tuning.md shows and __main__ prints."""
     out, i = [], 0
     while i < len(ids):
         j = i

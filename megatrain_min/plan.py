@@ -8,7 +8,8 @@ What it is
     layer's recompute activations for one micro-batch, weight-grad outputs, the loss chunk), the time of
     each layer visit (H2D, compute, D2H, CPU AdamW), and stream.py's schedule replayed layer by layer on
     four lanes for three steps: step time, tokens/s, model TFLOP/s, the busiest lane (the bottleneck) and
-    the tokens per step that hide the transfers (DESIGN.md §4: T >= F_eff * bytes_per_param / (2 * BW)).
+    the tokens per step that hide the transfers (T >= F_eff * bytes_per_param / (2 * BW): docs/design.md,
+    section 'The arithmetic').
     check(p) turns a plan that does not fit into one line: what, how much, the nearest setting that fits (and,
     at long context, the longest --seq-len that does). max_context(p): that longest sequence. At long T the
     layer is tiled (model.block's tile_tokens, chosen by tile_for) and the GPU side is O(T): x and dy, the
@@ -18,8 +19,8 @@ What it is not
     until bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
     loader, back-pressure of the grad slabs, the transient extra fp32 copy init_weights makes.
 Reference
-    DESIGN.md §3-4; stream.py and optim.py for what is allocated where; MegaTrain (arXiv 2604.05091:
-    120B on one H200 with 1.5 TB of host memory).
+    docs/design.md, sections 'Memory modes' and 'The arithmetic'; stream.py and optim.py for what is
+    allocated where; MegaTrain (arXiv 2604.05091: 120B on one H200 with 1.5 TB of host memory).
 Try it
     python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 --grad-clip 0 \
         --batch-size 4 --seq-len 4096

@@ -484,7 +484,7 @@ def test_api_checks_its_arguments(name, engine):
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
-    """Kept on purpose and documented (README: Numerics): a batch whose targets are all -100 has loss 0 and zero
+    """Kept on purpose and documented (docs/design.md, 'Numerics contract'): a batch whose targets are all -100 has loss 0 and zero
     gradients, and an AdamW step still applies weight decay and the momentum of the earlier steps, exactly as
     torch.optim.AdamW does. The streaming engine equals the reference (torch.optim.AdamW) on it."""
     w0 = model.init_weights(CFG)
@@ -504,9 +504,9 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
 
 
 def test_readme_and_train_py_name_the_same_exit_codes():
-    """README Troubleshooting has a row per exit code, train.py's docstring names each, and train.py and
-    rundir.py (its run directory) use no other: every code given to fail / exit / SystemExit is a number or a
-    name of rundir.EXIT, the codes' one home."""
+    """README Troubleshooting and docs/troubleshooting.md have a row per exit code, train.py's docstring names
+    each, and train.py and rundir.py (its run directory) use no other: every code given to fail / exit /
+    SystemExit is a number or a name of rundir.EXIT, the codes' one home."""
     import ast, re
     from conftest import ROOT
     from megatrain_min import rundir
@@ -524,4 +524,6 @@ def test_readme_and_train_py_name_the_same_exit_codes():
                     elif isinstance(a, ast.Subscript) and getattr(a.value, "id", None) == "EXIT":
                         used.add(rundir.EXIT[a.slice.value])
     assert table == used == set(rundir.EXIT.values()) == {0, 2, 3, 4, 5, 130}, (table, used)
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert {int(c) for c in re.findall(r"^\| (\d+) \|", page, re.M)} == table, page
     assert all(re.search(rf"\b{c} ", doc) for c in table), doc

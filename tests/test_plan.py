@@ -189,7 +189,8 @@ def test_bottleneck_follows_tokens_per_step():
 
 
 def test_min_tokens_is_design_formula():
-    # DESIGN §4: 500 TFLOP/s achieved, bf16 weights, 55 GB/s -> about 9k tokens per step
+    # docs/design.md, section 'The arithmetic': 500 TFLOP/s achieved, bf16 weights, 55 GB/s -> about 9k tokens
+    # per step
     hw = dict(P.HARDWARE["h100"], name="x", bf16_tflops=500, frac=1.0)
     p = P.plan(model.PRESETS["7b"], hw)
     assert p["min_tokens"]["h2d"] == pytest.approx(500e12 * 2 / (2 * 55e9))
@@ -251,7 +252,7 @@ def test_7b_at_512k_tokens_fits_a_gh200_with_480_gb():
     assert gpu[f"whole-sequence attention: {T:,} tok"] == T * (2 * 4 * d + 4 * 32 + 2 * d + 2 * 3 * d + 4 * d + 4 * 32)
     assert gpu["token-local activations: tiles of 8,192 tok"] == memory.block_activation_bytes(LONG7B, 8192, 2, 4)
     assert p["host"]["offloaded boundary activations: 32 layers"] == 32 * T * d * 4                # 275 GB
-    assert 400e9 < p["host_bytes"] < 430e9                                               # 417 GB: says README
+    assert 400e9 < p["host_bytes"] < 430e9                                               # 417 GB: docs/long-context.md
     # untiled it does not fit: the check names the longest context that would, and the tile
     untiled = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=T, batch_size=1, grad_clip=1.0, tile_tokens=0)
     assert not untiled["fits_gpu"]

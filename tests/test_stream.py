@@ -1,8 +1,8 @@
 """The project's central test: stream.Trainer (weights in host memory, one layer at a time, recompute,
 layer-major micro-batches) equals plain PyTorch training (megatrain_min.reference: one autograd graph,
 torch.optim.AdamW) step for step, on the CPU in fp32.
-Tolerances (DESIGN.md section 2): per-step loss <= 1e-5 relative; weight updates <= 1e-3 relative by
-the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
+Tolerances (docs/design.md, section 'Numerics contract'): per-step loss <= 1e-5 relative; weight updates
+<= 1e-3 relative by the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
 import math
 import os
 import shutil
@@ -185,7 +185,8 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
 def test_bf16_engine_equals_autocast_reference(M, clip):
     """bf16 compute: the engine (blocks and head under autocast, fp32 residual, weights from the bf16
     shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= 1e-3
-    relative at every step, weight updates <= 1e-2 relative after 2 steps (DESIGN.md section 2)."""
+    relative at every step, weight updates <= 1e-2 relative after 2 steps (docs/design.md, section 'Numerics
+    contract')."""
     w0 = model.init_weights(NARROW, 0)
     ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
     ref = ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
@@ -196,7 +197,8 @@ def test_bf16_engine_equals_autocast_reference(M, clip):
 
 def test_bf16_residual_option_is_explicit_and_drifts_further():
     """residual_dtype=bf16 is a memory saver, not the default: it keeps x, checkpoints and dy in bf16 and so
-    drifts further from the autocast reference than the default fp32 residual does (README: Numerics)."""
+    drifts further from the autocast reference than the default fp32 residual does (docs/design.md, section
+    'Numerics contract')."""
     w0 = model.init_weights(NARROW, 0)
     runs = {}
     for name, t in (("fp32-residual", engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, **HP)),

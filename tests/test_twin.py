@@ -2,7 +2,7 @@
 
 - The replay itself: a 3-layer forward with unit costs, fed to Twin by hand, gives the schedule worked out here.
 - Twin and planner agree on the step time within 10% and name the same bottleneck, on the presets' layer shapes
-  (reduced depth here, for CI time; the full-depth README rows: bench/twin_vs_plan.py) over fast/lean and
+  (reduced depth here, for CI time; the full-depth rows of docs/planning.md: bench/twin_vs_plan.py) over fast/lean and
   clipping on/off.
 - Memory: with the boundary activations offloaded, the peak device memory stays flat in depth; with the device
   ring replaced by a fresh buffer per activation (record_stream'ed, an engine without the ring), it grows.

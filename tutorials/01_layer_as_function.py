@@ -13,7 +13,7 @@
 # This is the foundation of everything that follows: lesson 2 trains one layer at a time, lesson 3
 # keeps the flat buffers in host memory, lesson 4 streams them to the GPU.
 #
-# Run it: `python tutorials/01_layer_as_function.py` (a few seconds on a laptop CPU). It is also a
+# Run it: `python tutorials/01_layer_as_function.py` (1-2 s on a 2-core CPU). It is also a
 # notebook in "percent" format (`jupytext --to notebook`, or open it in VS Code / PyCharm).
 
 # %%

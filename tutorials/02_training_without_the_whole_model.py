@@ -13,7 +13,7 @@
 # Lesson 1 made each layer a pure function of (input, flat buffer). Here only one layer's graph
 # exists at any moment, which is what lets lesson 3 keep the weights somewhere else entirely.
 #
-# Run it: `python tutorials/02_training_without_the_whole_model.py` (~5-15 s on a 2-core CPU).
+# Run it: `python tutorials/02_training_without_the_whole_model.py` (~3 s on a 2-core CPU).
 
 # %%
 import sys

@@ -14,7 +14,7 @@
 # Lesson 2 showed that only one layer's graph is ever needed. So the weights need not live on the GPU
 # at all: they live in host RAM, next to the optimizer that updates them, and visit the GPU.
 #
-# Run it: `python tutorials/03_weights_in_host_memory.py` (~5-20 s on a 2-core CPU). With CUDA it also
+# Run it: `python tutorials/03_weights_in_host_memory.py` (~3 s on a 2-core CPU). With CUDA it also
 # measures pageable vs pinned copy bandwidth.
 
 # %%

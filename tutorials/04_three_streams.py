@@ -13,7 +13,7 @@
 # Lessons 2-3 gave us the maths (forward without a graph, head, backward by recompute) and a host store with
 # AdamW. Done naively -- copy, wait, compute, copy, wait -- the GPU would idle during every copy.
 #
-# Run it: `python tutorials/04_three_streams.py` (~3-15 s on a 2-core CPU; with CUDA the lanes are real streams).
+# Run it: `python tutorials/04_three_streams.py` (~2 s on a 2-core CPU; with CUDA the lanes are real streams).
 
 # %%
 import contextlib

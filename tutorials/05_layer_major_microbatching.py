@@ -14,7 +14,7 @@
 # Lesson 4 built the ping-pong: the copy of layer i+1 runs beside the compute of layer i. It is hidden only
 # when that compute takes longer than the copy. Here we find how many tokens that takes.
 #
-# Run it: `python tutorials/05_layer_major_microbatching.py` (~5-15 s on a 2-core CPU).
+# Run it: `python tutorials/05_layer_major_microbatching.py` (~3 s on a 2-core CPU).
 
 # %%
 import sys

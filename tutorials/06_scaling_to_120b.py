@@ -14,7 +14,7 @@
 # Lesson 3 built the host store, lesson 5 the time per step. Nothing here allocates a big model: the
 # planner works from `model.units(cfg)`, i.e. from shapes.
 #
-# Run it: `python tutorials/06_scaling_to_120b.py` (a few seconds on a CPU).
+# Run it: `python tutorials/06_scaling_to_120b.py` (~4 s on a 2-core CPU).
 
 # %%
 import sys
@@ -109,7 +109,7 @@ for name in ("100b", "120b"):
 #   boundary activations. The H200 keeps them; the GH200's 96 GB cannot keep them beside its working set, so they are
 #   offloaded -- to the host, which then overflows. Twice the tokens (8 x 4096) would push them out of the
 #   H200 too. The planner names the way out, and a bf16 residual (half the bytes, some accuracy:
-#   README, Numerics) is one:
+#   docs/design.md, Numerics contract) is one:
 
 # %%
 p_gh = rows["120b", "gh200", "lean"]

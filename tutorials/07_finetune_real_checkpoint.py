@@ -16,7 +16,7 @@
 # `load_hf("path/to/Llama-3.2-1B")`), so the lesson runs offline in seconds.
 #
 # Needs `transformers` (a dev dependency: `pip install -r requirements-dev.txt`).
-# Run it: `python tutorials/07_finetune_real_checkpoint.py` (~10-25 s on a 2-core CPU: imports and 100 steps).
+# Run it: `python tutorials/07_finetune_real_checkpoint.py` (~5 s on a 2-core CPU: imports and 100 steps).
 
 # %%
 import json

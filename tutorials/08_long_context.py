@@ -15,7 +15,7 @@
 # Lessons 2 and 6 kept the weights and the optimizer off the GPU; what is left on it at long T is
 # activations. Nothing big is allocated here: the layer runs on a narrow model, the rest is arithmetic.
 #
-# Run it: `python tutorials/08_long_context.py` (~10 s on a 2-core CPU).
+# Run it: `python tutorials/08_long_context.py` (~9-10 s on a 2-core CPU).
 
 # %%
 import dataclasses
@@ -181,7 +181,7 @@ print(planner.format_plan(base))
 # The chunked loss saves the (T, V) logits (67 GB in fp32 at 512k with Llama-2's 32k vocabulary, more with
 # Llama 3's 128k). And without a flash kernel the (T, T) scores end the story at a few ten thousand
 # tokens. What is left is O(T) with a large constant: x, dy, the activation ring and attention's tensors.
-# A bf16 residual halves three of those, at the accuracy cost README's Numerics section measures.
+# A bf16 residual halves three of those, at the accuracy cost docs/design.md's numerics table measures.
 #
 # ## 4. How long, per model and GPU
 #

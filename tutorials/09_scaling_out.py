@@ -15,7 +15,8 @@
 # Lessons 3-5 put the store in host memory and streamed it through one GPU. Here the same engine runs on N
 # processes joined by torch.distributed (gloo on this CPU; NCCL on GPUs), launched by torchrun.
 #
-# Run it: `python tutorials/09_scaling_out.py` (~10-20 s on a 2-core CPU: it runs train.py 3 times over).
+# Run it: `python tutorials/09_scaling_out.py` (~10-13 s on a 2-core CPU: it runs train.py on
+# 2 ranks and in one process).
 
 # %%
 import json

@@ -15,7 +15,7 @@
 # lessons 6-9 scaled it up. Here the same two questions -- is every access ordered, and how long does a step
 # take -- are answered for the engine itself, every aten op it runs, at any size.
 #
-# Run it: `python tutorials/10_proving_the_schedule.py` (~10-25 s on a 2-core CPU).
+# Run it: `python tutorials/10_proving_the_schedule.py` (~7 s on a 2-core CPU).
 
 # %%
 import dataclasses
