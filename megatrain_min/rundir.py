@@ -146,7 +146,7 @@ class Run:
                      f"To start over, remove {out}/config.json and {out}/metrics.jsonl (or pass another --out)")
             if self.resume_from is None:
                 fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
-            self._resume(cfg, source.train)
+            self._resume(cfg, source.train, init_dir)
         hf_base = None
         if hf_dir is not None:
             try:
@@ -175,8 +175,12 @@ class Run:
                 fail(f"{base} has {free / 1e9:.2f} GB free; this run writes {n / 1e9:.2f} GB there (a checkpoint "
                      f"is 12 B/param, --save-hf 2 or 4). Free some space, or write elsewhere")
 
-    def _resume(self, cfg, batches):
+    def _resume(self, cfg, batches, init_dir):
         a, path = self.a, self.resume_from
+        ours, theirs = path / "tokenizer.json", init_dir / "tokenizer.json" if init_dir else None
+        if theirs is not None and ours.is_file() and theirs.is_file() and ours.read_bytes() != theirs.read_bytes():
+            fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its copy is {ours}); "
+                 f"resume with the model directory the run started from")
         try:
             doc = checkpoint.read_meta(path)
             checkpoint.check_model(path, doc, cfg)

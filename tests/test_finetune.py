@@ -56,14 +56,45 @@ def test_init_from_hf_sft_and_export(llama_dir, tmp_path):
     ours = model.forward(cfg, w, tok)
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
-    # --init-from one of our checkpoints: the same weights, a fresh optimizer
+    # --init-from one of our checkpoints: the same weights, a fresh optimizer, the tokenizer it carries
     ck = sorted((tmp_path / "run").glob("ckpt-*"))[-1]
     r = train_py("--init-from", ck, "--data", chat, "--steps", 1, "--batch-size", 2, "--seq-len", 32,
                  "--eval-batches", 1, "--save-hf", tmp_path / "again", "--save-hf-dtype", "fp32", "--lr", 0,
                  "--weight-decay", 0, "--out", tmp_path / "run2")
     assert r.returncode == 0, r.stderr
+    assert f"{ck} has no chat_template" in r.stdout       # the text went through the checkpoint's tokenizer
     again = load_hf(tmp_path / "again")[1]
     assert all(torch.equal(again[k], w[k]) for k in w)  # lr 0: the checkpoint's weights came through unchanged
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (llama_dir / "tokenizer.json").read_bytes()
+
+
+def test_a_fine_tune_replies_resumes_and_keeps_its_tokenizer(llama_dir, tmp_path):
+    """The end of a fine-tune shows the model's reply to the first held-out conversation, decoded with the model's
+    tokenizer and cut at its end-of-turn token; --resume continues with the model directory's tokenizer and
+    refuses a model directory whose tokenizer.json is no longer the one the run trained with."""
+    src = tmp_path / "llama"
+    src.mkdir()
+    for f in llama_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "What is two plus two?"},
+                                                     {"role": "assistant", "content": "Four."}]}) + "\n"
+                            for _ in range(10)))
+    common = ["--init-from", src, "--data", chat, "--batch-size", 2, "--seq-len", 32, "--eval-batches", 1,
+              "--save-every", 2, "--out", tmp_path / "run"]
+    r = train_py(*common, "--steps", 2, "--sample-tokens", 20)
+    assert r.returncode == 0, r.stderr
+    reply = r.stdout.split("reply to the first held-out conversation")[1].split("\n", 1)[1].split("-" * 40)[0]
+    assert len(reply.strip()) > 0 and len(reply) < 400, r.stdout      # decoded text, at most 20 tokens
+    r = train_py(*common, "--steps", 3, "--sample-tokens", 0, "--resume")
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+    (tmp_path / "other").mkdir()          # the same texts, a smaller vocabulary: another tokenizer.json
+    make_bpe_tokenizer(tmp_path / "other", ["<|user|>\nWhat is two plus two?", "<|assistant|>\nFour. Yes."], 280,
+                       [EOS], {"eos_token": EOS})
+    (src / "tokenizer.json").write_bytes((tmp_path / "other" / "tokenizer.json").read_bytes())
+    r = train_py(*common, "--steps", 4, "--sample-tokens", 0, "--resume")
+    assert r.returncode == 2 and "tokenizer.json is not the tokenizer" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_init_from_bad_directory_is_one_line(tmp_path):

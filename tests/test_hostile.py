@@ -469,6 +469,52 @@ def _load_hf_null_config(tmp):
     hf.load_hf(tmp / "exp")
 
 
+def _export_appeared_meanwhile(tmp):
+    """Two runs export to the same new directory: the one that finishes second replaces nothing."""
+    state = hf.export_state(tmp / "exp")                          # a run starts: nothing there
+    hf.save_hf(CFG, w0(), tmp / "exp", dtype=torch.float32)        # another run's export lands meanwhile
+    theirs = files_under(tmp)
+    try:
+        hf.save_hf(CFG, w0(), tmp / "exp", dtype=torch.float32, replaces=state)
+    finally:
+        assert not lost(theirs), "data lost"
+
+
+def _template_that_loops(tmp):
+    from megatrain_min import chat
+    old, chat.RENDER_S = chat.RENDER_S, 0.5
+    try:
+        chat.render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                    [{"role": "user", "content": "hi"}], {})
+    finally:
+        chat.RENDER_S = old
+
+
+def _data_unreadable(tmp):
+    """Mode 000 (root reads anyway: the read itself is made to fail as it would)."""
+    from unittest import mock
+    from megatrain_min import corpus
+    (tmp / "d.txt").write_text("hello " * 1000)
+    with mock.patch("pathlib.Path.read_bytes", side_effect=PermissionError(13, "Permission denied", str(tmp))):
+        corpus.open_data(tmp / "d.txt", CFG, 2, 16)
+
+
+def _rendezvous_nobody_comes(tmp):
+    """WORLD_SIZE=2 RANK=0 by hand, no second rank: gives up after RENDEZVOUS, in one line."""
+    import datetime
+    import os
+    import socket
+    from unittest import mock
+    from megatrain_min import sharded
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    with mock.patch.dict(os.environ, env), mock.patch.object(sharded, "RENDEZVOUS", datetime.timedelta(seconds=2)):
+        sharded.init_from_env("cpu")
+
+
 API = {  # name: (fn(tmp), expected exception type or None for "works", words the message must hold)
     "micro-batches-zero": (lambda tmp: trainer(micro_batches=0).step(*batch()), ValueError, ["micro_batches"]),
     "beta2-one": (lambda tmp: trainer(betas=(0.9, 1.0)), ValueError, ["betas"]),
@@ -504,6 +550,11 @@ API = {  # name: (fn(tmp), expected exception type or None for "works", words th
     "save-same-step-of-another-run": (_same_step_of_another_run, ValueError, ["ckpt-00000005"]),
     "save-hf-over-user-file": (_save_hf_over_dir_with_user_file, ValueError, ["train_log.txt"]),
     "load-hf-null-config": (_load_hf_null_config, ValueError, ["config.json"]),
+    # round 2
+    "save-hf-export-appeared-meanwhile": (_export_appeared_meanwhile, ValueError, ["another export"]),
+    "chat-template-loops": (_template_that_loops, ValueError, ["longer than 0.5 s"]),
+    "data-permission-denied": (_data_unreadable, ValueError, ["permission denied"]),
+    "rendezvous-nobody-comes": (_rendezvous_nobody_comes, ValueError, ["did not join", "torchrun"]),
 }
 
 

@@ -221,6 +221,26 @@ def test_batches_equal_batches_over_the_same_ids_in_memory(tmp_path):
         p.examples("train", 16)
 
 
+@pytest.mark.slow
+def test_train_py_on_a_prepared_directory_trains_as_on_its_ids(tmp_path):
+    """python train.py --data DIR memory-maps the prepared ids: the same training losses as --data ids.npy holding
+    DIR's train split followed by a tail that train.py's own split takes for validation."""
+    from conftest import train_py
+    prepare.prepare([ROOT / "data" / "tinyshakespeare.txt"], tmp_path / "prep")
+    ids = np.asarray(PreparedTokens(tmp_path / "prep").tokens("train"))
+    pad = next(p for p in range(len(ids) // 9, len(ids)) if int((len(ids) + p) * 0.1) == p)   # data.split's cut
+    np.save(tmp_path / "ids.npy", np.concatenate([ids, ids[:pad]]).astype(np.uint16))
+    flags = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--sample-tokens", "0"]
+    runs, said = {}, {}
+    for name, src in (("dir", tmp_path / "prep"), ("npy", tmp_path / "ids.npy")):
+        r = train_py(*flags, "--data", src, "--out", tmp_path / name)
+        assert r.returncode == 0, r.stderr
+        runs[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        said[name] = r.stdout
+    assert runs["dir"] == runs["npy"] and len(runs["dir"]) == 3
+    assert f"prepared, {len(ids):,} train" in said["dir"] and "(memory-mapped)" in said["dir"]
+
+
 def test_check_model(tmp_path, tok_dirs):
     (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
     prepare.prepare([tmp_path / "t.txt"], tmp_path / "bpe", tok_dirs["gpt2"])

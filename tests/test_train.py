@@ -4,6 +4,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -118,13 +120,15 @@ def test_resume_is_bit_exact(tmp_path):
         assert (tmp_path / "a" / "ckpt-00000008" / f).read_bytes() == (tmp_path / "b" / "ckpt-00000008" / f).read_bytes()
 
 
-def test_sigterm_saves_at_step_boundary_and_resume_continues(tmp_path):
-    """SIGTERM while training: the step finishes, a checkpoint of it is saved, exit 0; --resume continues from it."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_saves_at_step_boundary_and_resume_continues(tmp_path, sig):
+    """SIGTERM while training (or SIGHUP: the terminal or ssh session went away): the step finishes, a checkpoint of
+    it is saved, exit 0; --resume continues from it."""
     common = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "100000", "--sample-tokens", "0",
               "--out", tmp_path / "o"]
     proc = runner().start("--steps", "100000", *common)
     wait_for_training(tmp_path / "o")
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, sig)
     r = runner().wait(proc)
     assert r.returncode == 0, r.stderr
     assert "stopped at step" in r.stdout
@@ -134,6 +138,20 @@ def test_sigterm_saves_at_step_boundary_and_resume_continues(tmp_path):
     r = run("--steps", str(steps[-1] + 2), *common, "--resume")
     assert r.returncode == 0, r.stderr
     assert [m["step"] for m in metrics(tmp_path / "o")][-3:] == [steps[-1], steps[-1] + 1, steps[-1] + 2]
+
+
+@pytest.mark.parametrize("cmd", [[str(ROOT / "train.py"), "--plan", "--json"],
+                                 ["-m", "megatrain_min.plan", "--config", "70b", "--json"],
+                                 [str(ROOT / "train.py"), "--config", "70b", "--plan"]], ids=["train", "plan", "table"])
+def test_output_survives_a_closed_pipe(tmp_path, cmd):
+    """`python train.py --plan --json | head -c 100`: the reader leaves early; no BrokenPipeError, no
+    "Exception ignored" at exit, exit 0 -- as `head` users expect."""
+    read, write = os.pipe()
+    p = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, stdout=write, stderr=subprocess.PIPE)
+    os.close(write)
+    os.close(read)                                  # the reader is gone before the first line is printed
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err == "", err
 
 
 def test_resume_refuses_bad_checkpoint_and_other_settings(tmp_path):
