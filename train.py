@@ -30,6 +30,7 @@ rank 0's); 130 Ctrl-C before the first step or a second one while training: out 
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -40,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import checkpoint, cli, corpus, hf, rundir, sample, sharded
+from megatrain_min import checkpoint, cli, corpus, hf, launch, rundir, sample, sharded
 from megatrain_min import plan as planner
 from megatrain_min.checks import Trainer, check_config, check_device
 from megatrain_min.lazy_init import LazyInit
@@ -60,6 +61,11 @@ warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # on
 signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was "
                                              "trained", EXIT["interrupted"]))
 args = p.parse_args()
+LAUNCH = args.nproc_per_node > 1 and WORLD == 1   # N ranks from here, all checked here first
+if LAUNCH:
+    WORLD = GPUS = args.nproc_per_node
+    if not (args.plan or args.json or args.max_context):   # rank 0 will print what this would
+        sys.stdout = open(os.devnull, "w")
 try:
     cli.check(args, WORLD)
 except cli.FlagError as e:
@@ -84,9 +90,12 @@ try:
 except (ValueError, TypeError) as e:  # HFError, CheckpointError, a config field GPTConfig lacks
     fail(f"--init-from {init_dir}: {e}" if isinstance(e, TypeError) else str(e))
 try:  # torchrun: this rank's GPU, made current before anything touches CUDA (else GPU 0)
-    device = sharded.rank_device(args.device) if WORLD > 1 else check_device(args.device)
+    if LAUNCH:   # the N ranks to come: a GPU each
+        device = launch.check(args.device, WORLD)
+    else:
+        device = sharded.rank_device(args.device) if WORLD > 1 else check_device(args.device)
 except ValueError as e:
-    fail(f"--device: {e}")
+    fail(str(e) if LAUNCH else f"--device: {e}")
 dtype = planner.DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
                                       "default on CPU: bf16 matmuls are slow there")
@@ -146,6 +155,9 @@ print("\n".join(source.lines))
 run = rundir.Run(args, RANK, WORLD, GPUS)
 run.check(cfg, n_params, init_dir, source)   # writable, disk space; --resume: its checkpoint
 run.claim()                                         # the lock; no other run's files in --out
+if LAUNCH:   # every input is good: the ranks, each this script under torchrun's environment
+    run.release()
+    sys.exit(launch.ranks(WORLD, launch.without(sys.argv, "--nproc-per-node")))
 
 # --- weights and engine ---------------------------------------------------------------------------
 if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RANK), or gloo on CPUs

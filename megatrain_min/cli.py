@@ -33,7 +33,7 @@ OFFLOAD = {"auto": None, "on": True, "off": False}
 # The largest values a flag can take: beyond them it is a typo, and the planner's searches and schedule
 # replay would run for a long time on numbers no machine has.
 MOST = dict(batch_size=1 << 24, seq_len=1 << 30, micro_batches=1 << 24, gpus=1 << 10, nodes=1 << 14,
-            host_mem=1e7, host_bw=1e5, seed=(1 << 63) - 1)
+            nproc_per_node=1 << 10, host_mem=1e7, host_bw=1e5, seed=(1 << 63) - 1)
 LEAST = dict(host_bw=0.01)   # GB/s: below it a host is not a host
 
 
@@ -156,6 +156,9 @@ def add_run(p):
       help="AdamW decay on tensors with >= 2 dims (default: %(default)s)")
     a("--seed", type=int, default=0, help="seed for init and batches (default: %(default)s)")
     a("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    a("--nproc-per-node", type=int, default=1,
+      help="train on N local ranks (GPUs, or CPU processes): every input checked here first, then the ranks "
+           "started through torch.distributed's launcher, as torchrun --standalone (default: %(default)s)")
     a("--data", default=None, help="a .txt (bytes), a .npy token array, an SFT .jsonl, or a directory made by "
                                    "python -m megatrain_min.data prepare (default: data/tinyshakespeare.txt)")
     a("--out", default="out", help="output directory for metrics, config and checkpoints (default: %(default)s)")
@@ -199,7 +202,7 @@ def check(a, world=1):
     flags that apply only with others; the batch split over `world` ranks (torchrun) and micro-batches."""
     run = hasattr(a, "out")   # train.py's flags (cli.add_run) too
     for flag in ("batch_size", "seq_len", "gpus", "nodes") + \
-            (("steps", "eval_batches", "eval_every", "keep", "max_skips") if run else ()):
+            (("steps", "eval_batches", "eval_every", "keep", "max_skips", "nproc_per_node") if run else ()):
         if getattr(a, flag) <= 0:
             raise FlagError(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
     for flag in ("chunk_tokens",) + (("warmup", "save_every", "sample_tokens", "seed") if run else ()):
@@ -234,6 +237,9 @@ def check(a, world=1):
     for flag in ("out", "save_hf", "init_from", "data"):
         if getattr(a, flag) == "":
             raise FlagError(f"--{flag.replace('_', '-')} is an empty path")
+    if a.nproc_per_node > 1 and world != a.nproc_per_node:
+        raise FlagError(f"--nproc-per-node {a.nproc_per_node} under torchrun: torchrun started the ranks already; "
+                        f"drop it")
     if world > 1 and (a.engine != "stream" or a.profile):
         raise FlagError(f"under torchrun ({world} ranks) train.py runs --engine stream without --profile")
     planning = a.plan or a.json or a.max_context

@@ -39,6 +39,7 @@ SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_de
             "init_from", "chat_format")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
 SHUTDOWN_S = 30   # torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"   # that wait when set here: torchrun and launch.py read it
 # this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same errors
 state = dict(rank=0, quiet=False)
 
@@ -75,6 +76,13 @@ def torchrun():
     if rank:
         sys.stdout = open(os.devnull, "w")   # only rank 0 prints
     return rank, world, gpus
+
+
+def shutdown_s():
+    """Seconds between a SIGTERM to the launcher (torchrun, launch.py) and its SIGKILL of the ranks, as far as a
+    rank can see: SHUTDOWN_ENV when it is a whole number, else torchrun's default."""
+    wait = os.environ.get(SHUTDOWN_ENV, "")
+    return int(wait) if wait.isdigit() else SHUTDOWN_S
 
 
 def check_path(path, flag):
@@ -124,6 +132,7 @@ class Run:
         self.run_id, self.start_step, self.val_loss, self.skips = uuid.uuid4().hex[:12], 0, None, 0
         self.resume_from, self.metrics, self.stop, self.saved = None, None, [], []
         self.fingerprint, self.hf_state = None, None   # of the data; of what --save-hf would replace
+        self.lock = None                               # the run lock's open file (claim)
 
     # ------------------------------------------------------------------ before anything is allocated
     def check(self, cfg, n_params, init_dir, source):
@@ -207,6 +216,12 @@ class Run:
         if self.start_step >= a.steps:
             fail(f"--resume: {path.name} is at step {self.start_step}, already >= --steps {a.steps}; raise --steps "
                  f"to train on")
+
+    def release(self):
+        """Let go of the run lock (train.py --nproc-per-node: rank 0 takes it again)."""
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
     def load(self, trainer, init_dir):
         """Into the trainer: --resume's checkpoint (weights, Adam's moments and step counts), else the weights of
@@ -316,13 +331,13 @@ class Run:
             fail(f"{e}. Free space (or fix the permission), then continue with --resume", EXIT["write_failed"])
         except checkpoint.CheckpointError as e:      # its name taken by a directory that is not this run's
             fail(f"{e}; the last checkpoint is {checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
-        took = time.time() - t0
+        took, wait = time.time() - t0, shutdown_s()
         if self.world > 1 and not self.saved:
             self.saved.append(took)
             tqdm.write(f"checkpoint {path.name} took {took:.1f} s" + (
-                f": more than half of torchrun's default {SHUTDOWN_S} s between its SIGTERM and SIGKILL; launch it "
-                f"with --shutdown-timeout {math.ceil(3 * took)} so that a stop can save" if took > SHUTDOWN_S / 2
-                else ""))
+                f": more than half of the {wait} s the launcher waits between its SIGTERM and SIGKILL; launch with "
+                f"{SHUTDOWN_ENV}={math.ceil(3 * took)} (torchrun: or --shutdown-timeout) so that a stop can save"
+                if took > wait / 2 else ""))
         return path
 
     def close(self):
@@ -367,5 +382,5 @@ class Run:
     def describe_checkpoints(self, n_params):
         """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM window."""
         return (f"a checkpoint writes {12 * n_params / max(1, self.world // self.gpus) / 1e9:.1f} GB per node. A "
-                f"SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them {SHUTDOWN_S} s later "
-                f"unless launched with --shutdown-timeout SECONDS: the first save says how long one takes")
+                f"SIGTERM to the launcher stops the ranks with a save, and it SIGKILLs them {shutdown_s()} s later "
+                f"({SHUTDOWN_ENV}; torchrun: or --shutdown-timeout): the first save says how long one takes")

@@ -101,9 +101,15 @@ class Shards:
     collectives on the comm lane and counts the bytes they move per wire (traffic)."""
 
     def __init__(self, group, lanes, device):
-        self.group, self.lanes, self.comm, self.device = group, lanes, lanes.comm, device
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.given, self.lanes, self.comm, self.device = group, lanes, lanes.comm, device
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.traffic = collections.Counter()   # bytes this rank moved, per wire (gathered, scattered, ...)
+
+    @property
+    def group(self):
+        """The process group; the default one looked up, never held: dist.destroy_process_group then frees it
+        while Python is whole, not at interpreter exit (where the backend's threads can abort the process)."""
+        return self.given if self.given is not None else dist.group.WORLD
 
     def shard(self, lay):
         return shard_numel(lay.numel, self.world)
@@ -187,7 +193,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         ranks, then each rank's share into micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
         dev = checks.check_device(device)
         lanes = lanes if lanes is not None else ShardedLanes(dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        shards = Shards(group if group is not None else dist.group.WORLD, lanes, dev)
+        shards = Shards(group, lanes, dev)
         self.comm, self.rank, self.world = lanes.comm, shards.rank, shards.world
         super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards, **kw)
         # ---- device: two weight shards (H2D lands there, the gather reads them), two fp32 gradient shards (the

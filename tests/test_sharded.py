@@ -5,17 +5,20 @@ The one process runs N x M micro-batches, the ranks' micro-batch size: both then
 the order of the fp32 sums of the gradients (gloo's reduce_scatter against the accumulation in one grad slot) differs.
 One spawn per world size runs every case (a spawn costs seconds of imports on 2 cores)."""
 import functools
+import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 
 import model
-from conftest import ROOT, SPECIAL, engine, random_batch, train_py
+from conftest import ROOT, SPECIAL, engine, random_batch, train_py, wait_for_training
 import ranks
 from megatrain_min import checkpoint, sharded
 
@@ -304,3 +307,51 @@ def test_train_py_under_torchrun_refuses_a_batch_the_ranks_cannot_split(tmp_path
     assert not (tmp_path / "o").exists()
     r = _run(tmp_path, "o", "--batch-size", "6", check=False, env=torchrun_env(world=2, local=2, rank=1))
     assert r.returncode == 2 and r.stderr == "" and r.stdout == ""    # rank 1 finds the same and leaves it to rank 0
+
+
+def _launch(tmp, out, *extra, steps="8"):
+    """python train.py --nproc-per-node 2 (launch.py) with FLAGS on CPU ranks: a Popen, output to files in tmp."""
+    argv = [sys.executable, str(ROOT / "train.py"), "--nproc-per-node", "2", *FLAGS, "--steps", steps, "--out",
+            str(tmp / out), *extra]
+    logs = [open(tmp / f"{out}.{name}", "w") for name in ("stdout", "stderr")]
+    return subprocess.Popen(argv, cwd=tmp, stdout=logs[0], stderr=logs[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, multi_gpu_smoke):
+    """python train.py --nproc-per-node 2: a bad input is refused in one line with exit 2 before any rank starts
+    (torchrun: exit 1 after its report); a good run writes torchrun's losses (bench/multi_gpu.py's exact case, the
+    same flags) and prints once; a SIGTERM to it stops the ranks with a save and exit 0, resumable."""
+    bad = _launch(tmp_path, "bad", "--batch-size", "6")
+    assert bad.wait(timeout=120) == 2 and (tmp_path / "bad.stderr").read_text().splitlines() == [
+        "error: --batch-size 6 is not divisible by 2 ranks x --micro-batches 2 (each rank computes --batch-size / 2 "
+        "sequences in --micro-batches micro-batches)"] and not (tmp_path / "bad").exists()
+    good = _launch(tmp_path, "good")
+    assert good.wait(timeout=300) == 0, (tmp_path / "good.stderr").read_text()[-3000:]
+    got, want = _losses(tmp_path / "good" / "metrics.jsonl"), _losses(multi_gpu_smoke / "exact-2" / "metrics.jsonl")
+    print(f"--nproc-per-node 2 vs torchrun: worst loss rel {_close(got, want):.1e}")
+    assert sorted(got) == list(range(1, 9)) and _close(got, want) <= 1e-5
+    assert (tmp_path / "good.stdout").read_text().count("done: 8 steps") == 1
+    stop = _launch(tmp_path, "stop", "--save-every", "100000", steps="100000")
+    wait_for_training(tmp_path / "stop")
+    stop.send_signal(signal.SIGTERM)
+    assert stop.wait(timeout=120) == 0, (tmp_path / "stop.stderr").read_text()[-3000:]
+    saved = checkpoint.latest(tmp_path / "stop")
+    assert saved is not None and f"checkpoint {saved}; continue with --resume" in (
+        tmp_path / "stop.stdout").read_text()
+    assert [p.name for p in (tmp_path / "stop").iterdir() if p.name.startswith("ckpt-")] == [saved.name]
+
+
+def test_the_trainer_holds_no_process_group_past_its_destruction():
+    """dist.destroy_process_group frees the default group while Python is whole: the trainer looks it up and
+    never holds it, so its backend's threads are not torn down at interpreter exit (where gloo can abort the
+    process after a finished run: "terminate called without an active exception")."""
+    dist = sharded.dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = sharded.ShardedTrainer(UNTIED, model.init_weights(UNTIED, 0), device="cpu")
+        group = weakref.ref(dist.group.WORLD)
+        assert t.placement.group is group()
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert group() is None and t.world == 1
