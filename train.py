@@ -5,7 +5,8 @@ What it is
     The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset
     on the shipped Shakespeare bytes on whatever device there is, in a few minutes on a 2-core
     laptop, and prints a sample. The same script plans and trains 7B-120B presets on one GPU with
-    enough host RAM. Under torchrun it trains on N GPUs (or N CPU processes, gloo) and nodes:
+    enough host RAM. With --nproc-per-node N (megatrain_min/launch.py: every input checked here
+    first) or under torchrun it trains on N GPUs (or N CPU processes, gloo) and nodes:
     megatrain_min/sharded.py, each rank holding 1/N of the host store. The global batch of a step is
     the same whatever the world size; rank r computes its B/N sequences in --micro-batches
     micro-batches. Only rank 0 prints and writes config.json and metrics.jsonl; every rank writes
@@ -15,7 +16,7 @@ What it is not
     (megatrain_min/cli.py holds them and their defaults; `python train.py --help` lists them).
 Try it
     python train.py                                  # toy, CPU or GPU
-    torchrun --standalone --nproc-per-node 2 train.py --batch-size 8 --micro-batches 2   # 2 ranks
+    python train.py --nproc-per-node 2 --batch-size 8 --micro-batches 2   # 2 ranks (or torchrun)
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
     python train.py --config 70b --plan --batch-size 4 --seq-len 4096  # the plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
@@ -23,9 +24,10 @@ step).
 Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input,
 refused before anything is trained, nothing lost; 3 training diverged (non-finite steps in a row, or
 non-finite weights that are never saved); 4 an output could not be written (disk full, file too
-large, no permission), every earlier checkpoint whole; 5 under torchrun: another rank failed or was
-killed, this one stopped too (torchrun exits 1 and names the first failure; a refusal's line is
-rank 0's); 130 Ctrl-C before the first step or a second one while training: out at once, no save.
+large, no permission), every earlier checkpoint whole; 5 N ranks: another rank failed or was
+killed, this one stopped too (--nproc-per-node exits with the first failing rank's code; torchrun
+exits 1 and names the first failure; a refusal's line is rank 0's); 130 Ctrl-C before the first
+step or a second one while training: out at once, no save.
 """
 import argparse
 import dataclasses
