@@ -32,7 +32,6 @@ step or a second one while training: out at once, no save.
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import sys
 import time
@@ -64,10 +63,10 @@ signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step;
                                              "trained", EXIT["interrupted"]))
 args = p.parse_args()
 LAUNCH = args.nproc_per_node > 1 and WORLD == 1   # N ranks from here, all checked here first
-if LAUNCH:
+if LAUNCH:   # the checks below run in a child (this process, the ranks' parent, never touches CUDA)
     WORLD = GPUS = args.nproc_per_node
-    if not (args.plan or args.json or args.max_context):   # rank 0 will print what this would
-        sys.stdout = open(os.devnull, "w")
+    if not (args.plan or args.json or args.max_context):
+        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"))
 try:
     cli.check(args, WORLD)
 except cli.FlagError as e:
@@ -157,9 +156,8 @@ print("\n".join(source.lines))
 run = rundir.Run(args, RANK, WORLD, GPUS)
 run.check(cfg, n_params, init_dir, source)   # writable, disk space; --resume: its checkpoint
 run.claim()                                         # the lock; no other run's files in --out
-if LAUNCH:   # every input is good: the ranks, each this script under torchrun's environment
-    run.release()
-    sys.exit(launch.ranks(WORLD, launch.without(sys.argv, "--nproc-per-node")))
+if LAUNCH:   # every input is good: the parent starts the ranks (this script, torchrun's env)
+    launch.hand_over(run)
 
 # --- weights and engine ---------------------------------------------------------------------------
 if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RANK), or gloo on CPUs

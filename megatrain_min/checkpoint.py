@@ -94,11 +94,14 @@ class SaveError(OSError):
     directory is removed and every earlier checkpoint is whole. The message is one line."""
 
 
+NAME = re.compile(r"ckpt-(\d+)")   # a checkpoint's directory: ckpt-STEP (8 digits when this code names it)
+
+
 def checkpoints(out_dir):
     """[(step, path)] of the finished checkpoints in out_dir, oldest first."""
     out = Path(out_dir)
     found = [(int(m[1]), p) for p in (out.iterdir() if out.is_dir() else [])
-             if (m := re.fullmatch(r"ckpt-(\d+)", p.name)) and (p / "meta.json").is_file()]
+             if (m := NAME.fullmatch(p.name)) and (p / "meta.json").is_file()]
     return sorted(found)
 
 

@@ -237,11 +237,14 @@ def check(a, world=1):
     for flag in ("out", "save_hf", "init_from", "data"):
         if getattr(a, flag) == "":
             raise FlagError(f"--{flag.replace('_', '-')} is an empty path")
+    if a.sample_prompt == "":
+        raise FlagError("--sample-prompt is empty: give the text the closing sample continues (or answers), or "
+                        "drop the flag for the default")
     if a.nproc_per_node > 1 and world != a.nproc_per_node:
         raise FlagError(f"--nproc-per-node {a.nproc_per_node} under torchrun: torchrun started the ranks already; "
                         f"drop it")
     if world > 1 and (a.engine != "stream" or a.profile):
-        raise FlagError(f"under torchrun ({world} ranks) train.py runs --engine stream without --profile")
+        raise FlagError(f"on {world} ranks (torchrun, --nproc-per-node) train.py runs --engine stream without --profile")
     planning = a.plan or a.json or a.max_context
     if a.engine == "reference" and not planning:   # it keeps no host store: nothing to checkpoint
         given = (("--resume", a.resume), ("--save-every", a.save_every),

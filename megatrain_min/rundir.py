@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -39,7 +40,8 @@ SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_de
             "init_from", "chat_format")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
 SHUTDOWN_S = 30   # torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
-SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"   # that wait when set here: torchrun and launch.py read it
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"   # that wait when set here (torchrun reads it)
+LAUNCHED_ENV = "MEGATRAIN_MIN_LAUNCHED"           # set for ranks started by launch.py, which waits for them
 # this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same errors
 state = dict(rank=0, quiet=False)
 
@@ -48,7 +50,8 @@ def fail(msg, code=EXIT["bad_input"]):
     """One line on stderr and an exit code: 2 = bad input, refused before training, nothing half-written."""
     if not state["quiet"]:
         rank = state["rank"]
-        print(f"error: {f'rank {rank}: ' if rank else ''}{msg}", file=sys.stderr)
+        sys.stderr.write(f"error: {f'rank {rank}: ' if rank else ''}{msg}\n")   # one write: ranks interleave
+        sys.stderr.flush()
     sys.exit(code)
 
 
@@ -74,8 +77,19 @@ def torchrun():
              f"launch with torchrun, or unset them for a plain run")
     state.update(rank=rank, quiet=rank > 0)
     if rank:
-        sys.stdout = open(os.devnull, "w")   # only rank 0 prints
+        sys.stdout = open(os.devnull, "w")   # only rank 0 prints, warnings too
+        warnings.simplefilter("ignore")
     return rank, world, gpus
+
+
+def same(flag, then, now, fingerprinted):
+    """Is a SAME_RUN flag's value at the checkpoint the same setting as now? The data is compared by its
+    fingerprint when the checkpoint has one (whatever the path's spelling); a model directory by where it is."""
+    if flag == "data" and fingerprinted:
+        return True
+    if flag == "init_from" and then and now and os.path.exists(then) and os.path.exists(now):
+        return os.path.samefile(then, now)
+    return then == now
 
 
 def shutdown_s():
@@ -194,12 +208,12 @@ class Run:
             doc = checkpoint.read_meta(path)
             checkpoint.check_model(path, doc, cfg)
             ck = doc["meta"]
-            changed = [k for k in SAME_RUN if ck["args"].get(k) != vars(a)[k]]
+            was = ck.get("data_fingerprint")          # the data: its content decides, not how it is spelled
+            changed = [k for k in SAME_RUN if not same(k, ck["args"].get(k), vars(a)[k], was is not None)]
             if changed:
                 was = ', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
                 fail(f"--resume: {path.name} was made with other settings ({was}); pass the same flags to "
                      f"continue bit-exactly")
-            was = ck.get("data_fingerprint")
             if was is not None and was != self.fingerprint:
                 fail(f"--resume: the data changed since {path.name} was saved ({a.data or 'the shipped corpus'}: "
                      f"{was['bytes']:,} bytes then, {self.fingerprint['bytes']:,} now"
@@ -261,7 +275,8 @@ class Run:
             if p.exists() and not p.is_file():
                 fail(f"--out {out}: {p.name} is not a file (a directory?); the run writes its record there: "
                      f"move it away, or pass another --out")
-        broken = sorted(p.name for p in out.glob("ckpt-*") if not (p / "meta.json").is_file())
+        broken = sorted(p.name for p in out.glob("ckpt-*")
+                        if checkpoint.NAME.fullmatch(p.name) and not (p / "meta.json").is_file())
         if broken:
             fail(f"--out {out}: {broken[0]} is not a finished checkpoint (no meta.json: damaged, or copied "
                  f"incompletely); move it out of {out} (nothing there is deleted), then run again")
@@ -332,11 +347,11 @@ class Run:
         except checkpoint.CheckpointError as e:      # its name taken by a directory that is not this run's
             fail(f"{e}; the last checkpoint is {checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
         took, wait = time.time() - t0, shutdown_s()
-        if self.world > 1 and not self.saved:
+        if self.world > 1 and not self.saved and not os.environ.get(LAUNCHED_ENV):
             self.saved.append(took)
             tqdm.write(f"checkpoint {path.name} took {took:.1f} s" + (
-                f": more than half of the {wait} s the launcher waits between its SIGTERM and SIGKILL; launch with "
-                f"{SHUTDOWN_ENV}={math.ceil(3 * took)} (torchrun: or --shutdown-timeout) so that a stop can save"
+                f": more than half of the {wait} s torchrun waits between its SIGTERM and SIGKILL; launch it with "
+                f"--shutdown-timeout {math.ceil(3 * took)} so that a stop can save (or train.py --nproc-per-node)"
                 if took > wait / 2 else ""))
         return path
 
@@ -381,6 +396,8 @@ class Run:
 
     def describe_checkpoints(self, n_params):
         """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM window."""
-        return (f"a checkpoint writes {12 * n_params / max(1, self.world // self.gpus) / 1e9:.1f} GB per node. A "
-                f"SIGTERM to the launcher stops the ranks with a save, and it SIGKILLs them {shutdown_s()} s later "
-                f"({SHUTDOWN_ENV}; torchrun: or --shutdown-timeout): the first save says how long one takes")
+        stop = ("A SIGTERM or Ctrl-C to train.py stops the ranks with a save; a second Ctrl-C at once, unsaved"
+                if os.environ.get(LAUNCHED_ENV) else
+                f"A SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them {shutdown_s()} s "
+                f"later ({SHUTDOWN_ENV} or --shutdown-timeout): the first save says how long one takes")
+        return f"a checkpoint writes {12 * n_params / max(1, self.world // self.gpus) / 1e9:.1f} GB per node. {stop}"

@@ -155,6 +155,20 @@ def _resume_data_changed(t, w):
     return argv, 2, ["data changed"], []
 
 
+def _resume_data_spelled_otherwise(t, w):
+    """The run's data by another path (absolute now, relative then): the same content, so the same run."""
+    argv = _in_place("run-data", "corpus.txt", None)(t, w)
+    argv[argv.index("corpus.txt")] = t / "corpus.txt"
+    return argv, 0, [], [t / "run-data"]
+
+
+def _out_with_a_file_named_ckpt(t, w):
+    """A user's file whose name starts with ckpt- is not a checkpoint: the run trains beside it."""
+    (t / "out").mkdir()
+    (t / "out" / "ckpt-notes.txt").write_text("mine\n")
+    return ["--out", t / "out"], 0, [], []
+
+
 def _resume_sft_shrunk(t, w):
     argv = _in_place("sft", "chat.jsonl", lambda p: "".join(p.read_text().splitlines(True)[:6]))(t, w)
     return argv, 2, ["data changed"], []
@@ -340,6 +354,9 @@ CLI = {
     "resume-newest-meta-gone": _resume_newest_meta_gone,
     "out-holds-an-empty-ckpt": _out_with_empty_ckpt,
     "resume-sft-data-shrunk": _resume_sft_shrunk,
+    "resume-data-spelled-otherwise": _resume_data_spelled_otherwise,
+    "out-holds-a-file-named-ckpt": _out_with_a_file_named_ckpt,
+    "sample-prompt-empty": lambda t, w: (["--sample-prompt", ""], 2, ["--sample-prompt", "empty"], []),
     "world-size-without-torchrun": lambda t, w: ([], 2, ["WORLD_SIZE", "torchrun"], [], dict(env=dict(WORLD_SIZE="2"))),
     "rank-not-a-number": lambda t, w: ([], 2, ["RANK"], [], dict(env=dict(RANK="abc"))),
     "rank-1-into-a-finished-run": lambda t, w: (["--out", copy(w / "run", t / "run")], 2, ["RANK"], [],

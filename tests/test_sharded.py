@@ -14,6 +14,8 @@ import subprocess
 import sys
 import weakref
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -339,6 +341,14 @@ def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, 
     assert saved is not None and f"checkpoint {saved}; continue with --resume" in (
         tmp_path / "stop.stdout").read_text()
     assert [p.name for p in (tmp_path / "stop").iterdir() if p.name.startswith("ckpt-")] == [saved.name]
+    lost = _launch(tmp_path, "lost", "--save-every", "100000", steps="100000")   # a rank killed: named, 128 + 9
+    wait_for_training(tmp_path / "lost")
+    ranks_of = [int(p) for f in (Path("/proc") / str(lost.pid) / "task").glob("*/children")
+                for p in f.read_text().split()]
+    assert len(ranks_of) == 2
+    os.kill(ranks_of[1], signal.SIGKILL)
+    assert lost.wait(timeout=120) == 128 + signal.SIGKILL
+    assert "was killed (signal 9)" in (tmp_path / "lost.stderr").read_text().splitlines()[-1]
 
 
 def test_the_trainer_holds_no_process_group_past_its_destruction():
