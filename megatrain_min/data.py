@@ -260,49 +260,6 @@ class SFTBatches:
 
 
 # ============================================================================= what train.py trains on
-def for_training(path, vocab_size, batch_size, seq_len, seed=0, tokenizer=None, source=None, chat_format=None,
-                 needs_tokenizer=False):
-    """(train, val, lines): the samplers of a run on `path` (None: the shipped corpus) and what to print of them.
-    A .jsonl is SFT data (conversations in chat_format: "native" = the tokenizer's chat_template, "fixed", None =
-    native when there is one); a .txt goes through `tokenizer` (a model directory's, named `source`) or is
-    bytes; a .npy holds token ids. needs_tokenizer: the model is not a byte model, so text needs its tokenizer.
-    Every id is checked against vocab_size. ValueError with one line for anything that cannot train."""
-    from megatrain_min.checks import check_token_ids   # here: the prepare command runs without torch
-    path = Path(path or DEFAULT_DATA)
-    if needs_tokenizer and tokenizer is None and path.suffix != ".npy":
-        raise ValueError(f"{source} has no tokenizer.json, and {path.name} needs the model's own tokenizer (bytes "
-                         f"are token ids only for the byte-vocabulary presets); add it, or pass --data tokens.npy")
-    seeds, lines = (seed, 10_000 + seed), []
-    if path.suffix == ".jsonl":  # SFT: loss only on assistant / completion tokens, one example per row
-        tok = tokenizer or ByteTokenizer()
-        where = source if tokenizer is not None else "the byte tokenizer"
-        asked, chat_format = chat_format, chat_format or ("native" if tok.chat_template else "fixed")
-        if chat_format == "native" and not tok.chat_template:
-            raise ValueError(f"--chat-format native: {where} has no chat_template; use --chat-format fixed")
-        end = "eos" if tok.eos_id is not None else "newline"
-        lines.append(f"chat format: native (the chat_template of {where})" if chat_format == "native" else
-                     f"chat format: fixed ('<|role|>\\n' + content + {end} per message; "
-                     f"{'asked for' if asked else f'{where} has no chat_template'})")
-        train, val = split_examples(load_sft_jsonl(path, tok, seq_len, chat_format))
-        check_token_ids(np.concatenate([x for x, _ in train + val]), vocab_size, f"data {path}")
-        samplers = [SFTBatches(ex, batch_size, seq_len, seed=s, name=n)
-                    for ex, s, n in ((train, seeds[0], "train"), (val, seeds[1], "val"))]
-        lines.append(f"data {path}: {len(train):,} train / {len(val):,} val examples")
-        return (*samplers, lines)
-    if tokenizer is not None and path.suffix != ".npy":  # text through the model's own tokenizer
-        if not path.is_file():
-            raise ValueError(f"data file {path} does not exist; pass --data with a .txt, .npy or .jsonl file")
-        tokens = np.array(tokenizer.encode(path.read_text(encoding="utf-8", errors="replace")), dtype=np.int64)
-    else:
-        tokens = load_tokens(path)
-    check_token_ids(tokens, vocab_size, f"data {path}")     # one pass each for min and max
-    train, val = split(tokens)
-    samplers = [Batches(t, batch_size, seq_len, seed=s, name=n)
-                for t, s, n in ((train, seeds[0], "train"), (val, seeds[1], "val"))]
-    lines.append(f"data {path}: {len(train):,} train / {len(val):,} val tokens")
-    return (*samplers, lines)
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["prepare"]:          # the prepare command lives in its own file
         from megatrain_min import prepare
