@@ -33,9 +33,9 @@ bf16 = torch.autocast(bf16) around blocks and head, the residual (x, dy) fp32: t
 arithmetic. Handed to the engine: the layer (model, tiling.Tiled), where boundary activations live
 (OnDevice, activations.HostRing), the units' placement (Whole, sharded.Shards), a guard.Guard.
 """
-import contextlib
 import math
 from collections import namedtuple
+from contextlib import nullcontext
 
 import torch
 
@@ -55,7 +55,7 @@ class Trainer:
         front door is megatrain_min.checks.Trainer. mode "fast" streams a bf16 shadow, "lean" the
         fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm."""
         self.cfg, self.M, self.lr, self.grad_clip = cfg, micro_batches, lr, grad_clip
-        self.dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dev = resolve_device(device)           # cuda:N: the lanes and the worker use it too
         self.lanes = lanes if lanes is not None else Lanes(self.dev)
         self.h2d, self.comp, self.d2h = self.lanes.h2d, self.lanes.comp, self.lanes.d2h
         self.dtype = dtype or model.default_dtype(self.dev.type)
@@ -75,12 +75,12 @@ class Trainer:
         self.embed = self.head if cfg.tie_embeddings else 0    # see "the embedding" below
         shadow = self.dtype if mode == "fast" and self.dtype != torch.float32 else None
         self.opt = optim.HostAdamW(self.placement.sizes(self.units), lr, betas, eps, weight_decay,
-                                   pin=self.lanes.pin, shadow_dtype=shadow, slabs=grad_slabs,
+                                   pinned=self.lanes.pinned, shadow_dtype=shadow, slabs=grad_slabs,
                                    grad_store=self.defer_updates, pool=self.lanes.pool)
         with torch.no_grad():
             self.placement.fill(self.opt, self.units, weights)   # the model, into the store
         self.pinned_buffers = {}                    # name -> pinned per-step buffer: pinned()
-        self.loss_host = torch.zeros((), dtype=torch.float32, pin_memory=self.lanes.pin)
+        self.loss_host = self.pinned("loss", (), torch.float32)
         self.pending, self.failed = {}, []          # unit -> Future of its update; exceptions
 
         # ---- GPU: 2 weight slots (ping-pong), 2 fp32 grad slots, made on their first user's lane
@@ -185,8 +185,7 @@ class Trainer:
         """Layers L-1..0: recompute with grad, micro-batches accumulated in fp32, drain each."""
         L = len(self.layers)
         for i in reversed(range(L)):
-            u = self.layers[i]
-            s = self.resident[u]
+            s = self.resident[u := self.layers[i]]
             xs = self.activations.take(i)              # on compute, ready (the next on its way)
             if i > 0:
                 self._prefetch(self.layers[i - 1], s)
@@ -225,8 +224,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ weights in
     def _ready(self, u):  # block until unit u's last update finished (no half-updated copy)
-        fut = self.pending.pop(u, None)
-        if fut is not None:
+        if (fut := self.pending.pop(u, None)) is not None:
             fut.result()
 
     def _prefetch(self, u, busy_slot):
@@ -324,10 +322,6 @@ class Trainer:
         fut.add_done_callback(lambda f: f.exception() and self.failed.append(f.exception()))
         self.pending[u] = fut
 
-    def _release(self, u):
-        if not self.defer_updates:
-            self.opt.give_back(u)
-
     def _grad_landed(self, u, done, lr, scatter=None):
         """Worker: once u's gradient landed (the embedding's scattered), update, or its norm^2."""
         try:
@@ -338,7 +332,8 @@ class Trainer:
                 return self.opt.grad_sq(u)
             self.update_unit(u, lr)
         finally:
-            self._release(u)
+            if not self.defer_updates:
+                self.opt.give_back(u)
 
     def update_unit(self, u, lr):
         """Worker: AdamW on unit u, unless the guard finds its gradient not finite."""
@@ -361,19 +356,20 @@ class Trainer:
                 for k, v in lay.key_views(self.opt.master[u]).items()}
 
     def pinned(self, name, shape, dtype):
-        """Pinned buffer `name`, made once per shape (no cudaFreeHost, a device sync, per step)."""
-        buf = self.pinned_buffers.get(name)
-        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
-            buf = torch.empty(shape, dtype=dtype, pin_memory=self.lanes.pin)
-            self.pinned_buffers[name] = buf
-        return buf
+        """A `shape` view of host buffer `name` (page-locked with CUDA), made anew only to grow,
+        after a device wait (no copy from or into the old one is in flight when it goes)."""
+        buf, n = self.pinned_buffers.get(name), math.prod(shape)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            if buf is not None:
+                self.lanes.synchronize()
+            buf = self.pinned_buffers[name] = (self.lanes.pinned or torch.zeros)(n, dtype=dtype)
+        return buf[:n].view(shape)
 
 
 class OnDevice(dict):
     """Boundary activations on the device: i -> layer i's inputs (activations.HostRing: host)."""
     offloaded = False
     keep, take, release = dict.__setitem__, dict.__getitem__, dict.pop   # forward, backward, done
-
     def prepare(self, trainer, n_layers, shape): self.clear()     # a new step
 
 
@@ -399,50 +395,53 @@ class Whole:
 
 
 # -------------------------------------------------------------------------------- the hardware
+def resolve_device(device=None):
+    """The device to train on, indexed: "cuda" is the current cuda:N (set_device needs the N)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.device("cuda", torch.cuda.current_device()) if dev == torch.device("cuda") else dev
+
+
 class Lane:
     """A CUDA stream on `device`, or nothing on the CPU (work then runs in program order).
     `with lane():` issues the work inside on it; record() an event, wait(event) for one; keep(t):
     t made on another stream is used here too (record_stream: its block is not reused early)."""
+    streams = {}   # (device, name) -> its stream, made once per process: cuBLAS keeps a workspace
+    #                per stream it ran on (32 MiB a thread on Hopper), never freed, so a stream per
+    #                Trainer would grow device memory with every Trainer made
 
-    def __init__(self, device=None):
-        self.stream = torch.cuda.Stream(device=device) if device is not None else None
+    def __init__(self, device=None, name="compute"):
+        if device is not None and (device, name) not in Lane.streams:
+            Lane.streams[device, name] = torch.cuda.Stream(device=device)
+        self.stream = Lane.streams.get((device, name))
 
-    def __call__(self):
-        return torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+    def __call__(self): return torch.cuda.stream(self.stream) if self.stream else nullcontext()
+    def record(self): return self.stream.record_event() if self.stream else None
 
-    def record(self):
-        return self.stream.record_event() if self.stream else None
-
-    def wait(self, event):
-        if self.stream is not None and event is not None:
-            self.stream.wait_event(event)
-
-    def keep(self, t):
-        if self.stream is not None:
-            t.record_stream(self.stream)
+    def wait(self, event): return self.stream.wait_event(event) if self.stream and event else None
+    def keep(self, t): return t.record_stream(self.stream) if self.stream else None
 
 
 class Lanes:
     """The hardware as the engine sees it (sim.SimLanes: the same, every ordering edge recorded)."""
 
     def __init__(self, device, procs=1, lane=Lane):
-        cuda = device.type == "cuda"
-        self.device, self.pin = device, cuda
-        self.h2d, self.comp, self.d2h = (lane(device if cuda else None) for _ in range(3))
+        self.device = device = resolve_device(device)
+        self.cuda = cuda = device.type == "cuda"
+        self.pinned = optim.page_locked if cuda else None     # makes host buffers the copies use
+        self.h2d, self.comp, self.d2h = (lane(device if cuda else None, n)
+                                         for n in ("h2d", "compute", "d2h"))
         self.threads = optim.cpu_threads(cuda, procs)         # OpenMP teams: (main, optimizer)
         torch.set_num_threads(self.threads[0])                 # a setting of the calling thread
         self.worker = optim.worker(self.threads[1], device)
 
     def host_wait(self, event):       # the calling host thread waits until the device passed it
-        if event is not None:
-            event.synchronize()
+        return event.synchronize() if event is not None else None
 
-    def synchronize(self):
-        if self.pin:
-            torch.cuda.synchronize(self.device)
+    def synchronize(self):            # the host waits for every lane
+        return torch.cuda.synchronize(self.device) if self.cuda else None
 
     def free_memory(self):            # bytes free on the device (None: device buffers are host's)
-        return torch.cuda.mem_get_info(self.device)[0] if self.pin else None
+        return torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
 
     def submit(self, fn, *args):      # fn(*args) on the optimizer thread: a Future
         return self.worker.submit(fn, *args)

@@ -1,14 +1,24 @@
-"""CPU AdamW speed: optim.HostAdamW (flat buffers, two fused kernel calls per unit) against
-torch.optim.AdamW(fused=True) over the same parameters as separate tensors (two param groups),
-measured side by side in one run. The target: HostAdamW >= 0.9x torch's speed.
+"""CPU AdamW speed on buffers far larger than the last-level cache: the host bytes one update moves per parameter,
+measured side by side in one run, against the host's own memory bandwidth measured the same way.
 
-    python bench/adamw_cpu.py                 # toy-to-small sizes, a few seconds
-    python bench/adamw_cpu.py --params 2e8    # bigger (needs ~16 B/param of RAM for each optimizer)
+Variants (each on the same units, best of interleaved rounds; the bytes counted are the algorithm's, not measured):
+  one pass   optim.HostAdamW.step: the fused kernel in tiles of optim.TILE elements, each tile's bf16 shadow
+             written while the tile is in cache -- read p g m v (16 B), write p m v (12 B), write the shadow (2 B)
+  two passes the kernel over the whole unit, then the shadow from the master (the engine before 2026-11-27):
+             the 30 B above + reading the master back from DRAM (4 B) = 34 B
+  lean       no shadow (--mode lean streams the fp32 master and casts it on the GPU): 28 B
+  triad      a = b + s * c over fp32 arrays as large (STREAM's triad, 12 B per element): the host's bandwidth
+  torch      torch.optim.AdamW(fused=True) over the same parameters as separate tensors, no shadow (28 B)
+Reports ms per unit, Gparam/s, GB/s at the counted bytes, and each variant's share of the triad bandwidth.
 
-Reports ms per step, parameters per second and DRAM GB/s at ~32 B/param of traffic
-(read p, g, m, v = 16 B; write p, m, v = 12 B; + the bf16 shadow when asked: 6 B).
+    python bench/adamw_cpu.py                       # >= 4x the L3 in all, units of up to a 7B-width layer
+    python bench/adamw_cpu.py --params 8e8 --unit 202383360   # 4 Llama-2-7B-width layers (gpu_run.sh: ~40 GB)
+    python bench/adamw_cpu.py --json OUT.json
 """
 import argparse
+import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,49 +26,93 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import model  # noqa: E402
+import optim  # noqa: E402
 from optim import HostAdamW  # noqa: E402
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ap.add_argument("--params", type=float, default=5e7, help="approximate parameter count (made of small-preset-like layers)")
-ap.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
-args = ap.parse_args()
-
-# layers of the GPT-2-small shape, as many as make up --params
-cfg = model.PRESETS["small"]
-layer = model.units(cfg)[0]
-n_layers = max(1, int(args.params // layer.numel))
-shapes = [e.shape for e in layer.entries]
-N = n_layers * layer.numel
-print(f"{n_layers} layers x {len(shapes)} tensors = {N:,} params; torch {torch.__version__}, {torch.get_num_threads()} threads")
-
-params = [torch.randn(s) * 0.02 for _ in range(n_layers) for s in shapes]
-for p in params:
-    p.requires_grad_(True)
-    p.grad = torch.randn_like(p) * 1e-3
-ref = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=1e-4, fused=True)
-ours = HostAdamW([(layer.numel, layer.n_decay)] * n_layers, lr=1e-4)
-for u in range(n_layers):
-    ours.grad[u].normal_(0, 1e-3)
+LAYER_7B = 202_383_360   # parameters of one Llama-2-7B-width layer (d 4096, ff 11008): the wide case's unit
 
 
-def timeit(fn):
-    for _ in range(2):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        fn()
-    return (time.perf_counter() - t0) / args.steps
+def l3_bytes():
+    try:
+        sizes = [p.read_text().strip() for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+        return max(int(s[:-1]) * {"K": 2**10, "M": 2**20}[s[-1]] for s in sizes if s[-1] in "KM")
+    except (OSError, ValueError):
+        return 32 * 2**20
 
 
-results = {}
-for round_ in range(2):  # interleave, so both see the same machine state
-    results.setdefault("torch.optim.AdamW(fused=True)", []).append(timeit(ref.step))
-    results.setdefault("HostAdamW (flat, per unit)", []).append(
-        timeit(lambda: [ours.step(u) for u in range(n_layers)]))
-best = {k: min(v) for k, v in results.items()}
-for k, t in best.items():
-    print(f"{k:<32} {t * 1e3:8.1f} ms/step  {N / t / 1e9:6.2f} Gparam/s  ~{32 * N / t / 1e9:6.1f} GB/s DRAM")
-ratio = best["torch.optim.AdamW(fused=True)"] / best["HostAdamW (flat, per unit)"]
-print(f"speed ratio HostAdamW / torch fused AdamW = {ratio:.2f}x (target >= 0.9x)")
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=float, help="parameters in all (default: >= 4x the L3 at 18 B/param, "
+                                                 "at least 2 units)")
+    ap.add_argument("--unit", type=float, help="parameters per unit (default: a 7B-width layer, or half of --params)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is reported")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, not the speed")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    total = 2e5 if args.smoke else args.params or 4 * l3_bytes() / 18     # >= 4x the L3 at 18 B/param
+    unit = int(args.unit or min(LAYER_7B, total / 2))
+    n_units = max(2, math.ceil(total / unit))
+    N, n_triad = n_units * unit, max(unit, l3_bytes())                    # the triad: 3 arrays of >= the L3
+    need = N * (18 + 16) + n_triad * 12          # the store + shadow, torch's copy, the triad's arrays
+    if not args.smoke and hasattr(os, "sysconf") and need > 0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_AVPHYS_PAGES"):
+        sys.exit(f"adamw_cpu: {N:,} params need ~{need / 1e9:.0f} GB of free RAM; pass a smaller --params")
+    n_decay = unit * 99 // 100                    # [matrices | vectors], as a layer
+    print(f"{n_units} units x {unit:,} params = {N:,} ({N * 18 / 1e9:.1f} GB with the shadow; L3 "
+          f"{l3_bytes() / 2**20:.0f} MiB); torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    opt = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4, shadow_dtype=torch.bfloat16)
+    lean = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4)
+    for o in (opt, lean):
+        for u in range(n_units):
+            o.master[u].normal_(0, 0.02), o.grad[u].normal_(0, 1e-3)
+    params = [torch.nn.Parameter(torch.randn(n) * 0.02) for u in range(n_units) for n in (n_decay, unit - n_decay)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    ref = torch.optim.AdamW([{"params": params[0::2], "weight_decay": 0.1},
+                             {"params": params[1::2], "weight_decay": 0.0}], lr=1e-4, fused=True)
+    a, b, c = (torch.rand(n_triad) for _ in range(3))
+
+    def two_passes():
+        tile = optim.TILE
+        optim.TILE = unit                          # one kernel call per region, then the shadow copy
+        try:
+            for u in range(n_units):
+                opt.step(u)
+        finally:
+            optim.TILE = tile
+
+    variants = {  # name: (fn, bytes per parameter counted, elements per call)
+        "one pass (HostAdamW)": (lambda: [opt.step(u) for u in range(n_units)], 30, N),
+        "two passes (whole-unit kernel, then shadow)": (two_passes, 34, N),
+        "lean (no shadow)": (lambda: [lean.step(u) for u in range(n_units)], 28, N),
+        "torch.optim.AdamW(fused=True)": (ref.step, 28, N),
+        "triad a = b + s c (STREAM)": (lambda: [torch.add(b, c, alpha=3.0, out=a) for _ in range(3)], 12, 3 * n_triad),
+    }
+    best = dict.fromkeys(variants, math.inf)
+    for _ in range(args.rounds):                   # interleaved: every variant sees the same machine state
+        for name, (fn, _, _) in variants.items():
+            fn()                                   # warm (first touch, caches)
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    triad_gbs = 12 * 3 * n_triad / best["triad a = b + s c (STREAM)"] / 1e9
+    rows = {}
+    for name, (_, bpp, n) in variants.items():
+        t = best[name]
+        rows[name] = dict(ms_per_unit=t / n * unit * 1e3, gparams_per_s=n / t / 1e9, bytes_per_param=bpp,
+                          gbs=bpp * n / t / 1e9, of_triad=bpp * n / t / 1e9 / triad_gbs)
+        r = rows[name]
+        print(f"{name:<46} {r['ms_per_unit']:8.1f} ms/unit  {r['gparams_per_s']:6.2f} Gparam/s  {bpp:2d} B/param "
+              f"{r['gbs']:7.1f} GB/s  {r['of_triad']:5.2f} of triad")
+    one, two = rows["one pass (HostAdamW)"], rows["two passes (whole-unit kernel, then shadow)"]
+    print(f"one pass / two passes: {two['ms_per_unit'] / one['ms_per_unit']:.2f}x faster; "
+          f"HostAdamW lean / torch fused: {rows['torch.optim.AdamW(fused=True)']['ms_per_unit'] / rows['lean (no shadow)']['ms_per_unit']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(params=N, unit=unit, units=n_units, l3_bytes=l3_bytes(),
+                                                   threads=torch.get_num_threads(), torch=torch.__version__,
+                                                   tile=optim.TILE, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

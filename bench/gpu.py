@@ -59,6 +59,8 @@ DEFS = dict(
     N="parameters that multiply: every matrix but the embedding gather (= plan.flops_per_token / 6)",
     model_tflops="6 N tokens / step_s (no recompute, no attention scores: useful work only)",
     hw_tflops="(8 N_layers + 6 N_head) tokens / step_s: the layers' recompute counted, attention scores not",
+    megatrain_tflops="6 x all parameters (embedding included) x tokens / step_s: MegaTrain's formula",
+    cuda_adamw_gbs="torch._fused_adamw_ on 2^26 fp32 CUDA params, 28 B/param counted, best of 5 (pinned case)",
     compute_only_s="L x (one layer's no-grad forward + recompute-with-grad + backward + fp32 grad accumulation, "
                    "all micro-batches) + the chunked head forward+backward, weights already on the device: "
                    "no copies, no optimizer, no engine",
@@ -146,7 +148,8 @@ def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
     n_layers, n_head = L * lay.n_decay, head.n_decay
     r.update(tokens=tok, tokens_per_s=tok / r["step_s"], N=n_layers + n_head,
              model_tflops=6 * (n_layers + n_head) * tok / r["step_s"] / 1e12,
-             hw_tflops=(8 * n_layers + 6 * n_head) * tok / r["step_s"] / 1e12)
+             hw_tflops=(8 * n_layers + 6 * n_head) * tok / r["step_s"] / 1e12,
+             megatrain_tflops=6 * model.n_params(cfg) * tok / r["step_s"] / 1e12)
     if r.get("engine") == "stream":  # L layers + head forward, L-1 layers again backward; fp32 grads back
         h2d = ((2 * L - 1) * lay.numel + head.numel) * cb + act * (1 + L * offload)
         d2h = (L * lay.numel + head.numel) * 4 + act * (1 + L * offload)
@@ -304,6 +307,23 @@ def pinned_case(S):
             b.synchronize()
             best = min(best, a.elapsed_time(b) / 1e3)
         out[name] = host.numel() * 2 / GB / best
+    del host
+    # what a unit resident on the GPU costs per step: torch's fused CUDA AdamW (fp32 p g m v) and a D2D copy
+    n, step = 2**26, torch.zeros((), device="cuda")
+    p, g, m, v = (torch.rand(n, device="cuda") for _ in range(4))
+    for name, fn, nbytes in (("cuda_adamw_gbs", lambda: torch._fused_adamw_(
+            [p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
+            amsgrad=False, maximize=False), 28 * n), ("d2d_gbs", lambda: dev[:n].copy_(p.bfloat16()), 10 * n)):
+        best = math.inf
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        out[name] = nbytes / GB / best              # bytes counted: AdamW 28 B/param; cast + copy 4 + 2 + 2 + 2
+    out["cuda_adamw_gparams"] = out["cuda_adamw_gbs"] / 28
     return out
 
 
@@ -325,13 +345,16 @@ def tokens_for(cfg, S):
     return B, T, B
 
 
-def peers_case(S, peak, smoke, out_dir):
+def peers_case(S, peak, smoke, out_dir, peers=("resident", "resident_no_ckpt", "fsdp2_offload")):
     cfg = dataclasses.replace(S["wide"], n_layer=S["peers_depth"])
     B, T, M = tokens_for(cfg, S)
     out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg), stream=stream_case(cfg, B, T, M, S, peak, offload=False))
     free_memory()
     runs = [("resident", True), ("resident_no_ckpt", True), ("fsdp2_offload", True), ("fsdp2_offload", False)]
     for name, fused in runs:  # fsdp2 with torch's default AdamW only if the fused CPU kernel failed on it
+        if name not in peers:
+            out[name] = {"skipped": "not asked for (--peers)"}
+            continue
         if name in out and "error" not in out[name]:
             continue
         if name == "resident_no_ckpt" and not CUDA:
@@ -371,13 +394,13 @@ def peer_main(name, S, fused, path):
     Path(path).write_text(json.dumps(r, default=str))
 
 
-def wide_case(S, peak, profile_dir=None, save=lambda out: None):
+def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, clips=(0.0,)):
     base = S["wide"]
     B, T, M = tokens_for(base, S)
     avail = planner.host_available_bytes()
-    L = next((L for L in range(S["max_depth"], 0, -1) if planner.plan(
-        dataclasses.replace(base, n_layer=L), "local", batch_size=B, seq_len=T, micro_batches=M)["host_bytes"]
-        <= 0.85 * avail), 1)
+    fits = lambda L, clip=0.0: planner.plan(dataclasses.replace(base, n_layer=L), "local", batch_size=B, seq_len=T,  # noqa
+                                            micro_batches=M, grad_clip=clip)["host_bytes"] <= 0.85 * avail
+    L = min(layers or S["max_depth"], next((L for L in range(S["max_depth"], 0, -1) if fits(L)), 1))
     cfg = dataclasses.replace(base, n_layer=L)
     p = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M)  # dtype: the planner's default
     r, t = stream_case(cfg, B, T, M, S, peak, p["offload_activations"], keep=True)
@@ -406,6 +429,20 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None):
         trace.unlink()
         out["trace"] = f"{trace}.gz"
     t.weights(copy=False)
+    for clip in clips:  # train.py's default clips at 1.0: every update waits for the global norm
+        if not clip:
+            continue
+        if not fits(L, clip):
+            out[f"clip_{clip:g}"] = {"skipped": f"{L} layers with clip {clip:g} do not fit in 85% of host memory"}
+            continue
+        del t
+        gc.collect()
+        free_memory()
+        t = Trainer(cfg, SameLayers(cfg), micro_batches=M, grad_clip=clip, **planner.objects(p["offload_activations"]))
+        r = time_steps(t.step, batch(cfg, B, T), S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
+        out[f"clip_{clip:g}"] = rates(cfg, B, T, dict(r, engine="stream", n_layer=L, grad_clip=clip), peak,
+                                      p["offload_activations"], out["at_min_tokens"]["compute_only_s"])
+        save(out)
     return out
 
 
@@ -443,7 +480,8 @@ def markdown(res):
     m, rows = res["meta"], []
     f = lambda v, p=2: "-" if v is None else f"{v:,.{p}f}"  # noqa: E731
     for name, r in [("wide @ min tokens", _dig(res["cases"], ["wide", "at_min_tokens"])),
-                    ("wide @ 2x tokens", _dig(res["cases"], ["wide", "at_2x_tokens"]))] + \
+                    ("wide @ 2x tokens", _dig(res["cases"], ["wide", "at_2x_tokens"])),
+                    ("wide @ min tokens, grad clip 1", _dig(res["cases"], ["wide", "clip_1"]))] + \
             [(f"peers: {k}", _dig(res["cases"], ["peers", k]))
              for k in ("stream", "resident", "resident_no_ckpt", "fsdp2_offload")] + \
             [(f"sweep L={L}", r) for L, r in (_dig(res["cases"], ["sweep", "depths"]) or {}).items()]:
@@ -473,6 +511,10 @@ def main():
     ap.add_argument("--peer", choices=["resident", "resident_no_ckpt", "fsdp2_offload"],
                     help="(internal) time one peer of the peers case in this process, its JSON to --out")
     ap.add_argument("--default-adamw", action="store_true", help="(internal, with --peer) torch's default AdamW")
+    ap.add_argument("--peers", default="resident,resident_no_ckpt,fsdp2_offload",
+                    help="the peers case's peers (fsdp2_offload takes ~2 minutes of a GPU session)")
+    ap.add_argument("--wide-layers", type=int, help="the wide case's depth (default: the deepest that fits)")
+    ap.add_argument("--wide-clips", default="0,1", help="grad_clip values of the wide case at its min tokens")
     args = ap.parse_args()
     S, only = SMOKE if args.smoke else FULL, args.only.split(",")
     if args.peer:
@@ -488,6 +530,7 @@ def main():
     def save(case):  # the wide case saves itself before its trace
         res["cases"]["wide"] = case
         write()
+        print(f"bench: wide {sorted(k for k, v in case.items() if isinstance(v, dict))} saved", flush=True)
 
     def write():  # after every case: a crash (host OOM kill) keeps what was measured
         res["summary"] = summary(res)
@@ -498,8 +541,10 @@ def main():
           f"available, cases {only}, out {out}", flush=True)
     peak = res["cases"]["pinned"] = pinned_case(S)  # always: the copy peak is the yardstick of every case
     peak = peak if peak and "h2d_gbs" in peak else None
-    for name, fn in (("sweep", lambda: sweep_case(S, peak)), ("peers", lambda: peers_case(S, peak, args.smoke, out)),
-                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, save))):
+    clips = tuple(float(c) for c in args.wide_clips.split(","))
+    for name, fn in (("sweep", lambda: sweep_case(S, peak)),
+                     ("peers", lambda: peers_case(S, peak, args.smoke, out, args.peers.split(","))),
+                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, save, args.wide_layers, clips))):
         if name in only:
             t0 = time.time()
             print(f"bench: {name} ...", flush=True)

@@ -39,6 +39,7 @@ import os
 import torch
 
 import model
+import optim
 import stream
 from megatrain_min import activations, cli, cost, memory
 from megatrain_min.guard import Guard
@@ -123,9 +124,8 @@ def local_hardware(device=None):
     """This machine, detected now, for a run on `device` (None: the current CUDA device when there is one, else the
     CPU). A GPU: its free memory, speeds from the matching profile (unknown GPUs get modest guesses). The CPU:
     it computes and copies are memcpys; GPU memory 0. Nothing touches a GPU other than `device`'s."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = stream.resolve_device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         name = torch.cuda.get_device_name(dev)
         key = next((k for k in ("gh200", "h200", "h100", "a100", "rtx4090")   # gh200 before h200
                     if k.removeprefix("rtx") in name.lower()), None)
@@ -175,7 +175,7 @@ def peak_tflops(hw, dtype):
 
 
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
-         grad_clip=0.0, offload_activations=None, host_mem_gb=None, host_bw_gbs=None, pinned_pow2=False,
+         grad_clip=0.0, offload_activations=None, host_mem_gb=None, host_bw_gbs=None,
          residual_dtype="fp32", grad_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
          tile_tokens=None, gpus=1, nodes=1, device=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
@@ -188,8 +188,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     None: memory.offload_needed decides (p["offload_activations"]: activations.HostRing or not). residual_dtype:
     "fp32" (the default: autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard; without deferral
     it costs a host wait for the loss after the head and one more read of each gradient (HostAdamW.step's
-    finite_only), never a gradient store. pinned_pow2: model torch's pinned allocator as it
-    is without optim.pin_exact_sizes, which rounds every pinned buffer up to a power of two (+40% on 120b).
+    finite_only), never a gradient store. p["pinned_bytes"]: the host bytes page-locked (optim.page_locked,
+    exactly their size): what a copy engine reads or writes, never Adam's m and v.
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice (tile_for).
     device: with hardware "local", the device the run trains on (its free memory; None: local_hardware's choice).
     gpus, nodes: megatrain_min/sharded.py on gpus per node x nodes ranks (N), batch_size the global batch: each
@@ -279,8 +279,11 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     # seconds per parameter of a unit: this rank's 1/N share crosses its PCIe link; the node's gpus ranks update
     # their shards at once, sharing its DRAM; the collectives move (N-1)/N of the unit per GPU
     net = (hw["nvlink_gbs"] if nodes == 1 else min(hw["nvlink_gbs"], hw["ib_gbs"])) * GB
-    rate = dict(load=(sb / h2d + cast) / world, grad=4 / d2h / world, adam=adam_b / hbw / nodes, norm=4 / hbw / nodes,
-                all_gather=(world - 1) / world * cb / net, reduce_scatter=(world - 1) / world * 4 / net)
+    # AdamW runs in tiles of optim.TILE elements, each 5 views and a kernel call (+ the shadow's copy) of host ops
+    tile_s = (5 + 2 * shadow) * HOST_OP_S / host_speed / optim.TILE
+    rate = dict(load=(sb / h2d + cast) / world, grad=4 / d2h / world, adam=adam_b / hbw / nodes + tile_s,
+                norm=4 / hbw / nodes, all_gather=(world - 1) / world * cb / net,
+                reduce_scatter=(world - 1) / world * 4 / net)
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
     qkv = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
@@ -308,8 +311,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     slabs = 0 if defer else grad_slabs or stream_slabs(t, tied)
 
     # ---- host (optim.HostAdamW + stream.py's pinned buffers), of one node: its gpus ranks, each with 1/N of the store
-    pin = (lambda b: 1 << (int(b) - 1).bit_length()) if (pinned_pow2 and cuda) else (lambda b: b)
-    per_unit = lambda bytes_per_param: gpus * sum(pin(shard(u.numel) * bytes_per_param) for u in units)  # noqa: E731
+    per_unit = lambda bytes_per_param: gpus * sum(shard(u.numel) * bytes_per_param for u in units)  # noqa: E731
     host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
     if shadow:
         host["bf16 shadow (streamed)"] = per_unit(2)
@@ -317,11 +319,15 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
         host["fp32 grad store (global norm first)"] = per_unit(4)
     store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
     if slabs:  # D2H lands in a slab, the worker updates from it
-        host[f"fp32 grad slabs: {slabs}"] = gpus * slabs * pin(shard(max(u.numel for u in units)) * 4)
+        host[f"fp32 grad slabs: {slabs}"] = gpus * slabs * shard(max(u.numel for u in units)) * 4
     if offload:
-        host[f"offloaded boundary activations: {L} layers"] = gpus * pin(L * act)
-    host["pinned buffers: embedding rows, dy, targets"] = gpus * (pin(tokens_step * cfg.d_model * row_b) +
-                                                                  pin(act_step) + pin(tokens * 8))
+        host[f"offloaded boundary activations: {L} layers"] = gpus * L * act
+    host["pinned buffers: embedding rows, dy, targets"] = gpus * (tokens_step * cfg.d_model * row_b +
+                                                                  act_step + tokens * 8)
+    # page-locked with CUDA (optim.page_locked): what a copy engine reads or writes -- not Adam's m and v, nor
+    # the fp32 master when a bf16 shadow is what crosses
+    unpinned = {"Adam m (fp32)", "Adam v (fp32)"} | ({"fp32 master"} if shadow else set())
+    pinned_bytes = sum(v for k, v in host.items() if cuda and k not in unpinned)
     host["runtime: Python, torch" + (", CUDA" if cuda else "")] = gpus * (RUNTIME if cuda else 10**9)
     if not cuda:
         host["device buffers (below)"] = gpus * gpu_bytes
@@ -347,7 +353,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, host_speed=host_speed, tile_tokens=tile,
              tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, grad_slabs=slabs,
              grad_slabs_asked=grad_slabs, offload_activations=bool(offload), offload_asked=offload_activations,
-             pinned_pow2=pinned_pow2, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
+             pinned_bytes=pinned_bytes, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
              host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
              gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t,
              step_time_s=step_time, tokens_per_s=tokens_step / step_time, model_tflops=tflops,
@@ -542,10 +548,13 @@ def format_plan(p):
                     f"over {'NVLink' if p['nodes'] == 1 else 'InfiniBand'} at "
                     f"{hw['nvlink_gbs'] if p['nodes'] == 1 else min(hw['nvlink_gbs'], hw['ib_gbs']):g} GB/s")
     per = (" per node", " per GPU") if p["world"] > 1 else ("", "")
-    rows += ["", f"{'host memory' + per[0] + (' (pinned)' if cuda else ''):<50}{'GB':>10}{'B/param':>10}"]
+    rows += ["", f"{'host memory' + per[0]:<50}{'GB':>10}{'B/param':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
     rows += [f"  {'total':<48}{p['host_bytes'] / GB:10.2f}{p['host_bytes'] / N:10.2f}   {verdict(p['fits_host'])}"
-             f" in {size(p['host_limit_bytes'])} ({HOST_USABLE:.0%} of {size(hw['host_mem_gb'] * GB)})", "",
+             f" in {size(p['host_limit_bytes'])} ({HOST_USABLE:.0%} of {size(hw['host_mem_gb'] * GB)})"]
+    if cuda:
+        rows += [f"  {'of it page-locked (what the copies read, write)':<48}{p['pinned_bytes'] / GB:10.2f}"]
+    rows += ["",
              f"{'GPU memory' + per[1] if cuda else 'device buffers (CPU run: in host memory)':<50}{'GB':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}" for k, v in p["gpu"].items() if v]
     rows += [f"  {'total':<48}{p['gpu_bytes'] / GB:10.2f}" +
@@ -579,7 +588,8 @@ def describe_run(p, world=1, gpus=1):
     """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus per node)."""
     many = world > 1
     return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: host {p['host_bytes'] / GB:.2f} GB"
-            f"{' per node' if many else ''} ({p['host_bytes_per_param']:.1f} B/param in the store), device "
+            f"{' per node' if many else ''} ({p['host_bytes_per_param']:.1f} B/param in the store, "
+            f"{p['pinned_bytes'] / GB:.2f} GB page-locked), device "
             f"{p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}; predicted "
             f"{p['tokens_per_s']:,.0f} tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
@@ -598,7 +608,7 @@ def replan(p, **change):
     """Plan p again with some of its arguments changed (change: planner.plan's arguments, or cfg=GPTConfig)."""
     kw = dict(hardware=p["hardware"], batch_size=p["batch_size"], seq_len=p["seq_len"],
               micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"], grad_clip=p["grad_clip"],
-              offload_activations=p["offload_asked"], pinned_pow2=p["pinned_pow2"], name=p["config"],
+              offload_activations=p["offload_asked"], name=p["config"],
               residual_dtype=p["residual_dtype"], grad_slabs=p["grad_slabs_asked"],
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], host_speed=p["host_speed"],
               tile_tokens=p["tile_asked"], gpus=p["gpus"], nodes=p["nodes"])

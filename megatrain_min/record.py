@@ -134,10 +134,14 @@ class SimPool:
 
 
 class SimLanes:
-    """stream.Lanes with identities: what the engine asks of the hardware, recorded. pin=True: host buffers are
-    asked for pinned (the recorder makes them unpinned and remembers). free_memory: the device the engine
+    """stream.Lanes with identities: what the engine asks of the hardware, recorded. pinned(n, dtype): a host
+    buffer asked for pinned (the recorder makes it unpinned and remembers). free_memory: the device the engine
     plans for (None: like the CPU, no automatic activation offload)."""
-    pin = True
+    cuda = True
+
+    @staticmethod
+    def pinned(n, dtype):
+        return torch.zeros(n, dtype=dtype, pin_memory=True)
 
     def __init__(self, rec, device_bytes=None):
         self.rec, self.device_bytes = rec, device_bytes

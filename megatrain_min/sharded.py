@@ -92,7 +92,7 @@ class ShardedLanes(stream.Lanes):
 
     def __init__(self, device, procs=1, lane=stream.Lane):
         super().__init__(device, procs, lane)
-        self.comm = lane(device if device.type == "cuda" else None)
+        self.comm = lane(self.device if self.cuda else None, "comm")
 
 
 class Shards:
@@ -147,12 +147,12 @@ class Shards:
 
     def gather(self, out, shard):
         """all_gather: out = the N ranks' shards, in rank order. Each rank receives the N-1 it does not hold."""
-        dist.all_gather_single(out, shard, group=self.group)
+        dist.all_gather_into_tensor(out, shard, group=self.group)
         self.traffic["gathered"] += out.nbytes * (self.world - 1) // self.world
 
     def scatter(self, shard, full):
         """reduce_scatter: shard = rank r's part of the sum over the ranks of `full`. Each rank sends N-1 parts."""
-        dist.reduce_scatter_single(shard, full, group=self.group)
+        dist.reduce_scatter_tensor(shard, full, group=self.group)
         self.traffic["scattered"] += full.nbytes * (self.world - 1) // self.world
 
     def all_reduce(self, t, op=dist.ReduceOp.SUM):
@@ -203,7 +203,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
             self.wshard = [torch.empty(s_max, dtype=self.dtype, device=self.dev) for _ in range(2)]
             self.gshard = [torch.empty(s_max, dtype=torch.float32, device=self.dev) for _ in range(2)]
             self.finite_dev = torch.ones(len(self.units), dtype=torch.float32, device=self.dev)
-        self.finite = torch.ones(len(self.units), dtype=torch.float32, pin_memory=self.lanes.pin)   # host copy
+        self.finite = self.pinned("finite", (len(self.units),), torch.float32).fill_(1)   # its host copy
         self.shard_free, self.gshard_free = [None, None], [None, None]   # gather -> H2D, D2H -> reduce_scatter
         self.rows_written = (None, [])     # the pinned rows buffer and the (tokens, columns) last written in it
         lo, hi = shards.part(self.units[self.embed])                      # the table: the unit's first V*d

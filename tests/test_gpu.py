@@ -3,15 +3,18 @@
 - asynchronous (three streams, events) equals a run that synchronises after every operation, bit for bit;
 - fp32 on CUDA (TF32 off) equals the plain PyTorch reference on CUDA (same tolerances as on the CPU);
 - bf16 streaming tracks the fp32 reference loss on the toy corpus within 2% after 200 steps;
-- peak GPU memory does not grow with depth when boundary activations are offloaded (spread < 5%)."""
+- peak GPU memory does not grow with depth when boundary activations are offloaded (spread < 5%);
+- the lanes and the optimizer thread run on the Trainer's device, and the host memory it page-locks
+  (cudaHostRegister, counted here) is the plan's pinned figure."""
 import dataclasses
+import mmap
 
 import pytest
 import torch
 
 import model
 from conftest import SPECIAL, engine, losses_agree, random_batch, update_rel
-from megatrain_min import data
+from megatrain_min import data, plan
 from megatrain_min.checks import Trainer
 from megatrain_min.reference import ReferenceTrainer
 from stream import Lane, Lanes
@@ -78,6 +81,7 @@ def test_bf16_tracks_fp32_reference_on_the_corpus():
 def test_peak_gpu_memory_flat_in_depth():
     peaks = {}
     for L in (8, 32):
+        print(f"L={L}: {torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated before the trainer")
         cfg = dataclasses.replace(model.PRESETS["toy"], vocab_size=1024, n_layer=L, d_model=512, n_head=8,
                                   n_kv_head=8, d_ff=1408)
         t = engine(cfg, model.init_weights(cfg, 0), device="cuda", micro_batches=2, offload_activations=True,
@@ -96,3 +100,43 @@ def test_peak_gpu_memory_flat_in_depth():
     spread = abs(peaks[32] - peaks[8]) / peaks[8]
     print(f"peak GPU memory: {peaks}, spread {spread:.2%}")
     assert spread < 0.05
+
+
+class CountingCudart:
+    """The real CUDA runtime, with what is page-locked through it (cudaHostRegister) counted: ptr -> bytes."""
+
+    def __init__(self, real):
+        self.real, self.registered = real, {}
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's name)
+        err = self.real.cudaHostRegister(ptr, size, flags)
+        if int(err) == 0:
+            self.registered[ptr] = size
+        return err
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.registered.pop(ptr, None)
+        return self.real.cudaHostUnregister(ptr)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_lanes_worker_and_pinned_bytes_on_the_trainers_device(monkeypatch, clip):
+    rt = CountingCudart(torch.cuda.cudart())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    cfg, (B, T, M) = model.PRESETS["toy"], (8, 64, 2)
+    t = engine(cfg, model.init_weights(cfg, 0), device=torch.device("cuda"), micro_batches=M, grad_clip=clip,
+               offload_activations=True, grad_slabs=3, **HP)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        t.step(*random_batch(cfg, B, T, gen))
+    t.wait()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert t.dev == dev and {lane.stream.device for lane in (t.h2d, t.comp, t.d2h)} == {dev}
+    assert t.lanes.submit(torch.cuda.current_device).result() == dev.index
+    assert all(g.is_pinned() for g in t.opt.grad if g is not None) and all(s.is_pinned() for s in t.opt.shadow)
+    assert not t.opt.m[0].is_pinned() and not t.opt.master[0].is_pinned()     # Adam's state never crosses
+    p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, offload_activations=True,
+                  grad_slabs=3)
+    got = sum(rt.registered.values())
+    print(f"page-locked {got:,} B in {len(rt.registered)} buffers, plan {p['pinned_bytes']:,} B")
+    assert 0 <= got - p["pinned_bytes"] <= len(rt.registered) * mmap.PAGESIZE

@@ -1,8 +1,13 @@
 """optim.HostAdamW against torch.optim.AdamW(fused=True) with the same two parameter groups."""
+import gc
+import mmap
+
 import pytest
 import torch
 
-from optim import HostAdamW, clip_coef, lr_at, pin_exact_sizes
+import cuda_doubles
+import optim
+from optim import HostAdamW, clip_coef, lr_at
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
@@ -61,16 +66,65 @@ def test_lr_schedule_and_clip_coef():
     assert clip_coef(10.0, 0.0) == 1.0
 
 
-def test_pinned_allocator_settings_are_accepted_and_appended():
-    """optim.pin_exact_sizes leans on a private torch setter (which replaces the whole configuration); make a
-    torch upgrade that drops it loud, and keep what the user set (PYTORCH_ALLOC_CONF) in place."""
-    before = torch._C._accelerator_getAllocatorSettings()
-    try:
-        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:128,garbage_collection_threshold:0.6")
-        pin_exact_sizes()
-        pin_exact_sizes()                              # idempotent: not appended twice
-        got = torch._C._accelerator_getAllocatorSettings()
-        assert got == ("max_split_size_mb:128,garbage_collection_threshold:0.6,"
-                       "pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:64")
-    finally:
-        torch._C._accelerator_setAllocatorSettings(before)
+def test_tiles_change_nothing(monkeypatch):
+    """HostAdamW.step updates a unit in tiles of optim.TILE elements, each tile's bf16 shadow written while it is
+    in cache (one pass over the unit): bit for bit what one call over the whole unit and a copy after it give."""
+    n, n_decay = 1000, 700
+    runs = []
+    for tile in (64, 10**9):                 # tiles that straddle the decay boundary, and one tile per region
+        monkeypatch.setattr(optim, "TILE", tile)
+        opt = HostAdamW([(n, n_decay)], lr=1e-2, weight_decay=0.1, shadow_dtype=torch.bfloat16)
+        opt.master[0].copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+        for step in range(3):
+            opt.grad[0].copy_(torch.randn(n, generator=torch.Generator().manual_seed(step)))
+            opt.step(0, clip_coef=0.5 if step else 1.0)
+        runs.append([opt.master[0], opt.m[0], opt.v[0], opt.shadow[0]])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert torch.equal(runs[0][3], runs[0][0].to(torch.bfloat16))
+
+
+def test_page_locked_is_exact_and_unregistered_when_freed(monkeypatch):
+    """optim.page_locked: n zeros on pages of their own, registered with CUDA (cudaHostRegister) for exactly their
+    size rounded up to a page -- not torch's power-of-two pinned blocks -- and unregistered just before they are
+    freed. CUDA's runtime is the double of tests/cuda_doubles.py, which refuses overlapping registrations and
+    unregistering what is not registered, as CUDA does; a refusal is a one-line MemoryError."""
+    gpu = cuda_doubles.install(monkeypatch)
+    P = mmap.PAGESIZE
+    a, b = optim.page_locked(3 * P // 4 + 1, torch.float32), optim.page_locked(10, torch.bfloat16)
+    assert a.shape == (3 * P // 4 + 1,) and a.dtype == torch.float32 and b.shape == (10,) and b.dtype == torch.bfloat16
+    assert not a.any() and not b.any()                                   # zeros
+    assert sorted(gpu.cudart.registered.items()) == sorted([(a.data_ptr(), 4 * P), (b.data_ptr(), P)])
+    assert a.data_ptr() % P == 0 and b.data_ptr() % P == 0             # page-aligned: no page shared
+    big = optim.page_locked(5 * 2**20 + 3)                               # 20 MB: not rounded up to 32 MB
+    assert gpu.cudart.registered[big.data_ptr()] == -(-(5 * 2**20 + 3) * 4 // P) * P
+    view = a[5:]                                                         # a view keeps the pages registered
+    del a
+    gc.collect()
+    assert len(gpu.cudart.registered) == 3
+    del view, b, big
+    gc.collect()
+    assert gpu.cudart.registered == {} and ("unregister" in {c[0] for c in gpu.cudart.calls})
+    monkeypatch.setattr(gpu.cudart, "cudaHostRegister", lambda ptr, size, flags: 2)   # cudaErrorMemoryAllocation
+    with pytest.raises(MemoryError, match=r"could not page-lock 0.00 GB of host memory \(cudaError 2\)"):
+        optim.page_locked(100)
+
+
+def test_the_cuda_doubles_refuse_what_cuda_refuses(monkeypatch):
+    """The doubles the CPU tests stand in for CUDA with fail where the real calls fail (else they would hide the
+    bug they are there to catch): set_device of "cuda" without an index (torch's own check), a device ordinal the
+    machine lacks, overlapping or empty host registrations, unregistering an address never registered."""
+    gpu = cuda_doubles.install(monkeypatch, devices=2)
+    with pytest.raises(ValueError, match="specified index"):
+        torch.cuda.set_device(torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.set_device(2)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.Stream(device="cuda:5")
+    with pytest.raises(TypeError):
+        torch.cuda.Stream().wait_event(object())
+    rt, P = torch.cuda.cudart(), mmap.PAGESIZE
+    assert rt.cudaHostRegister(10 * P, P, 0) == 0 and rt.cudaHostRegister(10 * P + 100, 8, 0) == 712
+    assert rt.cudaHostRegister(20 * P, 0, 0) == 1 and rt.cudaHostRegister(20 * P, 8, 64) == 1
+    assert rt.cudaHostUnregister(10 * P + 8) == 713 and rt.cudaHostUnregister(10 * P) == 0
+    with pytest.raises(TypeError):
+        rt.cudaHostRegister(1.5, 8, 0)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cuda_doubles
 import model
 from conftest import ROOT, SPECIAL, engine, random_batch, train_py, wait_for_training
 import ranks
@@ -263,17 +264,16 @@ def test_the_plan_under_torchrun_is_for_its_ranks(tmp_path, multi_gpu_smoke):
 @pytest.mark.parametrize("local,seen,want", [(1, 4, "cuda:1"), (1, 1, "cuda:0"), (3, 1, "cuda:0"), (5, 4, None)])
 def test_rank_device_from_local_rank(monkeypatch, local, seen, want):
     """torchrun's LOCAL_RANK picks the GPU; a launcher that gives each rank one visible GPU (CUDA_VISIBLE_DEVICES)
-    leaves cuda:0; a LOCAL_RANK past the GPUs this process sees is refused in one line. The GPU is made current."""
-    current = []
+    leaves cuda:0; a LOCAL_RANK past the GPUs this process sees is refused in one line. The GPU is made current
+    (through a set_device double that refuses what the real one refuses: tests/cuda_doubles.py)."""
+    gpu = cuda_doubles.install(monkeypatch, devices=seen)
     monkeypatch.setenv("LOCAL_RANK", str(local))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: seen)
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
     if want is None:
         with pytest.raises(ValueError, match=f"LOCAL_RANK {local} but this process sees {seen} CUDA devices"):
             sharded.rank_device("cuda")
     else:
-        assert str(sharded.rank_device("cuda")) == want and [str(d) for d in current] == [want]
+        assert str(sharded.rank_device("cuda")) == want and [f"cuda:{d}" for _, d in gpu.set_device_calls] == [want]
+        assert torch.cuda.current_device() == torch.device(want).index
 
 
 def _export_rank():

@@ -116,7 +116,7 @@ def test_every_event_wait_is_needed_and_caught():
     ("t.h2d.wait(self.free[r])", 0, None, "activations (pinned)", "on h2d"),     # reload before the offload landed
     ("self.d2h.keep(x)", 0, None, "block_grad", "freed on the host while d2h"),  # a record_stream dropped (dy)
     ("with self.comp():", 0, "        if True:\n", "gslot", "made outside any lane"),  # __init__'s slots zeroed on the default stream
-    ("self.lanes.host_wait(loss_ready)", 0, None, "loss_host", "on main"),       # the loss read before its event
+    ("self.lanes.host_wait(loss_ready)", 0, None, "loss", "on main"),            # the loss read before its event
     ("tgt = torch.empty((B, T)", 0,                                              # targets allocated on compute,
      "            with self.comp(): tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)  # noqa\n",
      "targets", "first touch on h2d of a block allocated on compute"),          # written on H2D

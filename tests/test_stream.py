@@ -3,20 +3,23 @@ layer-major micro-batches) equals plain PyTorch training (megatrain_min.referenc
 torch.optim.AdamW) step for step, on the CPU in fp32.
 Tolerances (docs/design.md, section 'Numerics contract'): per-step loss <= 1e-5 relative; weight updates
 <= 1e-3 relative by the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
+import gc
 import math
+import mmap
 import os
 import shutil
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 
+import cuda_doubles
 import model
 import optim
 import stream
 from conftest import ROOT, SPECIAL, engine, losses_agree, random_batch, update_rel
+from megatrain_min import plan
 from megatrain_min.reference import ReferenceTrainer
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -259,27 +262,31 @@ def test_offload_is_decided_once(monkeypatch):
             assert t.activations.offloaded is offloaded
 
 
-def test_pinned_buffers_are_made_once_per_shape_and_stay_bounded():
-    """The per-step host buffers (targets, embedding rows, dy, offloaded boundary activations) are allocated once
-    per shape and reused: no pinned allocation (cudaHostAlloc / cudaFreeHost, which syncs the device) per step.
-    Each name keeps only its last shape, as do the activations' device ring and the RoPE tables: nothing grows
-    with the shapes seen. The activations' host rows and ring exist before the step's first op."""
+def test_pinned_buffers_are_made_once_and_grow_only_to_the_largest_shape():
+    """The per-step host buffers (targets, embedding rows, dy, offloaded boundary activations, the loss) are
+    allocated once and reused, a smaller shape as a view of the same pages: no page-locking (cudaHostRegister,
+    slow) and no device sync per step or per evaluation at another shape. A name's buffer grows to the largest
+    shape asked for and no further; the activations' device ring and the RoPE tables keep only the last shape.
+    The activations' host rows and ring exist before the step's first op."""
     cfg = model.PRESETS["toy"]
     t = engine(cfg, model.init_weights(cfg, 0), device="cpu", offload_activations=True, micro_batches=2, **HP)
     gen = torch.Generator().manual_seed(0)
     t.step(*random_batch(cfg, 4, 16, gen))
     first = {k: v.data_ptr() for k, v in t.pinned_buffers.items()}
-    assert set(first) == {"targets", "rows", "dy", "activations"}
+    assert set(first) == {"targets", "rows", "dy", "activations", "loss"}
     t.step(*random_batch(cfg, 4, 16, gen))
-    t.evaluate(*random_batch(cfg, 4, 16, gen))
-    assert {k: v.data_ptr() for k, v in t.pinned_buffers.items()} == first
+    t.evaluate(*random_batch(cfg, 2, 8, gen))
+    assert {k: v.data_ptr() for k, v in t.pinned_buffers.items()} == first       # smaller: the same pages
+    largest = {"activations": cfg.n_layer * 4 * 16 * cfg.d_model, "targets": 4 * 16}
     for B, T in ((2, 8), (4, 32), (2, 24), (4, 16)):
         t.step(*random_batch(cfg, B, T, gen))
         t.evaluate(*random_batch(cfg, B, T + 1, gen))
+        largest = {"activations": max(largest["activations"], cfg.n_layer * B * T * cfg.d_model),
+                   "targets": max(largest["targets"], B * (T + 1))}
         ring = t.activations.ring
         assert set(t.pinned_buffers) == set(first) and len(t.rope) == 1 and ring[0].shape == (B, T, cfg.d_model)
-        assert t.pinned_buffers["activations"].shape == (cfg.n_layer, B, T, cfg.d_model)
-        assert t.pinned_buffers["targets"].shape == (B, T + 1) and list(t.rope) == [T + 1]
+        assert t.activations.host.shape == (cfg.n_layer, B, T, cfg.d_model) and t.batch.tokens.shape == (B, T + 1)
+        assert {k: t.pinned_buffers[k].numel() for k in largest} == largest and list(t.rope) == [T + 1]
     t.wait()
 
 
@@ -306,15 +313,57 @@ def test_cpu_threads_split_the_usable_cpus(monkeypatch):
 
 def test_the_optimizer_thread_selects_the_trainers_gpu(monkeypatch):
     """CUDA's current device is per thread: the optimizer thread selects the trainer's GPU itself (else its event
-    waits and first CUDA call would make a context on GPU 0). CUDA is stood in for: what matters is who asks."""
+    waits and first CUDA call would make a context on GPU 0). The CUDA calls are doubles that refuse what the real
+    ones refuse (tests/cuda_doubles.py): an un-indexed torch.device("cuda") given to the lanes is resolved once,
+    to the current device, before anything is asked of set_device."""
     import threading
-    asked = []
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: types.SimpleNamespace(device=device))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: asked.append((threading.current_thread().name, d)))
+    gpu = cuda_doubles.install(monkeypatch, devices=4)
     lanes = stream.Lanes(torch.device("cuda", 3))
     assert lanes.submit(lambda: threading.current_thread().name).result().startswith("adamw")
-    assert [(who.startswith("adamw"), str(d)) for who, d in asked] == [(True, "cuda:3")], asked
+    assert [(who.startswith("adamw"), d) for who, d in gpu.set_device_calls] == [(True, 3)], gpu.set_device_calls
+    assert {s.device for s in gpu.streams} == {torch.device("cuda", 3)}
     lanes.worker.shutdown()
+    gpu.set_device(1)                                       # the current device: what "cuda" means
+    lanes = stream.Lanes(torch.device("cuda"))
+    assert lanes.device == torch.device("cuda", 1) and lanes.submit(torch.cuda.current_device).result() == 1
+    lanes.worker.shutdown()
+    with pytest.raises(ValueError, match="specified index"):  # the double refuses what the real call refuses
+        torch.cuda.set_device(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("clip,offload", [(0.0, True), (1.0, False)], ids=["noclip-offload", "clip"])
+def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch, clip, offload):
+    """A Trainer configured for CUDA with an un-indexed torch.device("cuda"), as train.py makes it, built and
+    stepped on the CPU through doubles of every CUDA call it makes, each refusing what the real call refuses
+    (tests/cuda_doubles.py; device tensors made on the CPU): the device is resolved once to cuda:0 and its lanes
+    and optimizer thread use it; it trains as the plain PyTorch reference does (the central test's tolerances);
+    and the host memory it page-locks is the plan's pinned figure, each buffer rounded up to whole pages."""
+    cfg, (B, T, M) = model.PRESETS["toy"], (4, 32, 2)
+    w0 = model.init_weights(cfg, 0)
+    kw = dict(dtype=torch.float32, grad_clip=clip, micro_batches=M, **HP)
+    gen = torch.Generator().manual_seed(5)
+    batches = [random_batch(cfg, B, T, gen) for _ in range(3)]
+    ref = ReferenceTrainer(cfg, w0, **kw)                  # before the doubles: torch.optim asks CUDA things
+    expected = [ref.step(*b) for b in batches]
+    gpu = cuda_doubles.install(monkeypatch)
+    with gpu.placing():
+        t = engine(cfg, w0, device=torch.device("cuda"), offload_activations=offload, grad_slabs=3, **kw)
+        losses = [t.step(*b) for b in batches]
+        got = t.weights()
+    assert t.dev == t.lanes.device == torch.device("cuda", 0)
+    assert {s.device for s in gpu.streams} == {t.dev} and len(gpu.streams) == 3     # h2d, compute, d2h
+    assert [(who.startswith("adamw"), d) for who, d in gpu.set_device_calls] == [(True, 0)], gpu.set_device_calls
+    assert all(abs(ours - theirs) / theirs <= 1e-5 for ours, theirs in zip(losses, expected)), (losses, expected)
+    assert update_rel(w0, got, ref.weights()) <= 1e-3
+    p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, dtype="fp32", grad_clip=clip,
+                  offload_activations=offload, grad_slabs=3)
+    registered = gpu.cudart.registered
+    print(f"page-locked: {sum(registered.values()):,} B in {len(registered)} buffers; plan: {p['pinned_bytes']:,} B")
+    assert 0 <= sum(registered.values()) - p["pinned_bytes"] <= len(registered) * mmap.PAGESIZE
+    assert t.opt.pinned_bytes <= p["pinned_bytes"] and gpu.torch_pinned == []   # all exact: none from torch
+    del t, got
+    gc.collect()
+    assert gpu.cudart.registered == {}                         # every page unregistered as its buffer went
 
 
 @pytest.mark.slow

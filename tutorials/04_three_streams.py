@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
-from optim import HostAdamW  # noqa: E402
+from optim import HostAdamW, page_locked  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -96,7 +96,8 @@ class PingPong:
         self.cfg, self.M, self.log, self.steps = cfg, micro_batches, [], []   # steps: where each begins in log
         self.units = model.units(cfg)
         self.label = ["E", *map(str, range(cfg.n_layer)), "H"]     # unit -> its name in the timeline
-        self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units], pin=CUDA, **adamw)
+        self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units],
+                             pinned=page_locked if CUDA else None, **adamw)
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
                 view.copy_(weights[key])
