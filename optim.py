@@ -2,11 +2,11 @@
 
 What it is
     HostAdamW keeps, for every unit (the embedding, each layer, the head), flat buffers in host
-    memory: fp32 master weights, Adam m and v, gradients (per unit, or slabs lent to one unit at a
-    time) and -- with bf16 compute -- a bf16 shadow of the master for the engine to stream; what
-    crosses the link page-locked (page_locked: DMA). step(u) updates one unit with torch's fused
-    CPU AdamW kernel, so the optimizer thread (worker) updates layer i while the GPU works on layer
-    i-1. Also: the CPUs' split between that thread and the main one, clipping, the lr schedule.
+    memory: fp32 master, Adam m and v, gradients (per unit, or slabs lent to one unit at a time),
+    with bf16 compute a bf16 shadow to stream; what crosses the link page-locked (page_locked).
+    step(u) updates one unit with torch's fused AdamW kernel, so the optimizer thread (worker)
+    updates layer i while the GPU works on layer i-1 (a unit resident on the GPU: there).
+    Also: the CPUs' split between that thread and the main one, and clipping.
 What it is not
     Not a torch.optim.Optimizer: a unit's [matrices | vectors] layout makes "decay" and "no decay"
     two contiguous regions, so a step is two kernel calls. It imports nothing of this project;
@@ -17,7 +17,6 @@ Reference
 Framework internal: torch._fused_adamw_ (AdamW(fused=True)'s kernel) updates params, m and v in
 place, reads the step tensor; its grad_scale divides the gradient: 1/clip_coef clips in the pass.
 """
-import math
 import mmap
 import os
 import queue
@@ -34,29 +33,35 @@ TILE = 1 << 23   # elements per AdamW call: a tile's p g m v and shadow (144 MB)
 
 class HostAdamW:
     def __init__(self, sizes, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                 pinned=None, shadow_dtype=None, grad_store=True, slabs=0, pool=None):
+                 pinned=None, shadow_dtype=None, grad_store=True, slabs=0, pool=None,
+                 device=None, resident=()):
         """sizes: [(numel, n_decay)] per unit -- the first n_decay elements are decayed.
         shadow_dtype: keep a copy of the master in this dtype (the one the GPU computes in),
-        refreshed after every step; None when the engine streams the fp32 master itself.
-        grad_store: an fp32 gradient buffer per unit (4 B/param). Without it grad[u] is None but
-        while a slab is lent to it (lend): `slabs` buffers of the largest unit, in `pool`.
-        pinned(n, dtype): n page-locked zeros (stream.Lanes.pinned), for the buffers that cross the
-        link: gradients, the shadow, else the master; m and v never do. None: nothing pinned."""
+        written by every step; None when the engine streams the fp32 master itself.
+        grad_store: an fp32 gradient buffer per unit (4 B/param); else grad[u] is None but while
+        a slab is lent to it (lend): `slabs` buffers of the largest unit, in `pool`.
+        pinned(n, dtype): n page-locked zeros (stream.Lanes.pinned) for what crosses the link:
+        gradients, the shadow, else the master (never m, v). resident: units kept whole on
+        `device` (master, m, v, gradient: 16 B/param, no shadow), updated there."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = [*sizes], lr, betas, eps, weight_decay
-        self.pinned_bytes, zeros = 0, lambda n, dtype=torch.float32: torch.zeros(n, dtype=dtype)
+        self.pinned_bytes, self.resident = 0, set(resident)
 
-        def link(n, dtype=torch.float32):  # a buffer a copy engine reads or writes
-            self.pinned_bytes += n * dtype.itemsize if pinned else 0
-            return (pinned or zeros)(n, dtype)
-        self.master = [(zeros if shadow_dtype else link)(n) for n, _ in self.sizes]   # fp32 master
-        self.m = [zeros(n) for n, _ in self.sizes]      # fp32 Adam first moment
-        self.v = [zeros(n) for n, _ in self.sizes]      # fp32 Adam second moment
-        self.grad = [link(n) if grad_store else None for n, _ in self.sizes]   # fp32, from the D2H
-        self.shadow = [link(n, shadow_dtype) for n, _ in self.sizes] if shadow_dtype else None
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.sizes]   # as torch does
+        def buf(u, n, dtype=torch.float32, crosses=False):  # crosses: a copy engine uses it
+            if u in self.resident:
+                return torch.zeros(n, dtype=dtype, device=device)
+            self.pinned_bytes += n * dtype.itemsize if pinned and crosses else 0
+            return (pinned if pinned and crosses else torch.zeros)(n, dtype=dtype)
+        us = [(u, n) for u, (n, _) in enumerate(self.sizes)]
+        self.master = [buf(u, n, crosses=not shadow_dtype) for u, n in us]   # fp32 master
+        self.m, self.v = ([buf(u, n) for u, n in us] for _ in "mv")   # fp32 Adam moments
+        self.grad = [buf(u, n, crosses=True) if grad_store or u in self.resident else None
+                     for u, n in us]                                # fp32, from the D2H
+        self.shadow = [None if u in self.resident else buf(u, n, shadow_dtype, True)
+                       for u, n in us] if shadow_dtype else None
+        self.steps = [buf(u, 1)[0] for u, _ in us]      # a 0-dim tensor, as torch.optim keeps it
         self.pool, self.lent = pool if pool is not None else queue.Queue(), {}   # unit -> its slab
         for _ in range(0 if grad_store else slabs):
-            self.pool.put(link(max(n for n, _ in self.sizes)))
+            self.pool.put(buf(-1, max(n for n, _ in self.sizes), crosses=True))
 
     def lend(self, u):  # point grad[u] at a free slab, waiting until one is given back
         self.lent[u] = self.pool.get()
@@ -66,24 +71,22 @@ class HostAdamW:
         self.grad[u] = None
         self.pool.put(self.lent.pop(u))
 
-    def nbytes(self):  # host bytes the store holds: master, m, v, per-unit gradients, shadow
-        held = self.master + self.m + self.v + [g for g in self.grad if g is not None]
-        return sum(t.numel() * t.element_size() for t in held + (self.shadow or []))
+    def nbytes(self, device=False):  # bytes held on the host (or on the device): the units' state
+        held = self.master + self.m + self.v + self.grad + (self.shadow or [])
+        return sum(t.nbytes for t in held if t is not None and t.is_cuda == device)
 
-    def state(self, u):
-        """{"master", "m", "v"} of unit u: the store's tensors (no copy): a checkpoint."""
+    def state(self, u):  # {"master", "m", "v"} of unit u, the store's own tensors: a checkpoint
         return {"master": self.master[u], "m": self.m[u], "v": self.v[u]}
 
     def step_count(self, u): return int(self.steps[u])
     def set_step_count(self, u, n): self.steps[u].fill_(n)
 
-    def reset(self):
-        """Forget the optimizer's history (m, v and the step counts); the master weights stay."""
-        for u in range(len(self.sizes)):
-            self.m[u].zero_(), self.v[u].zero_(), self.steps[u].zero_()
+    def reset(self):  # forget the optimizer's history (m, v, the step counts); the master stays
+        for t in self.m + self.v + self.steps:
+            t.zero_()
 
     def refresh_shadow(self, u):
-        if self.shadow is not None:
+        if self.shadow is not None and self.shadow[u] is not None:
             self.shadow[u].copy_(self.master[u])
 
     def step(self, u, lr=None, clip_coef=1.0):
@@ -93,18 +96,20 @@ class HostAdamW:
         n, n_decay = self.sizes[u]
         p, g, m, v, step = self.master[u], self.grad[u], self.m[u], self.v[u], self.steps[u]
         step += 1
-        scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
+        scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, device=p.device)
+        tile = TILE if p.device.type == "cpu" else n   # a GPU: one call per region
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):  # [matrices | vectors]
-            for a, b in ((a, min(a + TILE, hi)) for a in range(lo, hi, TILE)):
+            for a, b in ((a, min(a + tile, hi)) for a in range(lo, hi, tile)):
                 torch._fused_adamw_([pt := p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step],
                                     lr=self.lr if lr is None else lr, beta1=self.betas[0],
                                     beta2=self.betas[1], weight_decay=wd, eps=self.eps,
                                     amsgrad=False, maximize=False, grad_scale=scale)
-                if self.shadow is not None:  # the bf16 copy the GPU streams, from cache
+                if self.shadow is not None and self.shadow[u] is not None:   # from cache
                     self.shadow[u][a:b].copy_(pt)
 
-    def grad_sq(self, u):  # squared L2 norm of unit u's gradient; the global norm: sqrt of the sum
-        return float(torch.dot(self.grad[u], self.grad[u]))
+    def grad_sq(self, u):  # unit u's squared gradient norm (a resident unit's: a GPU scalar)
+        g = self.grad[u]
+        return torch.dot(g, g) if u in self.resident else float(torch.dot(g, g))
 
 
 def page_locked(n, dtype=torch.float32):
@@ -116,17 +121,17 @@ def page_locked(n, dtype=torch.float32):
     mem = raw[-raw.ctypes.data % mmap.PAGESIZE:][:size]            # page-aligned: no page shared
     err = int((cudart := torch.cuda.cudart()).cudaHostRegister(mem.ctypes.data, size, 0))
     if err:
-        raise MemoryError(f"CUDA could not page-lock {size / 1e9:.2f} GB of host memory (cudaError "
-                          f"{err}); free host memory, raise `ulimit -l`, or plan a smaller run")
+        raise MemoryError(f"CUDA could not page-lock {size / 1e9:.2f} GB of host memory (cudaError"
+                          f" {err}); free host memory, raise `ulimit -l`, or plan a smaller run")
     weakref.finalize(raw, cudart.cudaHostUnregister, mem.ctypes.data).atexit = False   # numpy
     return torch.from_numpy(mem).view(dtype)[:n]   # runs finalizers before it frees the memory
 
 
 def cpu_threads(cuda, procs=1):
     """(main, optimizer): OpenMP threads of the thread running the steps and of the optimizer
-    thread, adding up to this process's share of its CPUs (affinity mask / `procs` on the host):
-    two teams each spanning every core spin in each other's way, 10x slower. With CUDA the main
-    thread keeps two (it issues kernels), AdamW the rest; on the CPU AdamW gets a quarter."""
+    thread, adding up to this process's share of its CPUs (affinity mask / `procs`): two teams
+    spanning every core spin in each other's way. With CUDA the main thread keeps two (it issues
+    kernels), AdamW the rest; on the CPU AdamW gets a quarter."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = max(1, (usable or 1) // procs)                     # (macOS has no affinity mask)
     worker = max(1, share - 2) if cuda else max(1, share // 4)
@@ -134,9 +139,8 @@ def cpu_threads(cuda, procs=1):
 
 
 def worker(threads, device=None):
-    """The optimizer thread: one thread with an OpenMP team of `threads` and `device` current (per
-    thread: else its first CUDA call, an event wait, would make a context on GPU 0). device: an
-    indexed torch.device (stream.resolve_device): torch.cuda.set_device refuses "cuda" alone."""
+    """The optimizer thread: an OpenMP team of `threads`, `device` current (per thread, else its
+    first CUDA call makes a context on GPU 0), indexed as set_device needs (resolve_device)."""
     def init():
         torch.set_num_threads(threads)
         if device is not None and device.type == "cuda":
@@ -147,14 +151,3 @@ def worker(threads, device=None):
 def clip_coef(total_norm, max_norm):
     """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1; 0 = off."""
     return 1.0 if not max_norm or max_norm <= 0 else min(1.0, max_norm / (total_norm + 1e-6))
-
-
-def lr_at(step, max_lr, total_steps, warmup=0, min_ratio=0.1):
-    """Linear warmup to max_lr over `warmup` steps, then cosine decay to min_ratio * max_lr at
-    total_steps. step counts from 0 (the first update uses lr_at(0))."""
-    if warmup and step < warmup:
-        return max_lr * (step + 1) / warmup
-    if total_steps <= warmup:
-        return max_lr
-    t = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    return max_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))

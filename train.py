@@ -48,8 +48,8 @@ from megatrain_min.checks import Trainer, check_config, check_device
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
 from megatrain_min.rundir import EXIT, fail
+from megatrain_min.schedule import lr_at
 from megatrain_min.tokenizer import HFTokenizer
-from optim import lr_at
 
 # --- flags ----------------------------------------------------------------------------------------
 cli.survive_closed_pipe()               # `python train.py --plan --json | head`: no traceback

@@ -17,7 +17,7 @@ import model
 from conftest import ROOT, engine, random_batch
 from megatrain_min import checkpoint, data
 from megatrain_min.checkpoint import CheckpointError
-from optim import lr_at
+from megatrain_min.schedule import lr_at
 
 CFG = model.PRESETS["toy"]
 HP = dict(lr=1e-2, weight_decay=0.1, grad_clip=1.0, micro_batches=2, skip_nonfinite=True)  # as train.py runs it

@@ -7,7 +7,8 @@ import torch
 
 import cuda_doubles
 import optim
-from optim import HostAdamW, clip_coef, lr_at
+from megatrain_min.schedule import lr_at
+from optim import HostAdamW, clip_coef
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])

@@ -34,7 +34,7 @@ import model  # noqa: E402
 from megatrain_min import chat, data  # noqa: E402
 from megatrain_min.hf import load_hf, save_hf  # noqa: E402
 from megatrain_min.tokenizer import HFTokenizer  # noqa: E402
-from optim import lr_at  # noqa: E402
+from megatrain_min.schedule import lr_at  # noqa: E402
 from stream import Trainer  # noqa: E402
 
 try:
@@ -150,7 +150,7 @@ batches = data.SFTBatches(examples, batch_size=8, seq_len=SEQ, seed=0, pad_id=to
 # ## 5. Fine-tune with the streaming engine
 #
 # The same `stream.Trainer` as in lessons 2-5: weights in the host store, one layer at a time, here on
-# the CPU, with the warmup + cosine schedule of `optim.lr_at`. The loss is the mean over the answer
+# the CPU, with the warmup + cosine schedule of `megatrain_min.schedule.lr_at`. The loss is the mean over the answer
 # tokens only. A fixed evaluation batch of all 20 examples shows what was learned (the model is
 # memorising 10 facts: enough to see the machinery work, not a generalisation result).
 
