@@ -9,13 +9,11 @@ What it is
     Also: the CPUs' split between that thread and the main one, and clipping.
 What it is not
     Not a torch.optim.Optimizer: a unit's [matrices | vectors] layout makes "decay" and "no decay"
-    two contiguous regions, so a step is two kernel calls. It imports nothing of this project;
-    megatrain_min/checks.py says what a hyper-parameter may be.
+    two regions, two kernel calls. It imports nothing of ours (megatrain_min/checks.py: values).
 Reference
-    torch.optim.AdamW(fused=True), two parameter groups (decay on tensors with >= 2 dims):
-    tests/test_optim.py checks equality over 10 steps; bench/adamw_cpu.py compares speed.
-Framework internal: torch._fused_adamw_ (AdamW(fused=True)'s kernel) updates params, m and v in
-place, reads the step tensor; its grad_scale divides the gradient: 1/clip_coef clips in the pass.
+    torch.optim.AdamW(fused=True), two parameter groups: equal over 10 steps (tests/test_optim.py);
+    speed: bench/adamw_cpu.py. Framework internal: torch._fused_adamw_, that optimizer's kernel,
+    updates p, m, v in place; its grad_scale divides the gradient: 1/clip_coef clips in the pass.
 """
 import mmap
 import os
@@ -34,21 +32,20 @@ TILE = 1 << 23   # elements per AdamW call: a tile's p g m v and shadow (144 MB)
 class HostAdamW:
     def __init__(self, sizes, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                  pinned=None, shadow_dtype=None, grad_store=True, slabs=0, pool=None,
-                 device=None, resident=()):
-        """sizes: [(numel, n_decay)] per unit -- the first n_decay elements are decayed.
-        shadow_dtype: keep a copy of the master in this dtype (the one the GPU computes in),
-        written by every step; None when the engine streams the fp32 master itself.
+                 resident=(), on_device=None):
+        """sizes: [(numel, n_decay)] per unit, the first n_decay elements decayed. shadow_dtype: a
+        copy of the master in the GPU's dtype, written by every step (None: stream the master).
         grad_store: an fp32 gradient buffer per unit (4 B/param); else grad[u] is None but while
         a slab is lent to it (lend): `slabs` buffers of the largest unit, in `pool`.
         pinned(n, dtype): n page-locked zeros (stream.Lanes.pinned) for what crosses the link:
-        gradients, the shadow, else the master (never m, v). resident: units kept whole on
-        `device` (master, m, v, gradient: 16 B/param, no shadow), updated there."""
+        gradients, the shadow, else the master (never m, v). resident: units kept whole on the
+        GPU (master, m, v, gradient: 16 B/param, no shadow), in on_device(n, dtype)'s buffers."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = [*sizes], lr, betas, eps, weight_decay
         self.pinned_bytes, self.resident = 0, set(resident)
 
         def buf(u, n, dtype=torch.float32, crosses=False):  # crosses: a copy engine uses it
             if u in self.resident:
-                return torch.zeros(n, dtype=dtype, device=device)
+                return on_device(n, dtype)
             self.pinned_bytes += n * dtype.itemsize if pinned and crosses else 0
             return (pinned if pinned and crosses else torch.zeros)(n, dtype=dtype)
         us = [(u, n) for u, (n, _) in enumerate(self.sizes)]
@@ -71,9 +68,13 @@ class HostAdamW:
         self.grad[u] = None
         self.pool.put(self.lent.pop(u))
 
-    def nbytes(self, device=False):  # bytes held on the host (or on the device): the units' state
-        held = self.master + self.m + self.v + self.grad + (self.shadow or [])
-        return sum(t.nbytes for t in held if t is not None and t.is_cuda == device)
+    def nbytes(self, resident=False):  # the units' state on the host (resident=True: the GPU's)
+        held = zip(self.master, self.m, self.v, self.grad, self.shadow or [None] * len(self.sizes))
+        return sum(t.nbytes for u, ts in enumerate(held) if (u in self.resident) == resident
+                   for t in ts if t is not None)
+
+    def streamed(self, u):  # what the engine copies into a slot: the shadow, else the master
+        return self.master[u] if self.shadow is None or self.shadow[u] is None else self.shadow[u]
 
     def state(self, u):  # {"master", "m", "v"} of unit u, the store's own tensors: a checkpoint
         return {"master": self.master[u], "m": self.m[u], "v": self.v[u]}
@@ -136,6 +137,12 @@ def cpu_threads(cuda, procs=1):
     share = max(1, (usable or 1) // procs)                     # (macOS has no affinity mask)
     worker = max(1, share - 2) if cuda else max(1, share // 4)
     return max(1, share - worker), worker
+
+
+def resolve_device(device=None):
+    """The device to train on, indexed: "cuda" is the current cuda:N (set_device needs the N)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.device("cuda", torch.cuda.current_device()) if dev == torch.device("cuda") else dev
 
 
 def worker(threads, device=None):

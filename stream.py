@@ -11,7 +11,8 @@ One step, layer-major (every micro-batch passes through a layer during ONE visit
   backward  for layer i = L-1..0: recompute block(x[j]) with grad, autograd.grad w.r.t. (input,
             weights), fp32 gradient accumulated in a grad slot, then D2H to the host store
   update    a worker thread runs AdamW on each unit as its gradient lands -- with clipping, once
-            all landed (the global norm first), in forward order (layer i first needed first)
+            all landed (the global norm first), in forward order (layer i first needed first);
+            resident units (the first the forward needs) on the GPU, on the H2D lane
 
 The lanes for L=3, a column per layer visit (0/1/2 = layers, H = head, ' = backward, (A)/(B) =
 weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the host):
@@ -22,12 +23,10 @@ weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the h
   CPU worker                                              AdamW H   AdamW 2   AdamW 1   AdamW 0, E
 
 The next unit's copy runs under the current one's compute; 2' needs no copy (slot A still holds
-layer 2). Each ordering rule is an event:
-  slot_loaded[s]  H2D -> compute    never compute on half-copied weights
-  slot_free[s]    compute -> H2D    never overwrite weights still in use
-  gslot_free[g]   D2H -> compute    never zero a grad slot before its copy to the host finished
-  loss_ready      compute -> host   the loss is in pinned memory
-and host-side hand-offs: an update ends before its unit is copied again (_ready), the worker waits
+layer 2). Each ordering rule is an event: slot_loaded[s] (H2D -> compute: never compute on half-
+copied weights), slot_free[s] (compute -> H2D: never overwrite weights in use), gslot_free[g]
+(D2H -> compute: never zero a grad slot before its copy left), loss_ready (compute -> host); and
+host-side hand-offs: an update ends before its unit is copied again (_ready), the worker waits
 for a gradient's D2H event, a gradient waits for a free slab (GRAD_SLABS).
 bf16 = torch.autocast(bf16) around blocks and head, the residual (x, dy) fp32: the reference's
 arithmetic. Handed to the engine: the layer (model, tiling.Tiled), where boundary activations live
@@ -35,6 +34,7 @@ arithmetic. Handed to the engine: the layer (model, tiling.Tiled), where boundar
 """
 import math
 from collections import namedtuple
+from concurrent.futures import Future
 from contextlib import nullcontext
 
 import torch
@@ -43,19 +43,21 @@ import model
 import optim
 
 GRAD_SLABS = 3   # pinned fp32 slabs for gradients (no clipping): two rotate, a tied head holds one
-Batch = namedtuple("Batch", "tokens targets n_tok rope")   # tokens on the host, targets on device
+Batch = namedtuple("Batch", "tokens targets n_tok rope")   # tokens where the table is; targets: GPU
 
 
 class Trainer:
     def __init__(self, cfg, weights, device=None, dtype=None, lr=optim.LR, betas=optim.BETAS,
                  eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=0.0, micro_batches=1,
                  mode="fast", residual_dtype=None, chunk_tokens=None, grad_slabs=GRAD_SLABS,
-                 layer=model, activations=None, placement=None, guard=None, lanes=None):
+                 layer=model, activations=None, placement=None, guard=None, lanes=None,
+                 resident_units=0):
         """cfg: model.GPTConfig; weights: {key: tensor}, read unit by unit. Unchecked: the checked
         front door is megatrain_min.checks.Trainer. mode "fast" streams a bf16 shadow, "lean" the
-        fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm."""
+        fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm.
+        resident_units: how many of self.order stay on the GPU (all: resident training)."""
         self.cfg, self.M, self.lr, self.grad_clip = cfg, micro_batches, lr, grad_clip
-        self.dev = resolve_device(device)           # cuda:N: the lanes and the worker use it too
+        self.dev = optim.resolve_device(device)     # cuda:N: the lanes and the worker use it too
         self.lanes = lanes if lanes is not None else Lanes(self.dev)
         self.h2d, self.comp, self.d2h = self.lanes.h2d, self.lanes.comp, self.lanes.d2h
         self.dtype = dtype or model.default_dtype(self.dev.type)
@@ -73,11 +75,13 @@ class Trainer:
         self.layers = [u for u, lay in enumerate(self.units) if lay.name.startswith("layer.")]
         self.head = len(self.units) - 1
         self.embed = self.head if cfg.tie_embeddings else 0    # see "the embedding" below
+        self.order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]
         shadow = self.dtype if mode == "fast" and self.dtype != torch.float32 else None
         self.opt = optim.HostAdamW(self.placement.sizes(self.units), lr, betas, eps, weight_decay,
                                    pinned=self.lanes.pinned, shadow_dtype=shadow, slabs=grad_slabs,
-                                   grad_store=self.defer_updates, pool=self.lanes.pool)
-        with torch.no_grad():
+                                   grad_store=self.defer_updates, pool=self.lanes.pool,
+                                   resident=self.order[:resident_units], on_device=self.zeros)
+        with torch.no_grad(), self.comp():    # (a resident unit's, on the lane that made it)
             self.placement.fill(self.opt, self.units, weights)   # the model, into the store
         self.pinned_buffers = {}                    # name -> pinned per-step buffer: pinned()
         self.loss_host = self.pinned("loss", (), torch.float32)
@@ -97,7 +101,7 @@ class Trainer:
         self.wviews = [{"layer": leaf(w, lay), "head": leaf(w, head)} for w in self.wslot]
         self.gviews = [{"layer": lay.views(g), "head": head.views(g)} for g in self.gslot]
         self.slot_loaded, self.slot_free = [None, None], [None, None]   # events (None: none yet)
-        self.gslot_free, self.resident = [None, None], {}   # unit -> the slot holding its weights
+        self.gslot_free, self.in_slot = [None, None], {}   # unit -> the slot holding its weights
         self.rope, self.batch = {}, None            # T -> (cos, sin), the last T; the step's Batch
         self.lanes.synchronize()                    # the buffers exist before any lane touches them
 
@@ -114,7 +118,7 @@ class Trainer:
             if self.guard and not self.defer_updates:           # the guard: the loss, a host sync
                 self.lanes.host_wait(loss_ready)
                 if not self.guard.ok(self.loss_host.item()):
-                    self.slot_free[self.resident[self.head]] = self.comp.record()
+                    self.slot_free[self.in_slot[self.head]] = self.comp.record()
                     return self.loss_host.item()                # no gradient leaves the GPU
             self._drain(self.head, 0)
             dy = self._backward(dy, b)
@@ -125,12 +129,13 @@ class Trainer:
         self.lanes.host_wait(loss_ready)
         loss = self.loss_host.item()
         if self.defer_updates:  # every squared norm known: clip, then update in forward order
-            sq = sum(self.pending.pop(u).result() for u in range(len(self.units)))
-            self.grad_norm = math.sqrt(self.placement.sum(sq))       # every process's shards
+            with self.h2d():    # (a resident unit's is a GPU scalar, made on this lane)
+                sq = sum(self.pending.pop(u).result() for u in range(len(self.units)))
+                self.grad_norm = math.sqrt(self.placement.sum(sq))   # every process's shards
             if self.guard and not self.guard.ok(self.grad_norm + loss):
                 return loss                                          # weights, m, v untouched
             coef = optim.clip_coef(self.grad_norm, self.grad_clip)
-            for u in [self.embed] + [u for u in range(len(self.units)) if u != self.embed]:
+            for u in self.order:
                 self._submit(u, self.opt.step, u, self.lr, coef)
         return loss
 
@@ -140,19 +145,19 @@ class Trainer:
         b = self._prepare(tokens, targets, train=False)
         with self.comp(), self._autocast():
             _, loss_ready = self._head(self._forward(b, keep=False), b, backward=False)
-            self.slot_free[self.resident[self.head]] = self.comp.record()
+            self.slot_free[self.in_slot[self.head]] = self.comp.record()
         self.lanes.host_wait(loss_ready)
         return self.loss_host.item()
 
     @torch.no_grad()
     def _forward(self, b, keep):
         """Embedding + layers, no graph, a micro-batch at a time. x: M x (B/M, T, d), compute."""
-        self.resident = {}                             # last step's slots hold stale weights
+        self.in_slot = {}                             # last step's slots hold stale weights
         self._prefetch(self.layers[0], busy_slot=1)    # into slot 0
         self._ready(self.embed)                        # the rows come from the updated embedding
         x = self.embed_rows(b)
         for i, u in enumerate(self.layers):
-            s = self.resident[u]
+            s = self.in_slot[u]
             self.comp.wait(self.slot_loaded[s])
             if keep:                                   # boundary activations: layer i's input
                 self.activations.keep(i, x)
@@ -164,16 +169,16 @@ class Trainer:
 
     def _head(self, x, b, backward):
         """Norm + LM head + loss in token chunks (backward: gradient in grad slot 0): dy, event."""
-        cfg, s = self.cfg, self.resident[self.head]
-        self._prefetch(self.layers[-1], s)             # resident already: the last layer stays
+        cfg, s = self.cfg, self.in_slot[self.head]
+        self._prefetch(self.layers[-1], s)             # in a slot already: the last layer stays
         self.comp.wait(self.slot_loaded[s])
         w, gs = self.wviews[s]["head"], self._grad_slot(self.head, 0) if backward else None
         loss, dy = torch.zeros((), dtype=torch.float32, device=self.dev), []
         for x_j, tgt in zip(x, b.targets.chunk(self.M)):               # per micro-batch
             xf, tgt = x_j.reshape(-1, cfg.d_model), tgt.reshape(-1)    # (B/M*T, d), (B/M*T,)
             if backward:
-                acc = self.gviews[gs]["head"]
-                lj, dx = model.head_grad(cfg, xf, w, tgt, b.n_tok, acc, self.chunk)
+                lj, dx = model.head_grad(cfg, xf, w, tgt, b.n_tok, self.gviews[gs]["head"],
+                                         self.chunk)
                 dy.append(dx.view_as(x_j))
             else:
                 lj = model.chunked_loss_sum(cfg, xf, w, tgt, self.chunk) / b.n_tok
@@ -185,7 +190,7 @@ class Trainer:
         """Layers L-1..0: recompute with grad, micro-batches accumulated in fp32, drain each."""
         L = len(self.layers)
         for i in reversed(range(L)):
-            s = self.resident[u := self.layers[i]]
+            s = self.in_slot[u := self.layers[i]]
             xs = self.activations.take(i)              # on compute, ready (the next on its way)
             if i > 0:
                 self._prefetch(self.layers[i - 1], s)
@@ -195,7 +200,6 @@ class Trainer:
             for j in range(self.M):
                 dy[j] = self.layer.block_grad(self.cfg, xs[j], w, b.rope, dy[j], acc)
             self.activations.release(i)                # compute is done with layer i's inputs
-            del xs
             self._drain(u, gs)
         return dy
 
@@ -205,12 +209,9 @@ class Trainer:
         n_tok = max(1, int((targets != model.IGNORE).sum()))    # loss = sum / n_tok, whole step
         targets = self.placement.local_batch(targets)           # the rows this process computes
         B, T = targets.shape
-        tgt_host = self.pinned("targets", (B, T), torch.int64)
-        tgt_host.copy_(targets)
-        with self.h2d():  # made on its writer's lane, kept for compute (waits for layer 0, after)
-            tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)
-            tgt.copy_(tgt_host, non_blocking=True)
-        self.comp.keep(tgt)
+        tgt = self.upload(self.pinned("targets", (B, T), torch.int64).copy_(targets))
+        if self.embed in self.opt.resident:                     # its rows gathered on the GPU
+            tokens = self.upload(self.pinned("tokens", (B, T), torch.int64).copy_(tokens))
         with self.comp():
             if T not in self.rope:                              # on compute: its only reader
                 self.rope = {T: model.rope_cache(self.cfg, T, self.dev, self.residual_dtype)}
@@ -218,6 +219,18 @@ class Trainer:
             self.activations.prepare(self, len(self.layers), (B, T, self.cfg.d_model))
         self.batch = Batch(tokens, tgt, n_tok, self.rope[T])
         return self.batch
+
+    def upload(self, host):
+        """A pinned buffer's H2D copy, made on the lane that writes it, kept for compute."""
+        with self.h2d():
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.dev)
+            out.copy_(host, non_blocking=True)
+        self.comp.keep(out)
+        return out
+
+    def zeros(self, n, dtype):  # a resident unit's GPU buffer: made on compute, as the slots
+        with self.comp():
+            return torch.zeros(n, dtype=dtype, device=self.dev)
 
     def _autocast(self):  # bf16: autocast around blocks and head, as the reference trainer
         return torch.autocast(self.dev.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -229,16 +242,15 @@ class Trainer:
 
     def _prefetch(self, u, busy_slot):
         """Unit u (being) loaded after its update, into the slot the visit does not use."""
-        if u not in self.resident:
+        if u not in self.in_slot:
             self._ready(u)
             self.load_unit(u, 1 - busy_slot)
-            self.resident = {k: s for k, s in self.resident.items() if s == busy_slot}
-            self.resident[u] = 1 - busy_slot
+            self.in_slot = {k: s for k, s in self.in_slot.items() if s == busy_slot}
+            self.in_slot[u] = 1 - busy_slot
 
     def load_unit(self, u, slot):
         """H2D of unit u into wslot[slot] (the one place weights cross to the GPU): slot_loaded."""
-        n = self.units[u].numel
-        src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]
+        n, src = self.units[u].numel, self.opt.streamed(u)   # a resident one: D2D, cast on the way
         with self.h2d():
             self.h2d.wait(self.slot_free[slot])
             if self.cast is None:
@@ -256,21 +268,26 @@ class Trainer:
         return flat[:self.cfg.vocab_size * self.cfg.d_model].view(self.cfg.vocab_size, -1)
 
     def embed_rows(self, b):
-        """x, M x (B/M, T, d): the rows gathered on the host, only B x T x d cross PCIe."""
+        """x, M x (B/M, T, d): rows gathered on the host (B x T x d cross PCIe), or on the GPU."""
+        if self.embed in self.opt.resident:
+            self.comp.wait(self.h2d.record())
+            x = self._table(self.opt.master[self.embed])[b.tokens]          # (B, T, d) fp32
+            return list(x.to(self.residual_dtype).chunk(self.M))
         bf16 = self.residual_dtype != torch.float32 and self.opt.shadow is not None
         table = self._table((self.opt.shadow if bf16 else self.opt.master)[self.embed])
         rows = self.pinned("rows", (*b.tokens.shape, self.cfg.d_model), table.dtype)  # (B, T, d)
         torch.index_select(table, 0, b.tokens.reshape(-1), out=rows.view(-1, self.cfg.d_model))
-        with self.h2d():                         # made on the lane that writes it, kept for compute
-            x = torch.empty(rows.shape, dtype=rows.dtype, device=self.dev)
-            x.copy_(rows, non_blocking=True)
-            ready = self.h2d.record()
-        self.comp.wait(ready)
-        self.comp.keep(x)
+        x = self.upload(rows)
+        self.comp.wait(self.h2d.record())
         return list(x.to(self.residual_dtype).chunk(self.M))     # lean + bf16 residual: cast here
 
     def dy_to_host(self, dy):
         """D2H of dy, queued behind layer 0's gradient (which waited for dy): (buffer, event)."""
+        if self.embed in self.opt.resident:                      # it stays: (B, T, d), compute
+            self.h2d.keep(dy := torch.cat(dy))                   # the scatter reads it on H2D
+            with self.d2h():                                     # after compute and the head's D2D
+                self.d2h.wait(self.comp.record())
+                return dy, self.d2h.record()
         host = self.pinned("dy", (self.M * dy[0].shape[0], *dy[0].shape[1:]), dy[0].dtype)
         with self.d2h():
             for dst, x in zip(host.chunk(self.M), dy):
@@ -295,7 +312,7 @@ class Trainer:
 
     def _drain(self, u, gs):
         """Compute is done with unit u: free its slot, D2H its gradient, hand it to the worker."""
-        self.slot_free[self.resident[u]] = ev = self.comp.record()
+        self.slot_free[self.in_slot[u]] = ev = self.comp.record()
         self._host_grad(u)
         done = self.grad_to_host(u, gs, ev)
         if u != self.embed:  # tied: the head is handed over after the embedding scatter
@@ -318,21 +335,23 @@ class Trainer:
 
     def _submit(self, u, fn, *args):
         """fn(*args), unit u's pending work on the optimizer thread; its failure noted at once."""
-        fut = self.lanes.submit(fn, *args)
+        if u in self.opt.resident:   # resident: here, issued on H2D, the lane that copies it next
+            with self.h2d():
+                (fut := Future()).set_result(fn(*args))
+        else:
+            fut = self.lanes.submit(fn, *args)
         fut.add_done_callback(lambda f: f.exception() and self.failed.append(f.exception()))
         self.pending[u] = fut
 
     def _grad_landed(self, u, done, lr, scatter=None):
         """Worker: once u's gradient landed (the embedding's scattered), update, or its norm^2."""
         try:
-            self.lanes.host_wait(done)
+            (self.h2d.wait if u in self.opt.resident else self.lanes.host_wait)(done)
             if scatter:
                 scatter()
-            if self.defer_updates:
-                return self.opt.grad_sq(u)
-            self.update_unit(u, lr)
+            return self.opt.grad_sq(u) if self.defer_updates else self.update_unit(u, lr)
         finally:
-            if not self.defer_updates:
+            if not self.defer_updates and u in self.opt.lent:
                 self.opt.give_back(u)
 
     def update_unit(self, u, lr):
@@ -352,15 +371,14 @@ class Trainer:
     def weights(self, copy=True):
         """{key: fp32 CPU tensor}: the master weights, copies or (copy=False) views of the store."""
         self.wait()
-        return {k: v.clone() if copy else v for u, lay in enumerate(self.units)
+        return {k: v.to("cpu", copy=True) if copy else v for u, lay in enumerate(self.units)
                 for k, v in lay.key_views(self.opt.master[u]).items()}
 
     def pinned(self, name, shape, dtype):
-        """A `shape` view of host buffer `name` (page-locked with CUDA), made anew only to grow,
-        after a device wait (no copy from or into the old one is in flight when it goes)."""
+        """A view of host buffer `name` (page-locked with CUDA), made anew only to grow."""
         buf, n = self.pinned_buffers.get(name), math.prod(shape)
         if buf is None or buf.dtype != dtype or buf.numel() < n:
-            if buf is not None:
+            if buf is not None:           # no copy from or into the old one in flight
                 self.lanes.synchronize()
             buf = self.pinned_buffers[name] = (self.lanes.pinned or torch.zeros)(n, dtype=dtype)
         return buf[:n].view(shape)
@@ -374,8 +392,7 @@ class OnDevice(dict):
 
 
 class Whole:
-    """The units' placement: this process holds every unit whole and computes the whole batch
-    (sharded.Shards: 1/N of every unit on each of N ranks, answering the same questions)."""
+    """The units' placement: every unit whole, the whole batch here (sharded.Shards: 1/N each)."""
     group = None                                  # no process group: one process
 
     def part(self, lay): return 0, lay.numel      # the elements [lo, hi) of the unit held here
@@ -395,19 +412,11 @@ class Whole:
 
 
 # -------------------------------------------------------------------------------- the hardware
-def resolve_device(device=None):
-    """The device to train on, indexed: "cuda" is the current cuda:N (set_device needs the N)."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return torch.device("cuda", torch.cuda.current_device()) if dev == torch.device("cuda") else dev
-
-
 class Lane:
-    """A CUDA stream on `device`, or nothing on the CPU (work then runs in program order).
-    `with lane():` issues the work inside on it; record() an event, wait(event) for one; keep(t):
-    t made on another stream is used here too (record_stream: its block is not reused early)."""
-    streams = {}   # (device, name) -> its stream, made once per process: cuBLAS keeps a workspace
-    #                per stream it ran on (32 MiB a thread on Hopper), never freed, so a stream per
-    #                Trainer would grow device memory with every Trainer made
+    """A CUDA stream, or nothing on the CPU (work runs in program order). `with lane():` issues the
+    work inside on it; record() an event, wait(event) for one; keep(t): t is used here too."""
+    streams = {}   # (device, name) -> stream, one per process: cuBLAS keeps a workspace per stream
+    #                it ran on (32 MiB a thread on Hopper) until exit: a stream per Trainer leaks
 
     def __init__(self, device=None, name="compute"):
         if device is not None and (device, name) not in Lane.streams:
@@ -416,7 +425,6 @@ class Lane:
 
     def __call__(self): return torch.cuda.stream(self.stream) if self.stream else nullcontext()
     def record(self): return self.stream.record_event() if self.stream else None
-
     def wait(self, event): return self.stream.wait_event(event) if self.stream and event else None
     def keep(self, t): return t.record_stream(self.stream) if self.stream else None
 
@@ -425,7 +433,7 @@ class Lanes:
     """The hardware as the engine sees it (sim.SimLanes: the same, every ordering edge recorded)."""
 
     def __init__(self, device, procs=1, lane=Lane):
-        self.device = device = resolve_device(device)
+        self.device = device = optim.resolve_device(device)
         self.cuda = cuda = device.type == "cuda"
         self.pinned = optim.page_locked if cuda else None     # makes host buffers the copies use
         self.h2d, self.comp, self.d2h = (lane(device if cuda else None, n)
@@ -434,16 +442,9 @@ class Lanes:
         torch.set_num_threads(self.threads[0])                 # a setting of the calling thread
         self.worker = optim.worker(self.threads[1], device)
 
-    def host_wait(self, event):       # the calling host thread waits until the device passed it
-        return event.synchronize() if event is not None else None
-
-    def synchronize(self):            # the host waits for every lane
-        return torch.cuda.synchronize(self.device) if self.cuda else None
-
-    def free_memory(self):            # bytes free on the device (None: device buffers are host's)
-        return torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
-
-    def submit(self, fn, *args):      # fn(*args) on the optimizer thread: a Future
-        return self.worker.submit(fn, *args)
-
+    # host waits: for `event`, for every lane; free device bytes (None: host's); optimizer thread
+    def host_wait(self, event): return event.synchronize() if event is not None else None
+    def synchronize(self): return torch.cuda.synchronize(self.device) if self.cuda else None
+    def free_memory(self): return torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
+    def submit(self, fn, *args): return self.worker.submit(fn, *args)   # a Future
     pool = None   # where the gradient slabs wait: optim's queue (sim.SimLanes: a recorded one)

@@ -183,7 +183,7 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
                 lo, hi = trainer.placement.part(lay)
                 name = f"{lay.name}.part{rank}.bin" if sharded else f"{lay.name}.bin"
                 state = opt.state(u)
-                f, crc = _write(tmp / name, [state[s][:hi - lo] for s in STATES], lay, lo)
+                f, crc = _write(tmp / name, [state[s][:hi - lo].cpu() for s in STATES], lay, lo)   # (resident: D2H)
                 synced.append(flusher.submit(_fsync_close, f))
                 units.append({"name": lay.name, "numel": lay.numel, "step": opt.step_count(u), "file": name,
                               "lo": lo, "hi": hi, "bytes": 4 * len(STATES) * (hi - lo), "crc32": crc})
@@ -493,10 +493,14 @@ def load(trainer, path, verify_first=True):
             with open(path / p["file"], "rb") as f:
                 for k, s in enumerate(STATES):
                     f.seek(4 * (k * n + a - p["lo"]))
-                    mv = bytes_of(state[s][a - lo:b - lo])
+                    dst = state[s][a - lo:b - lo]        # a unit resident on the GPU: through the host
+                    host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
+                    mv = bytes_of(host)
                     if f.readinto(mv) != len(mv):
                         raise CheckpointError(f"{path / p['file']} shrank while loading; the trainer is now partial")
                     crc = crc if verify_first else zlib.crc32(mv, crc)
+                    if host is not dst:
+                        dst.copy_(host)
             if not verify_first and whole(p, u) and crc != p["crc32"]:
                 raise CheckpointError(f"{path / p['file']} fails its CRC-32 check; the trainer is now partial")
         if not verify_first and not all_finite(state["master"][:hi - lo]):

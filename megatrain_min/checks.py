@@ -241,8 +241,10 @@ def check_hyper(**hp):
 HYPER = ("lr", "betas", "eps", "weight_decay", "grad_clip", "micro_batches")
 
 
-def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=None, grad_slabs=1, **_):
-    """The engine's own options: the memory mode, the compute and residual dtypes, the loss chunk, the slabs."""
+def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=None, grad_slabs=1, resident_units=0,
+                  **_):
+    """The engine's own options: the memory mode, the compute and residual dtypes, the loss chunk, the slabs, the
+    units resident on the GPU."""
     if mode not in ("fast", "lean"):
         raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
     if dtype not in (None, torch.float32, torch.bfloat16):
@@ -256,6 +258,9 @@ def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=Non
         raise ValueError(f"chunk_tokens must be a positive integer (tokens per loss chunk), got {chunk_tokens!r}")
     if not (integer(grad_slabs) and grad_slabs >= 1):
         raise ValueError(f"grad_slabs must be a positive integer, got {grad_slabs!r}")
+    if not (integer(resident_units) and resident_units >= 0):
+        raise ValueError(f"resident_units must be an integer >= 0 (units kept on the GPU, embedding and layer 0 "
+                         f"first), got {resident_units!r}")
 
 
 class Checked:

@@ -124,7 +124,7 @@ def local_hardware(device=None):
     """This machine, detected now, for a run on `device` (None: the current CUDA device when there is one, else the
     CPU). A GPU: its free memory, speeds from the matching profile (unknown GPUs get modest guesses). The CPU:
     it computes and copies are memcpys; GPU memory 0. Nothing touches a GPU other than `device`'s."""
-    dev = stream.resolve_device(device)
+    dev = optim.resolve_device(device)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
         key = next((k for k in ("gh200", "h200", "h100", "a100", "rtx4090")   # gh200 before h200

@@ -191,6 +191,9 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         shard; checked as checks.Trainer checks them), plus group: the run's torch.distributed process group
         (default: the whole world, initialised). micro_batches are per rank: the step's batch is split over the
         ranks, then each rank's share into micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
+        if kw.get("resident_units"):
+            raise ValueError("resident_units need one process holding whole units; sharded ranks stream every unit "
+                             "(resident_units=0)")
         dev = checks.check_device(device)
         lanes = lanes if lanes is not None else ShardedLanes(dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         shards = Shards(group, lanes, dev)

@@ -62,6 +62,21 @@ def test_round_trip_is_bit_exact_and_refreshes_the_shadow(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_resident_units_round_trip(tmp_path):
+    """A checkpoint does not depend on where the units lived: saved by a trainer with 3 units resident on the
+    device, loaded into one with none and into one with all of them, bit for bit (state(), on the CPU here;
+    tests/test_gpu.py loads on a GPU)."""
+    a = engine(CFG, model.init_weights(CFG, 0), device="cpu", resident_units=3, **HP)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        a.step(*random_batch(CFG, 4, 16, gen))
+    path = checkpoint.save(a, tmp_path, 2, {})
+    for k in (0, 99):
+        b = engine(CFG, model.init_weights(CFG, 1), device="cpu", resident_units=k, **HP)
+        checkpoint.load(b, path)
+        assert same(state(a), state(b))
+
+
 def test_resume_equals_straight_run(tmp_path):
     """20 steps straight == 10 steps, save, a fresh Trainer (other init, other sampler seed), load, 10 more:
     the losses, master weights, m, v and step counts identical bit for bit."""

@@ -1,7 +1,9 @@
 """The engine on a real GPU. Skipped without CUDA; on a GPU machine run them all with
     python -m pytest -q tests/test_gpu.py -s
-- asynchronous (three streams, events) equals a run that synchronises after every operation, bit for bit;
-- fp32 on CUDA (TF32 off) equals the plain PyTorch reference on CUDA (same tolerances as on the CPU);
+- asynchronous (three streams, events) equals a run that synchronises after every operation, bit for bit,
+  with units resident on the GPU too;
+- fp32 on CUDA (TF32 off) equals the plain PyTorch reference on CUDA (same tolerances as on the CPU), with 0, 2
+  and all units resident;
 - bf16 streaming tracks the fp32 reference loss on the toy corpus within 2% after 200 steps;
 - peak GPU memory does not grow with depth when boundary activations are offloaded (spread < 5%);
 - the lanes and the optimizer thread run on the Trainer's device, and the host memory it page-locks
@@ -36,9 +38,9 @@ class SyncLane(Lane):
         return super().record()
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip,resident", [(0.0, 0), (1.0, 0), (0.0, 3), (1.0, 99)])
 @pytest.mark.parametrize("offload", [False, True])
-def test_async_equals_synchronised_bit_for_bit(clip, offload):
+def test_async_equals_synchronised_bit_for_bit(clip, offload, resident):
     cfg = dataclasses.replace(model.PRESETS["toy"], n_layer=6, d_model=256, n_head=8, n_kv_head=8, d_ff=704)
     w0 = model.init_weights(cfg, 0)
     out = []
@@ -46,18 +48,20 @@ def test_async_equals_synchronised_bit_for_bit(clip, offload):
         gen = torch.Generator().manual_seed(0)
         lanes = Lanes(torch.device("cuda"), lane=SyncLane if sync else Lane)
         t = engine(cfg, w0, device="cuda", dtype=torch.bfloat16, grad_clip=clip, micro_batches=4,
-                   offload_activations=offload, lanes=lanes, **HP)
+                   offload_activations=offload, lanes=lanes, resident_units=resident, **HP)
         losses = [t.step(*random_batch(cfg, 16, 128, gen)) for _ in range(4)]
         out.append((losses, t.weights()))
     assert out[0][0] == out[1][0], out
     assert all(torch.equal(out[0][1][k], out[1][1][k]) for k in w0)
 
 
+@pytest.mark.parametrize("resident", [0, 2, 99])
 @pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "special"])
-def test_cuda_fp32_equals_reference(cfg):
+def test_cuda_fp32_equals_reference(cfg, resident):
     gen = torch.Generator().manual_seed(1)
     w0 = model.init_weights(cfg, 0)
-    ours = Trainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0, **HP)
+    ours = Trainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0,
+                   resident_units=resident, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0, **HP)
     losses_agree(ours, ref, cfg, gen, steps=5, B=4, T=32, rtol=1e-5)
     assert update_rel(w0, ours.weights(), ref.weights()) <= 1e-3
@@ -140,3 +144,21 @@ def test_lanes_worker_and_pinned_bytes_on_the_trainers_device(monkeypatch, clip)
     got = sum(rt.registered.values())
     print(f"page-locked {got:,} B in {len(rt.registered)} buffers, plan {p['pinned_bytes']:,} B")
     assert 0 <= got - p["pinned_bytes"] <= len(rt.registered) * mmap.PAGESIZE
+
+
+def test_resident_units_checkpoint_round_trip(tmp_path):
+    """A checkpoint of a trainer with units resident on the GPU (their state in device memory) loads, bit for bit,
+    into one with none resident and back: save copies them through the host, load back into the device."""
+    from megatrain_min import checkpoint
+    cfg = model.PRESETS["toy"]
+    gen = torch.Generator().manual_seed(0)
+    a = engine(cfg, model.init_weights(cfg, 0), device="cuda", resident_units=3, **HP)
+    for _ in range(2):
+        a.step(*random_batch(cfg, 4, 32, gen))
+    path = checkpoint.save(a, tmp_path, 2, {})
+    state = lambda t: [t.opt.state(u)[s].cpu() for u in range(len(t.units)) for s in ("master", "m", "v")]  # noqa
+    for k in (0, 99):
+        b = engine(cfg, model.init_weights(cfg, 1), device="cuda", resident_units=k, **HP)
+        checkpoint.load(b, path)
+        b.wait()
+        assert all(torch.equal(x, y) for x, y in zip(state(a), state(b)))

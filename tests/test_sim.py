@@ -52,6 +52,33 @@ def test_engine_is_race_free(row):
     assert len(c.steps) == 3 and all(s["copies"] for s in c.steps[:2])
 
 
+RESIDENT = [dict(cfg=TOY, micro_batches=2, grad_clip=0.0, offload_activations=True, resident_units=2),
+            dict(cfg=SPECIAL, micro_batches=1, grad_clip=1.0, skip_nonfinite=True, resident_units=99),
+            dict(cfg=TOY, micro_batches=2, grad_clip=0.0, skip_nonfinite=True, mode="lean", dtype=torch.bfloat16,
+                 resident_units=1)]
+
+
+@pytest.mark.parametrize("kw", [pytest.param(kw, marks=[pytest.mark.slow] if k else [], id=f"resident-{k}")
+                                for k, kw in enumerate(RESIDENT)])
+def test_resident_units_are_race_free(kw):
+    """Units resident on the GPU: their state made on compute, each gradient copied D2D on the D2H lane, their
+    AdamW (or norm) issued on the H2D lane, the embedding's rows gathered and its dy scattered on the GPU."""
+    c = checked(**kw)
+    assert not c.races, c.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("old,buffer,what", [
+    ("self.comp.wait(self.h2d.record())", "master[", "write on h2d / read on compute"),   # rows before the update
+    ("self.d2h.wait(self.comp.record())", "dy_to_host", "write on compute / read on h2d"),  # scatter before dy
+    ("self.h2d.keep(dy := torch.cat(dy))", "dy_to_host", "freed on the host while h2d"),    # dy's block reused
+])
+def test_resident_defects_are_reported(old, buffer, what):
+    mutated = mutant(old, "            dy = torch.cat(dy)\n" if "keep" in old else None)   # the cat stays
+    found = [r for kw in RESIDENT[:2] for r in checked(**{**kw, **mutated}).races]
+    assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
+
+
 def test_back_to_back_steps_without_clipping_offloaded_and_tiled():
     """Three steps with nothing between them: without clipping step() returns while the backward still runs, and
     the next step's input (targets, embedding rows, the activations' ring) is allocated while it does. Offload

@@ -48,6 +48,54 @@ def test_stream_equals_reference(cfg, M, clip, offload):
     assert set(ours.weights()) == set(w0)
 
 
+@pytest.mark.parametrize("resident", [1, 3, 99], ids=["embedding", "embedding+2-layers", "all"])
+@pytest.mark.parametrize("clip,offload", [(0.0, False), (0.5, True)], ids=["noclip", "clip-offload"])
+@pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "gqa-bias-qknorm-tied"])
+def test_resident_units_equal_reference(cfg, resident, clip, offload):
+    """Units kept whole on the device (the first the forward needs: the embedding -- tied: the head --, layer 0,
+    1, ...; every unit: resident training), updated there on the H2D lane, train as plain PyTorch does: the
+    central test's tolerances. On the CPU the device is host memory; tests/test_gpu.py runs it on a GPU."""
+    gen = torch.Generator().manual_seed(7)
+    w0 = model.init_weights(cfg, seed=0)
+    ours = engine(cfg, w0, device="cpu", grad_clip=clip, micro_batches=2, offload_activations=offload,
+                  resident_units=resident, **HP)
+    ref = ReferenceTrainer(cfg, w0, grad_clip=clip, micro_batches=2, **HP)
+    want = ours.order[:resident]
+    assert sorted(ours.opt.resident) == sorted(want) and want[0] == ours.embed
+    assert all(ours.opt.shadow is None or ours.opt.shadow[u] is None for u in want)
+    for step in range(4):
+        tok, tgt = random_batch(cfg, 4, 24, gen)
+        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
+        assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
+    rel = update_rel(w0, ours.weights(), ref.weights())
+    print(f"{len(want)} resident: update rel diff {rel:.1e}")
+    assert rel <= 1e-3 and all(ours.opt.step_count(u) == 4 for u in range(len(ours.units)))
+
+
+def test_resident_units_store_and_guard(gen):
+    """A resident unit's state (master, m, v, gradient: 16 B/param) is the device's, none of it pinned and no
+    shadow; the rest of the store is as before. With the non-finite guard (no clipping: checked per unit), a
+    poisoned resident embedding row skips the step and leaves every weight as it was."""
+    cfg = model.PRESETS["toy"]
+    w0 = model.init_weights(cfg, 0)
+    t = engine(cfg, w0, device="cpu", dtype=torch.bfloat16, resident_units=2, skip_nonfinite=True, **HP)
+    host = engine(cfg, w0, device="cpu", dtype=torch.bfloat16, **HP)
+    n_res = sum(t.units[u].numel for u in t.opt.resident)
+    assert t.opt.nbytes() == host.opt.nbytes() - 14 * n_res and t.opt.nbytes(resident=True) == 16 * n_res
+    tok, tgt = random_batch(cfg, 2, 16, gen)
+    t.step(tok, tgt)
+    before = t.weights()
+    emb = t.units[0].views(t.opt.master[0])["embed"]
+    saved = emb[tok[0, 0]].clone()
+    emb[tok[0, 0], 0] = float("inf")
+    loss = t.step(tok, tgt)
+    assert t.guard.skipped and not math.isfinite(loss)
+    emb[tok[0, 0]] = saved
+    assert all(torch.equal(before[k], v) for k, v in t.weights().items())
+    t.step(tok, tgt)
+    assert not t.guard.skipped and not t.guard.units
+
+
 def test_micro_batches_equal_one_batch():
     """Invariance: the same step in 1 or 4 micro-batches gives the same loss and (nearly) the same update."""
     cfg = SPECIAL
@@ -183,15 +231,17 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
     return worst, update_rel(w0, ours.weights(), ref.weights())
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("clip,resident", [(0.0, 0), (1.0, 0), (0.0, 3), (1.0, 99)],
+                         ids=["noclip", "clip", "noclip-3-resident", "clip-all-resident"])
 @pytest.mark.parametrize("M", [1, 2])
-def test_bf16_engine_equals_autocast_reference(M, clip):
+def test_bf16_engine_equals_autocast_reference(M, clip, resident):
     """bf16 compute: the engine (blocks and head under autocast, fp32 residual, weights from the bf16
     shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= 1e-3
     relative at every step, weight updates <= 1e-2 relative after 2 steps (docs/design.md, section 'Numerics
     contract')."""
     w0 = model.init_weights(NARROW, 0)
-    ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
+    ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M,
+                  resident_units=resident, **HP)
     ref = ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
     worst, rel = two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=1e-3)
     print(f"bf16 engine vs autocast reference: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
