@@ -26,7 +26,7 @@ import torch
 
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1   # the library's defaults (one home)
-TILE = 1 << 23   # elements per AdamW call: a tile's p g m v and shadow (144 MB) stay in a big L3
+TILE = 1 << 22   # elements per AdamW call: a tile's p g m v and shadow (72 MB) stay in the L3
 
 
 class HostAdamW:

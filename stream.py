@@ -346,7 +346,7 @@ class Trainer:
     def _grad_landed(self, u, done, lr, scatter=None):
         """Worker: once u's gradient landed (the embedding's scattered), update, or its norm^2."""
         try:
-            (self.h2d.wait if u in self.opt.resident else self.lanes.host_wait)(done)
+            self.h2d.wait(done) if u in self.opt.resident else self.lanes.host_wait(done)
             if scatter:
                 scatter()
             return self.opt.grad_sq(u) if self.defer_updates else self.update_unit(u, lr)

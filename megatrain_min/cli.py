@@ -26,7 +26,8 @@ from megatrain_min.checks import HyperParameterError, check_hyper
 # suits large models.
 DEFAULTS = dict(config="toy", batch_size=32, seq_len=128, micro_batches=1, grad_clip=1.0, mode="fast",
                 dtype=None, residual_dtype="fp32", offload_activations="auto", chunk_tokens=0,
-                tile_tokens=None, hardware="local", gpus=1, nodes=1, lr=3e-3, weight_decay=optim.WEIGHT_DECAY,
+                tile_tokens=None, resident_units=None, hardware="local", gpus=1, nodes=1, lr=3e-3,
+                weight_decay=optim.WEIGHT_DECAY,
                 keep=2)
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
@@ -128,6 +129,9 @@ def add_step(p):
     p.add_argument("--tile-tokens", type=int, default=DEFAULTS["tile_tokens"],
                    help="run each layer's norms, projections and MLP this many tokens at a time (exact; 0 = untiled; "
                         "default: the planner's choice, untiled unless long sequences need it)")
+    p.add_argument("--resident-units", type=int, default=DEFAULTS["resident_units"],
+                   help="units kept whole on the GPU and updated there, the embedding and layer 0 first (exact; "
+                        "0 = stream every unit; default: the planner's choice, as many as fit in GPU memory)")
 
 
 def add_hardware(p, default=DEFAULTS["hardware"]):
@@ -221,6 +225,8 @@ def check(a, world=1):
                         f"--micro-batches micro-batches)")
     if a.tile_tokens is not None and a.tile_tokens < 0:
         raise FlagError(f"--tile-tokens must be >= 0 (0 = untiled), got {a.tile_tokens}")
+    if getattr(a, "resident_units", None) is not None and a.resident_units < 0:
+        raise FlagError(f"--resident-units must be >= 0 (0 = stream every unit), got {a.resident_units}")
     if a.max_seq_len is not None and a.max_seq_len <= 0:
         raise FlagError(f"--max-seq-len must be positive, got {a.max_seq_len}")
     for flag in ("host_mem", "host_bw"):

@@ -50,24 +50,31 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 GB = 1e9  # decimal: "1536 GB" is 1.536e12 bytes (slightly conservative against GiB-sized DIMMs)
 
 # Peaks: dense (no sparsity) TFLOP/s from NVIDIA's datasheets. frac: the share of peak a whole layer
-# reaches (matmuls + attention + norms) -- an assumption until bench/ measures it. h2d/d2h: what
-# cudaMemcpyAsync from pinned memory on a copy engine measures, not the link's spec. host_mem: a typical
-# host for one such GPU; host_bw: the DRAM bandwidth a multi-threaded fused CPU AdamW sees.
+# reaches (matmuls + attention + norms). h2d/d2h: what cudaMemcpyAsync from pinned memory on a copy engine
+# measures, not the link's spec. host_mem: a typical host for one such GPU; host_bw: the DRAM bandwidth a
+# multi-threaded fused CPU AdamW sees (28 B/param); host_l3_mb: its last-level cache (optim.TILE's tiles stay
+# there: the shadow is written from cache). The H200 row is measured (bench/results/2026-11-27-nvidia-h200,
+# 16 host cores, torch 2.11): frac 0.56 is its 7B-width layer's forward (15.5 ms), recompute + backward (48 ms)
+# and head (31 ms) at 16,384 tokens; the links 55.2 / 55.3 GB/s; AdamW 101 GB/s (55 ms per 202M params, with
+# the copies running); the host's last level 300 MB. The H100 and GH200 share its compute die: frac 0.56 too.
 HARDWARE = {
     # H100 SXM5: 80 GB HBM3 3.35 TB/s, 989 bf16 / 67 fp32 TFLOP/s. PCIe Gen5 x16 (64 GB/s spec) ~55 each way.
     # Host: 2-socket Xeon, 16 x DDR5-4800 (614 GB/s spec), ~200 for AdamW over NUMA-unaware pinned pages.
     # 8 per node on NVLink 4 (450 GB/s per direction spec; NCCL all_gather / reduce_scatter bus bandwidth ~360),
     # one 400 Gb/s InfiniBand NDR NIC per GPU between nodes (50 GB/s spec, ~45).
-    "h100": dict(gpu="NVIDIA H100 80GB", gpu_mem_gb=80, bf16_tflops=989, fp32_tflops=67, frac=0.6,
-                 hbm_gbs=3350, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1024, host_bw_gbs=200, nvlink_gbs=360, ib_gbs=45),
-    # H200 SXM: 141 GB HBM3e 4.8 TB/s, same compute as H100, PCIe Gen5. Host as MegaTrain's: 1.5 TB.
-    "h200": dict(gpu="NVIDIA H200 141GB", gpu_mem_gb=141, bf16_tflops=989, fp32_tflops=67, frac=0.6,
-                 hbm_gbs=4800, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1536, host_bw_gbs=200, nvlink_gbs=360, ib_gbs=45),
+    "h100": dict(gpu="NVIDIA H100 80GB", gpu_mem_gb=80, bf16_tflops=989, fp32_tflops=67, frac=0.56,
+                 hbm_gbs=3350, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1024, host_bw_gbs=200, host_l3_mb=105,
+                 nvlink_gbs=360, ib_gbs=45),
+    # H200 SXM: 141 GB HBM3e 4.8 TB/s, same compute as H100, PCIe Gen5; measured (above). Host memory as
+    # MegaTrain's: 1.5 TB (the measured VM had 128 GB: --host-mem 128), its measured 16 cores' AdamW.
+    "h200": dict(gpu="NVIDIA H200 141GB", gpu_mem_gb=141, bf16_tflops=989, fp32_tflops=67, frac=0.56,
+                 hbm_gbs=4800, h2d_gbs=55.2, d2h_gbs=55.3, host_mem_gb=1536, host_bw_gbs=101, host_l3_mb=300,
+                 nvlink_gbs=360, ib_gbs=45),
     # GH200: 96 GB HBM3 4 TB/s, H100 compute; NVLink-C2C 900 GB/s spec, ~340 H2D / ~295 D2H measured.
     # Host: Grace's 480 GB LPDDR5X (512 GB/s spec, ~400 achievable). One superchip per node: InfiniBand NDR (~45).
-    "gh200": dict(gpu="NVIDIA GH200 96GB", gpu_mem_gb=96, bf16_tflops=989, fp32_tflops=67, frac=0.6,
-                  hbm_gbs=4000, h2d_gbs=340, d2h_gbs=295, host_mem_gb=480, host_bw_gbs=400, nvlink_gbs=360,
-                  ib_gbs=45),
+    "gh200": dict(gpu="NVIDIA GH200 96GB", gpu_mem_gb=96, bf16_tflops=989, fp32_tflops=67, frac=0.56,
+                  hbm_gbs=4000, h2d_gbs=340, d2h_gbs=295, host_mem_gb=480, host_bw_gbs=400, host_l3_mb=114,
+                  nvlink_gbs=360, ib_gbs=45),
     # A100 SXM4 80 GB: 2.0 TB/s, 312 bf16 / 19.5 fp32 TFLOP/s. PCIe Gen4 x16 (32 GB/s spec) ~25.
     # Host: 2-socket EPYC, 16 x DDR4-3200 (410 GB/s spec). NVLink 3 (300 GB/s per direction, NCCL ~230), HDR IB (~22).
     "a100": dict(gpu="NVIDIA A100 80GB", gpu_mem_gb=80, bf16_tflops=312, fp32_tflops=19.5, frac=0.6,
@@ -97,6 +104,12 @@ CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-alloc
 # untiled at 512k tokens).
 TILE_HEADROOM = 0.9
 TILE_TOKENS = 8192
+# Resident units (stream.Trainer(resident_units=)): the plan fills the GPU memory the step leaves, up to
+# RESIDENT_HEADROOM of it, with whole units in the order the forward needs them, 16 B/param each (fp32 master,
+# m, v, gradient); their AdamW is torch's fused CUDA kernel, assumed at GPU_ADAM_FRAC of the HBM bandwidth
+# (28 B/param; bench/gpu.py's pinned case measures it: cuda_adamw_gbs).
+RESIDENT_HEADROOM = 0.9
+GPU_ADAM_FRAC = 0.7
 
 
 class PlanError(ValueError):
@@ -177,7 +190,7 @@ def peak_tflops(hw, dtype):
 def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mode="fast", dtype=None,
          grad_clip=0.0, offload_activations=None, host_mem_gb=None, host_bw_gbs=None,
          residual_dtype="fp32", grad_slabs=None, skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None,
-         tile_tokens=None, gpus=1, nodes=1, device=None):
+         tile_tokens=None, gpus=1, nodes=1, device=None, resident_units=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (see plan_json, format_plan).
 
     hardware: a HARDWARE name, "local", or a dict like HARDWARE's. seq_len None: cfg.max_seq_len.
@@ -198,6 +211,8 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     of its fp32 gradient, (N-1)/N of it per GPU, on a comm lane of their own: NVLink (nvlink_gbs, bus bandwidth)
     within a node, InfiniBand per GPU (ib_gbs) as soon as the ring crosses nodes. The node's AdamW threads share its
     DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few bytes), collective latency.
+    resident_units: how many units, in the order the forward needs them, stay whole on the GPU (16 B/param
+    there, none on the host, AdamW on the GPU); None: as many as fit in the memory the step leaves (one rank).
     """
     hw = resolve_hardware(hardware, host_mem_gb, host_bw_gbs, device)
     cuda = hw["gpu_mem_gb"] > 0
@@ -268,27 +283,49 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     gpu, offload = device(tile)
     gpu_bytes = sum(gpu.values())
 
+    # ---- resident units: whole on the GPU, in the order the forward needs them (stream.Trainer.order)
+    e = len(units) - 1 if tied else 0                  # the embedding's unit (tied: the head)
+    order = [e] + [u for u in range(len(units)) if u != e]
+    asked, k = resident_units, resident_units or 0
+    if asked is None and cuda and world == 1:          # as many as fit in what the step leaves
+        room = RESIDENT_HEADROOM * hw["gpu_mem_gb"] * GB - gpu_bytes
+        while k < len(order) and 16 * units[order[k]].numel <= room:
+            room, k = room - 16 * units[order[k]].numel, k + 1
+    res = set(order[:k])                               # indices into units
+    if res:
+        gpu[f"resident units: {len(res)} of {len(units)}, 16 B/param"] = 16 * sum(units[u].numel for u in res)
+        gpu_bytes = sum(gpu.values())
+    emb_res = e in res
+    sim_name = lambda u: "head" if u == len(units) - 1 else "embed" if not tied and u == 0 else u - (not tied)  # noqa
+
     # ---- throughput: seconds per visit (needed to size the gradient slabs)
     F = hw[f"{dtype}_tflops"] * 1e12 * hw["frac"]     # achievable FLOP/s
     h2d, d2h, hbw = hw["h2d_gbs"] * GB, hw["d2h_gbs"] * GB, hw["host_bw_gbs"] * GB
     cast = 6 / (hw["hbm_gbs"] * GB) if not shadow and dtype == "bf16" else 0  # lean: read fp32, write bf16
     # read p, g, m, v; write p, m, v; clipped: the kernel writes the scaled g back; the guard without deferral
     # reads g once more (HostAdamW.step(finite_only)); fast: read p again, write the shadow
-    adam_b = 28 + (4 if defer else 0) + (4 if skip_nonfinite and not defer else 0) + (6 if shadow else 0)
+    # reads p again and writes the shadow: from cache when optim.TILE's tile (18 B/param) fits the host's L3
+    one_pass = optim.TILE * 18 <= hw.get("host_l3_mb", 32) * 2**20
+    adam_b = 28 + (4 if defer else 0) + (4 if skip_nonfinite and not defer else 0) + \
+        ((2 if one_pass else 6) if shadow else 0)
     attn = 2 * seq_len * cfg.n_head * cfg.head_dim     # QK^T + AV per token, causal half (SDPA skips it)
     # seconds per parameter of a unit: this rank's 1/N share crosses its PCIe link; the node's gpus ranks update
     # their shards at once, sharing its DRAM; the collectives move (N-1)/N of the unit per GPU
     net = (hw["nvlink_gbs"] if nodes == 1 else min(hw["nvlink_gbs"], hw["ib_gbs"])) * GB
     # AdamW runs in tiles of optim.TILE elements, each 5 views and a kernel call (+ the shadow's copy) of host ops
     tile_s = (5 + 2 * shadow) * HOST_OP_S / host_speed / optim.TILE
+    hbm = hw["hbm_gbs"] * GB
     rate = dict(load=(sb / h2d + cast) / world, grad=4 / d2h / world, adam=adam_b / hbw / nodes + tile_s,
                 norm=4 / hbw / nodes, all_gather=(world - 1) / world * cb / net,
-                reduce_scatter=(world - 1) / world * 4 / net)
+                reduce_scatter=(world - 1) / world * 4 / net,
+                # a resident unit: cast into its slot, gradient copied D2D, AdamW (or its norm) on the GPU
+                load_res=(4 + cb) / hbm, grad_res=8 / hbm, gpu_adam=(28 + 4 * defer) / (hbm * GPU_ADAM_FRAC),
+                gpu_norm=4 / hbm)
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if tied else units[0].numel)
     qkv = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad accumulation) are bound by
     # HBM: their bytes per token and per call, measured on the model's own functions (cost.elementwise_bytes)
-    ew, hbm = cost.elementwise_bytes(cfg, DTYPES[dtype], DTYPES[residual_dtype]), hw["hbm_gbs"] * GB
+    ew = cost.elementwise_bytes(cfg, DTYPES[dtype], DTYPES[residual_dtype])
     calls = dict(fwd=micro_batches, bwd=micro_batches,  # block, block_grad per micro-batch; head_grad per chunk
                  head=micro_batches * math.ceil(tokens // micro_batches / (chunk_tokens or model.default_chunk_tokens(cfg))))
     hbm_s = {k: (tokens * ew[k][0] + calls[k] * ew[k][1]) / hbm for k in ew}
@@ -305,25 +342,32 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              rows_comm=(world - 1) / world * tokens_step * cfg.d_model * row_b / net,   # their reduce_scatter
              dy_comm=(world - 1) / world * act_step / net,                              # dy's all_gather
              scatter=(tokens_step * cfg.d_model * (4 + 8) + (0 if tied else units[0].numel * 4)) / hbw,
+             rows_res=tokens * cfg.d_model * 8 / hbm,      # resident: gathered and scattered on the GPU
+             scatter_res=(tokens * cfg.d_model * (4 + 8) + (0 if tied else units[0].numel * 4)) / hbm,
              ckpt_d2h=act / d2h, ckpt_h2d=act / h2d, **{k: lay.numel * r for k, r in rate.items()},
              host_fwd=host_s["fwd"], host_bwd=host_s["bwd"], host_head=host_s["head"],
              host_step=op_s * ENGINE_OPS["step"], host_update=op_s * ENGINE_OPS["update"])
     slabs = 0 if defer else grad_slabs or stream_slabs(t, tied)
 
     # ---- host (optim.HostAdamW + stream.py's pinned buffers), of one node: its gpus ranks, each with 1/N of the store
-    per_unit = lambda bytes_per_param: gpus * sum(shard(u.numel) * bytes_per_param for u in units)  # noqa: E731
+    per_unit = lambda bytes_per_param: gpus * sum(shard(u.numel) * bytes_per_param  # noqa: E731
+                                                  for i, u in enumerate(units) if i not in res)
     host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
     if shadow:
         host["bf16 shadow (streamed)"] = per_unit(2)
     if defer:
         host["fp32 grad store (global norm first)"] = per_unit(4)
     store = sum(host.values())                         # the per-parameter part: 12, 14, 16 or 18 B/param
-    if slabs:  # D2H lands in a slab, the worker updates from it
-        host[f"fp32 grad slabs: {slabs}"] = gpus * slabs * shard(max(u.numel for u in units)) * 4
+    streamed = [u.numel for i, u in enumerate(units) if i not in res]
+    if slabs and streamed:  # D2H lands in a slab, the worker updates from it
+        host[f"fp32 grad slabs: {slabs}"] = gpus * slabs * shard(max(streamed)) * 4
     if offload:
         host[f"offloaded boundary activations: {L} layers"] = gpus * L * act
-    host["pinned buffers: embedding rows, dy, targets"] = gpus * (tokens_step * cfg.d_model * row_b +
-                                                                  act_step + tokens * 8)
+    if emb_res:  # the rows gathered on the GPU from the tokens, dy stays there
+        host["pinned buffers: targets, tokens"] = gpus * tokens * 16
+    else:
+        host["pinned buffers: embedding rows, dy, targets"] = gpus * (tokens_step * cfg.d_model * row_b +
+                                                                      act_step + tokens * 8)
     # page-locked with CUDA (optim.page_locked): what a copy engine reads or writes -- not Adam's m and v, nor
     # the fp32 master when a bf16 shadow is what crosses
     unpinned = {"Adam m (fp32)", "Adam v (fp32)"} | ({"fp32 master"} if shadow else set())
@@ -337,12 +381,13 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
     # ---- the schedule
     step_time, busy, critical = simulate(L, t, numel, rate, defer_updates=defer, tied=tied, offload=offload,
                                          slabs=slabs, guard=skip_nonfinite and not defer, overlap=cuda,
-                                         sharded=world > 1)
+                                         sharded=world > 1, resident={sim_name(u) for u in res})
     peak = hw[f"{dtype}_tflops"] * world
     tflops = model_tflops(cfg, tokens_step, step_time)
     mins = {"h2d": F * (sb / h2d + cast) / 2,          # a layer's forward (2NT FLOPs) outlasts its copy (N sb B)
             "d2h": F * 4 / (6 * d2h),                  # its recompute + backward (6NT) outlasts the fp32 grad
-            "cpu_adam": F * (adam_b + 4 * defer) * gpus / (8 * hbw)}  # the step's compute (8NT) outlasts AdamW
+            "cpu_adam": F * (adam_b + 4 * defer) * gpus / (8 * hbw) * sum(streamed) / N}  # the step's compute
+    # (8NT) outlasts the host's AdamW of the units it updates
     # (tokens of the whole step; sharded: a rank computes 1/N of them and copies 1/N of each unit, the node's AdamW
     # threads share its DRAM, and a backward visit's compute (6NT/N) outlasts a gather + a reduce_scatter)
     if world > 1:
@@ -353,7 +398,7 @@ def plan(cfg, hardware="local", batch_size=8, seq_len=None, micro_batches=1, mod
              grad_clip=grad_clip, defer_updates=defer, chunk_tokens=chunk_tokens, host_speed=host_speed, tile_tokens=tile,
              tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite, grad_slabs=slabs,
              grad_slabs_asked=grad_slabs, offload_activations=bool(offload), offload_asked=offload_activations,
-             pinned_bytes=pinned_bytes, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
+             resident_units=len(res), resident_asked=asked, pinned_bytes=pinned_bytes, params=N, host=host, host_bytes=host_bytes, host_limit_bytes=host_limit,
              host_bytes_per_param=store / N, fits_host=fits_host, gpu=gpu, gpu_bytes=gpu_bytes,
              gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu, fits=fits_host and fits_gpu, visit_s=t,
              step_time_s=step_time, tokens_per_s=tokens_step / step_time, model_tflops=tflops,
@@ -379,7 +424,7 @@ def stream_slabs(t, tied):
 
 
 def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_SLABS, guard=False, overlap=True,
-             steps=3, sharded=False):
+             steps=3, sharded=False, resident=frozenset()):
     """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA streams) and
     cpu_adam (the optimizer thread) -- and the host thread that issues the work. A task starts when its lane
     is free, its inputs are ready and the host has issued it; the host issues in program order and blocks where
@@ -391,7 +436,9 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     layer), the busy seconds per step of each lane, and each lane's seconds on the critical path of the last
     step (walked back from its end through the task each task waited for): the bottleneck. sharded: a fifth lane,
     comm (sharded.py): a unit's all_gather after its shard's H2D, its gradient's reduce_scatter before the D2H of
-    the shard, the rows' reduce_scatter and dy's all_gather -- one collective at a time."""
+    the shard, the rows' reduce_scatter and dy's all_gather -- one collective at a time. resident: the units kept on
+    the GPU -- cast into their slot and updated (or their norm taken) on the h2d lane, their gradient copied on
+    d2h, the embedding's rows gathered and its dy scattered on the GPU: the host waits for none of it."""
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam") + (("comm",) if sharded else ()), 0.0)
     busy, critical, ends = dict.fromkeys(("host", *free), 0.0), dict.fromkeys(("host", *free), 0.0), {}
     host = [0.0]                                 # when the host thread can issue its next operation
@@ -433,20 +480,26 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
         return numel["layer" if isinstance(u, int) else u] * rate[what]
 
     def load(u, after):                          # H2D (of the shard; then its all_gather into the slot)
+        if u in resident:                        # a D2D cast, after its update on the same lane
+            return run("h2d", after, cost("load_res", u))
+        block(upd.get(u, 0.0))
         x = run("h2d", after, cost("load", u))
         return run("comm", x, cost("all_gather", u)) if sharded else x
 
     emb, first = ("head" if tied else "embed"), "norm" if defer_updates else "adam"  # the worker's job per landing
+    first_res = "gpu_norm" if defer_updates else "gpu_adam"
     upd, starts = {}, []                         # unit -> when its latest update finished
     for _ in range(steps):
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
         slab_back = []                           # when each gradient slab taken this step is given back
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
         issue(t.get("host_step", 0.0))            # the step's input: targets, checks
-        block(upd.get(0, 0.0))
         loaded[0] = load(0, 0.0)
-        block(upd.get(emb, 0.0))
-        x = run("h2d", 0.0, t["rows"])          # embedding rows, gathered from the updated master
+        if emb in resident:                      # rows gathered on the GPU, after the table's update (h2d)
+            x = run("compute", free["h2d"], t["rows_res"])
+        else:
+            block(upd.get(emb, 0.0))
+            x = run("h2d", 0.0, t["rows"])       # embedding rows, gathered from the updated master
         if sharded:                              # ... the parts of every rank's rows, summed
             x = run("comm", x, t["rows_comm"])
         for i in range(L):
@@ -457,7 +510,6 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
                 starts.append(last[0])
             slot_free[i % 2] = x
             nxt = i + 1 if i + 1 < L else "head"
-            block(upd.get(nxt, 0.0))
             loaded[nxt] = load(nxt, slot_free[1 - i % 2])
         # head: loss forward and backward per chunk, its gradient goes down first (grad slot 0)
         x = slot_free[L % 2] = visit(max(loaded["head"], x), t["head"], t.get("host_head", 0.0))
@@ -466,6 +518,11 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
             block(loss)
 
         def drain(unit, k, after):               # grad visit k: a slab (unless deferred), D2H, then the worker
+            if unit in resident:                 # D2D into its store, then its update (or norm) on h2d
+                done = gslot_free[k % 2] = run("d2h", after, cost("grad_res", unit))
+                if unit != emb:
+                    upd[unit] = run("h2d", done, cost(first_res, unit))
+                return done
             if not defer_updates and len(slab_back) >= slabs - tied:
                 block(slab_back[len(slab_back) - (slabs - tied)])
             if sharded:                          # the reduce_scatter frees the grad slot; D2H of the shard
@@ -489,16 +546,20 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
             drain(i, k, x)
             ready = nxt_ready
         # embedding: dy of layer 0 goes down, the worker scatters it into the rows used
-        if not defer_updates and not tied and len(slab_back) >= slabs:
-            block(slab_back[len(slab_back) - slabs])
-        dy = run("comm", x, t["dy_comm"]) if sharded else x     # dy of every rank, all_gathered
-        upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", dy, t["dy"]), t["scatter"]),
-                       cost(first, emb) + t.get("host_update", 0.0))
+        if emb in resident:                      # dy stays: scattered and the table updated on h2d
+            upd[emb] = run("h2d", run("d2h", x, 0.0), t["scatter_res"] + cost(first_res, emb))
+        else:
+            if not defer_updates and not tied and len(slab_back) >= slabs:
+                block(slab_back[len(slab_back) - slabs])
+            dy = run("comm", x, t["dy_comm"]) if sharded else x     # dy of every rank, all_gathered
+            upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", dy, t["dy"]), t["scatter"]),
+                           cost(first, emb) + t.get("host_update", 0.0))
         block(loss)                              # the step's loss, read on the host
         if defer_updates:  # every norm known: updates in forward order, the next forward waits per unit
             block(max(upd.values()))
             for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
-                upd[u] = run("cpu_adam", 0.0, cost("adam", u) + t.get("host_update", 0.0))
+                upd[u] = run("h2d", 0.0, cost("gpu_adam", u)) if u in resident else \
+                    run("cpu_adam", 0.0, cost("adam", u) + t.get("host_update", 0.0))
     now = starts[-1]
     while now > starts[-2] and now in ends:      # each task ends where it starts, or earlier: bounded
         lane, start = ends[now]
@@ -559,6 +620,7 @@ def format_plan(p):
     rows += [f"  {k:<48}{v / GB:10.2f}" for k, v in p["gpu"].items() if v]
     rows += [f"  {'total':<48}{p['gpu_bytes'] / GB:10.2f}" +
              (f"   {verdict(p['fits_gpu'])} in {size(hw['gpu_mem_gb'] * GB)}" if cuda else ""), "",
+             resident_line(p), "",
              f"{'time per layer visit':<50}{'ms':>10}"]
     rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
         ("H2D weights", t["load"]), ("forward: 2NT + attention", t["fwd"]),
@@ -584,6 +646,16 @@ def format_plan(p):
     return "\n".join(rows)
 
 
+def resident_line(p):
+    """What the plan keeps on the GPU, and why (--resident-units)."""
+    k, n = p["resident_units"], len(model.units(model.GPTConfig(**p["model"])))
+    why = "as asked (--resident-units)" if p["resident_asked"] is not None else \
+        "as many as fit beside the step" if p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1 else \
+        "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
+    return (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): updated there, the "
+            f"host updates the other {n - k}" if k else f"resident on the GPU: none ({why}): every unit streams")
+
+
 def describe_run(p, world=1, gpus=1):
     """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus per node)."""
     many = world > 1
@@ -591,7 +663,8 @@ def describe_run(p, world=1, gpus=1):
             f"{' per node' if many else ''} ({p['host_bytes_per_param']:.1f} B/param in the store, "
             f"{p['pinned_bytes'] / GB:.2f} GB page-locked), device "
             f"{p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, boundary activations "
-            f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}; predicted "
+            f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}, "
+            f"{p['resident_units']} units resident on the GPU; predicted "
             f"{p['tokens_per_s']:,.0f} tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
 
 
@@ -611,7 +684,7 @@ def replan(p, **change):
               offload_activations=p["offload_asked"], name=p["config"],
               residual_dtype=p["residual_dtype"], grad_slabs=p["grad_slabs_asked"],
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"], host_speed=p["host_speed"],
-              tile_tokens=p["tile_asked"], gpus=p["gpus"], nodes=p["nodes"])
+              tile_tokens=p["tile_asked"], gpus=p["gpus"], nodes=p["nodes"], resident_units=p["resident_asked"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the maths has no limit)
@@ -711,7 +784,7 @@ def from_flags(a, cfg, hardware=None, guarded=True, real=False, **change):
               dtype=a.dtype, grad_clip=a.grad_clip, offload_activations=cli.OFFLOAD[a.offload_activations],
               residual_dtype=a.residual_dtype, chunk_tokens=a.chunk_tokens or None, host_mem_gb=a.host_mem,
               host_bw_gbs=a.host_bw, tile_tokens=a.tile_tokens, skip_nonfinite=guarded, gpus=a.gpus,
-              nodes=a.nodes)
+              nodes=a.nodes, resident_units=getattr(a, "resident_units", None))
     return plan(cfg, hardware or a.hardware, **{**kw, **change})
 
 
@@ -729,7 +802,7 @@ def engine_kw(p):
     and the objects it is handed (objects()). The optimizer's hyper-parameters come from elsewhere (train.py)."""
     return dict(dtype=DTYPES[p["dtype"]], residual_dtype=DTYPES[p["residual_dtype"]], mode=p["mode"],
                 micro_batches=p["micro_batches"], grad_clip=p["grad_clip"], chunk_tokens=p["chunk_tokens"],
-                grad_slabs=p["grad_slabs"] or stream.GRAD_SLABS,
+                grad_slabs=p["grad_slabs"] or stream.GRAD_SLABS, resident_units=p["resident_units"],
                 **objects(p["offload_activations"], p["skip_nonfinite"], p["tile_tokens"]))
 
 

@@ -33,12 +33,14 @@ def engine_kw(a, p, dtype):
     return dict(dtype=planner.DTYPES[dtype], residual_dtype=planner.DTYPES[a.residual_dtype],
                 grad_clip=a.grad_clip, micro_batches=a.micro_batches, mode=a.mode, grad_slabs=p["grad_slabs"] or 1,
                 skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
-                offload_activations=p["offload_activations"], tile_tokens=p["tile_tokens"])
+                offload_activations=p["offload_activations"], tile_tokens=p["tile_tokens"],
+                resident_units=p["resident_units"])
 
 
 def check_main(a, cfg, p):
-    checker = race.Checker()
-    record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **engine_kw(a, p, a.dtype or "fp32"))
+    checker = race.Checker()   # the streaming schedule unless --resident-units asks for units on the GPU
+    kw = dict(engine_kw(a, p, a.dtype or "fp32"), resident_units=a.resident_units or 0)
+    record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
     print(checker.summary())
     return 1 if checker.races else 0
 

@@ -57,7 +57,7 @@ class Twin:
                       torch.float32: hw["fp32_tflops"] * 1e12 * hw["frac"]}
         zero = Span("host", 0.0, 0.0)
         self.last = {a: zero for a in ACTORS}        # the latest span of each actor (lane FIFO / thread program order)
-        self.events, self.task_ends, self.puts = {}, {}, {}
+        self.events, self.task_ends, self.puts, self.prev_writes = {}, {}, {}, []
         self.spans, self.step_starts, self.first_compute = [], [], []
         self.mem, self.live = [], {}                 # [(t, issue order, +/-bytes)]; Storage -> bytes
         self.alloc_t = {}
@@ -132,8 +132,14 @@ class Twin:
 
     def op(self, op):
         actor = NAME.get(op.actor, op.actor)
-        if op.actor == "worker":                      # the optimizer thread issues its own ops too
-            self.advance(actor, 0.0, self.issue + op.nbytes / self.host_bw, None, op.name)
+        if op.actor == "worker":                      # the optimizer thread issues its own ops too; what the op
+            # before it on this thread just wrote is read from the last-level cache (optim.TILE's one pass)
+            hot = {(id(st), lo, hi) for st, lo, hi in self.prev_writes}
+            cached = sum(hi - lo for st, lo, hi in op.reads if (id(st), lo, hi) in hot)
+            l3 = self.hw.get("host_l3_mb", 32) * 2**20
+            if op.writes:                             # (a view between them writes nothing)
+                self.prev_writes = op.writes if sum(hi - lo for _, lo, hi in op.writes) <= l3 else []
+            self.advance(actor, 0.0, self.issue + (op.nbytes - cached) / self.host_bw, None, op.name)
             return
         issued = self.advance("host", 0.0, self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),
                               None, op.name)
@@ -148,6 +154,8 @@ class Twin:
             dur = written / self.link[op.kind]
         elif op.kind == "dd":
             dur = 2 * written / self.hbm
+        elif op.name == "aten._fused_adamw_.default":  # a resident unit's AdamW on the GPU
+            dur = op.nbytes / (self.hbm * planner.GPU_ADAM_FRAC)
         else:
             dur = max(op.flops / self.flops[torch.bfloat16 if op.low_precision else torch.float32],
                       op.nbytes / self.hbm)

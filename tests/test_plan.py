@@ -52,7 +52,7 @@ def test_param_count_equals_init_weights(cfg):
 def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     cfg = model.PRESETS["7b"]
     N = model.n_params(cfg)
-    p = P.plan(cfg, "h100", mode=mode, dtype=dtype, grad_clip=clip)
+    p = P.plan(cfg, "h100", mode=mode, dtype=dtype, grad_clip=clip, resident_units=0)   # every unit streamed
     assert p["host_bytes_per_param"] == per_param               # the store: exact, whole bytes
     assert p["host"]["fp32 master"] == p["host"]["Adam m (fp32)"] == p["host"]["Adam v (fp32)"] == 4 * N
     assert p["host"].get("bf16 shadow (streamed)", 0) == (2 * N if mode == "fast" and dtype == "bf16" else 0)
@@ -325,7 +325,7 @@ def test_sharded_plan_divides_the_store_by_nodes_and_pcie_by_gpus():
     multiple of N ranks); each GPU's PCIe carries 1/(N K) of every unit; the collectives move (R-1)/R of the unit
     over NVLink within a node and over InfiniBand (per GPU) across nodes; per-GPU compute is that of its share."""
     cfg, kw = model.PRESETS["70b"], dict(seq_len=4096, grad_clip=0.0, mode="fast", host_mem_gb=2000, tile_tokens=0,
-                                         offload_activations=True)
+                                         offload_activations=True, resident_units=0)
     one = P.plan(cfg, "h100", batch_size=4, **kw)
     node = P.plan(cfg, "h100", batch_size=32, gpus=8, **kw)
     two = P.plan(cfg, "h100", batch_size=64, gpus=8, nodes=2, **kw)
@@ -377,3 +377,29 @@ def test_local_hardware_asks_only_the_run_s_device(monkeypatch):
     assert asked == [("name", "cuda:2"), ("free", "cuda:2")] and hw["gpu_mem_gb"] == 70 and hw["profiled"]
     asked.clear()
     assert P.local_hardware("cpu")["gpu"] == "cpu" and asked == []
+
+
+def test_resident_units_fill_the_gpu_memory_the_step_leaves():
+    """By default the plan keeps whole units on the GPU (16 B/param: master, m, v, gradient), in the order the
+    forward needs them, as many as fit in RESIDENT_HEADROOM of its memory beside the step's working set; they
+    leave the host store and the pinned memory, their updates leave the host, and the step gets no slower. Asked
+    for: exactly that many. Sharded runs (one whole unit per process is not there to keep) and CPU runs: none."""
+    cfg, units = model.PRESETS["14b"], model.units(model.PRESETS["14b"])
+    kw = dict(batch_size=4, seq_len=4096, grad_clip=0.0, skip_nonfinite=False)
+    none, auto, three = (P.plan(cfg, "h200", resident_units=k, **kw) for k in (0, None, 3))
+    k, order = auto["resident_units"], list(range(len(units)))       # untied: embedding, layers, head
+    resident = 16 * sum(units[u].numel for u in order[:k])
+    assert 0 < k < len(units) and auto["resident_asked"] is None and three["resident_units"] == 3
+    assert auto["gpu"][f"resident units: {k} of {len(units)}, 16 B/param"] == resident
+    room = P.RESIDENT_HEADROOM * auto["gpu_limit_bytes"] - (auto["gpu_bytes"] - resident)
+    assert resident <= room < resident + 16 * units[order[k]].numel    # the next unit would not fit
+    per_param_host = lambda p: sum(v for key, v in p["host"].items() if key.startswith(("fp32 master", "Adam", "bf16")))
+    assert per_param_host(none) - per_param_host(auto) == 14 * sum(units[u].numel for u in order[:k])  # 4+4+4+2
+    assert auto["pinned_bytes"] < none["pinned_bytes"] and auto["step_time_s"] <= none["step_time_s"]
+    assert three["step_time_s"] <= none["step_time_s"] and auto["step_time_s"] <= three["step_time_s"]
+    assert P.plan(cfg, "h200", gpus=2, **dict(kw, batch_size=8))["resident_units"] == 0
+    assert P.plan(model.PRESETS["toy"], "local", device="cpu", batch_size=4, seq_len=64)["resident_units"] == 0
+    wide = dataclasses.replace(model.PRESETS["7b"], n_layer=24)        # 5.1B fits whole: resident training
+    small = P.plan(wide, "h200", **kw)
+    assert small["resident_units"] == len(model.units(wide)) and small["bottleneck"] == "compute"
+    assert "fp32 grad slabs" not in " ".join(small["host"])            # nothing left to stream, no slabs

@@ -103,7 +103,9 @@ def mutant(old, new=None, nth=0, name="stream.py"):
 CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
            dict(micro_batches=1, grad_clip=1.0, offload_activations=True),
            dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16),
-           dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True)]
+           dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True),
+           dict(micro_batches=2, grad_clip=0.0, resident_units=2),     # the embedding and layer 0 on the GPU
+           dict(micro_batches=1, grad_clip=1.0, resident_units=99)]    # every unit: resident training
 
 
 def races_of(mutated):
@@ -144,9 +146,9 @@ def test_every_event_wait_is_needed_and_caught():
     ("self.d2h.keep(x)", 0, None, "block_grad", "freed on the host while d2h"),  # a record_stream dropped (dy)
     ("with self.comp():", 0, "        if True:\n", "gslot", "made outside any lane"),  # __init__'s slots zeroed on the default stream
     ("self.lanes.host_wait(loss_ready)", 0, None, "loss", "on main"),            # the loss read before its event
-    ("tgt = torch.empty((B, T)", 0,                                              # targets allocated on compute,
-     "            with self.comp(): tgt = torch.empty((B, T), dtype=torch.int64, device=self.dev)  # noqa\n",
-     "targets", "first touch on h2d of a block allocated on compute"),          # written on H2D
+    ("out = torch.empty(host.shape", 0,                                          # an upload allocated on compute,
+     "            with self.comp(): out = torch.empty(host.shape, dtype=host.dtype, device=self.dev)  # noqa\n",
+     "upload", "first touch on h2d of a block allocated on compute"),           # written on H2D
 ])
 def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
     name = next(n for n, src in SOURCES.items() if old in src)   # StopIteration: the engine changed, update this

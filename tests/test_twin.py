@@ -89,23 +89,24 @@ def replay(cfg, hardware, steps=3, trainer_cls=None, B=2, T=1024, host_op_s=plan
     a.update(kw)
     p = planner.plan(cfg, hardware, batch_size=B, seq_len=T, micro_batches=a["micro_batches"], mode=a["mode"],
                      dtype="bf16", grad_clip=a["grad_clip"], offload_activations=a.get("offload_activations"),
-                     skip_nonfinite=a["skip_nonfinite"])
+                     skip_nonfinite=a["skip_nonfinite"], resident_units=a.pop("resident_units", None))
     tw = twin.Twin(p["hardware"], host_op_s=host_op_s)
     a.setdefault("offload_activations", p["offload_activations"])
     record.run(cfg, [tw], steps, trainer_cls=trainer_cls, fake=True, sources=False, costs=True, batch=(B, T),
-               dtype=torch.bfloat16, grad_slabs=p["grad_slabs"] or 1, **a)
+               dtype=torch.bfloat16, grad_slabs=p["grad_slabs"] or 1, resident_units=p["resident_units"], **a)
     return tw.result_of(cfg, B * T), p
 
 
-@pytest.mark.parametrize("preset,hw,mode,clip", [
-    ("7b", "h100", "fast", 0.0), ("7b", "h100", "lean", 1.0), ("14b", "h100", "fast", 1.0), ("14b", "h100", "lean", 0.0),
-    ("120b", "h200", "lean", 0.0), ("100b", "gh200", "fast", 0.0)])
-def test_twin_and_planner_agree(preset, hw, mode, clip):
+@pytest.mark.parametrize("preset,hw,mode,clip,resident", [
+    ("7b", "h100", "fast", 0.0, 0), ("7b", "h100", "lean", 1.0, 0), ("14b", "h100", "fast", 1.0, 0),
+    ("14b", "h100", "lean", 0.0, 0), ("120b", "h200", "lean", 0.0, 0), ("100b", "gh200", "fast", 0.0, 0),
+    ("7b", "h100", "fast", 1.0, 2), ("14b", "h200", "fast", 0.0, None)])   # resident units: 2, the planner's
+def test_twin_and_planner_agree(preset, hw, mode, clip, resident):
     cfg = dataclasses.replace(model.PRESETS[preset], n_layer=3)
-    r, p = replay(cfg, hw, mode=mode, grad_clip=clip, B=2, T=2048)
+    r, p = replay(cfg, hw, mode=mode, grad_clip=clip, B=2, T=2048, resident_units=resident)
     ratio = r["step_time_s"] / p["step_time_s"]
-    print(f"{preset}-wide x3 on {hw} {mode} clip {clip}: twin {r['step_time_s']:.3f} s ({r['bottleneck']}), "
-          f"plan {p['step_time_s']:.3f} s ({p['bottleneck']}), ratio {ratio:.3f}")
+    print(f"{preset}-wide x3 on {hw} {mode} clip {clip}, {p['resident_units']} resident: twin {r['step_time_s']:.3f} s "
+          f"({r['bottleneck']}), plan {p['step_time_s']:.3f} s ({p['bottleneck']}), ratio {ratio:.3f}")
     assert 0.9 <= ratio <= 1.1
     assert r["bottleneck"] == p["bottleneck"]
 
@@ -128,7 +129,7 @@ def test_offload_ring_keeps_peak_memory_flat_in_depth():
             cfg = dataclasses.replace(model.PRESETS["1b"], n_layer=L)
             kw = dict(activations=ring()) if ring else {}
             r, _ = replay(cfg, "h100", steps=2, grad_clip=1.0, offload_activations=True, B=4, T=2048,
-                          host_op_s=0.0, **kw)
+                          host_op_s=0.0, resident_units=0, **kw)
             peaks[name, L] = r["peak_gpu_bytes"]
     print({k: f"{v / 1e9:.2f} GB" for k, v in peaks.items()})
     assert peaks["ring", 16] == peaks["ring", 4]                      # flat: the ring bounds it

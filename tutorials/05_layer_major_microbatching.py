@@ -100,7 +100,7 @@ print(f"loss M=1 {losses[1]:.7f}, M=4 {losses[4]:.7f} (rel diff {loss_rel:.1e});
 # | forward | 2 P T FLOPs | 2 P T / F |
 # | recompute + backward | 2 P T + 4 P T | 6 P T / F |
 # | gradient out | P x 4 bytes (fp32) | 4 P / BW |
-# | CPU AdamW | ~38 bytes of DRAM traffic per param (28 + 4: train.py's guard reads the gradient once more + 6: the bf16 shadow) | 38 P / BW_dram |
+# | CPU AdamW | ~34 bytes of DRAM traffic per param (28 + 4: train.py's guard reads the gradient once more + 2: the bf16 shadow, written from cache in the same pass) | 34 P / BW_dram |
 #
 # The copy of layer i+1 runs during the forward of layer i (lesson 4), so it hides when
 # 2 P T / F >= P b / BW. **P cancels**: the condition is about tokens, not model size --
@@ -109,12 +109,12 @@ print(f"loss M=1 {losses[1]:.7f}, M=4 {losses[4]:.7f} (rel diff {loss_rel:.1e});
 #
 # Likewise the gradient hides behind the backward when 6 P T / F >= 4 P / BW, i.e. T >= 2 F / (3 BW),
 # and the CPU update of the whole model hides behind the whole step's compute (8 P T per layer) when
-# T >= 38 F / (8 BW_dram). Only the number of tokens per layer visit appears -- and layer-major
+# T >= 34 F / (8 BW_dram). Only the number of tokens per layer visit appears -- and layer-major
 # micro-batching is what makes that the tokens of the *whole step*, not of one micro-batch. With the
 # example numbers of [docs/design.md](../docs/design.md) -- 500 TFLOP/s, bf16, 55 GB/s -- about 9k tokens:
 
 # %%
-def min_tokens(F, bw_h2d, bw_d2h, bw_dram, b=2, adam_bytes=38):
+def min_tokens(F, bw_h2d, bw_d2h, bw_dram, b=2, adam_bytes=34):
     return dict(h2d=F * b / (2 * bw_h2d), d2h=F * 4 / (6 * bw_d2h), cpu_adam=F * adam_bytes / (8 * bw_dram))
 
 
@@ -147,7 +147,7 @@ print(f"{'batch x 4096':>12} {'tokens/step':>11} {'s/step':>7} {'tokens/s':>9} {
       f"bottleneck   busy: h2d compute d2h adam")
 sweep = []
 for B in (1, 2, 4, 8, 16):
-    p = planner.plan(C7, "h100", batch_size=B, seq_len=4096)
+    p = planner.plan(C7, "h100", batch_size=B, seq_len=4096, resident_units=0)   # every unit streamed
     u = p["utilization"]
     sweep.append(p)
     print(f"{B:>12} {p['tokens_per_step']:>11,} {p['step_time_s']:>7.2f} {p['tokens_per_s']:>9,.0f} {p['mfu']:>5.0%}  "
@@ -178,7 +178,8 @@ for B in (1, 2, 4, 8, 16):
 C70 = model.PRESETS["70b"]
 mb = {}
 for M in (1, 2, 4, 8):
-    p = planner.plan(C70, "h100", batch_size=8, seq_len=4096, micro_batches=M, offload_activations=True)
+    p = planner.plan(C70, "h100", batch_size=8, seq_len=4096, micro_batches=M, offload_activations=True,
+                     resident_units=0)
     act = next(v for k, v in p["gpu"].items() if k.startswith("recompute activations"))
     mb[M] = p
     print(f"  M = {M}: recompute activations {act / 1e9:5.1f} GB, GPU total {p['gpu_bytes'] / 1e9:5.1f} GB, "
@@ -196,7 +197,7 @@ for M in (1, 2, 4, 8):
 assert copies[1] == copies[4] == 2 * L, copies
 assert loss_rel <= 1e-6 and upd <= 1e-4, (loss_rel, upd)
 for name, mins in ours.items():
-    theirs = planner.plan(C7, name, batch_size=1, seq_len=4096)["min_tokens"]
+    theirs = planner.plan(C7, name, batch_size=1, seq_len=4096, resident_units=0)["min_tokens"]
     for k in mins:
         assert abs(mins[k] - theirs[k]) <= 1e-9 * theirs[k], (name, k, mins[k], theirs[k])
 assert all(a["tokens_per_s"] <= b["tokens_per_s"] * 1.001 for a, b in zip(sweep, sweep[1:]))

@@ -92,7 +92,7 @@ for name in ("100b", "120b"):
     for hw in ("h200", "gh200"):
         for mode in ("fast", "lean"):
             p = planner.plan(model.PRESETS[name], hw, batch_size=4, seq_len=4096, mode=mode,
-                             grad_clip=0, host_mem_gb=1536)
+                             grad_clip=0, host_mem_gb=1536, resident_units=0)   # every unit streamed
             rows[name, hw, mode] = p
             why = "" if p["fits"] else " (host)" if not p["fits_host"] else " (GPU)"
             print(f"{name:<6}{hw:<7}{mode:<6}{p['host_bytes'] / 1e12:>8.2f}T{p['host_bytes'] / p['params']:>9.1f}"
@@ -118,12 +118,14 @@ try:
 except planner.PlanError as e:
     print("planner.check:", e)
 p_gh16 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, host_mem_gb=1536,
+                      resident_units=0,
                       residual_dtype="bf16")
 print(f"120b lean on gh200, bf16 residual: {'FITS' if p_gh16['fits'] else 'no'}, host "
       f"{p_gh16['host_bytes'] / 1e12:.2f} TB, GPU {p_gh16['gpu_bytes'] / 1e9:.0f} GB, {p_gh16['tokens_per_s']:,.0f} "
       f"tokens/s ({p_gh16['bottleneck']}-bound: the C2C link needs only ~{p_gh16['min_tokens']['h2d']:,.0f} tokens "
       f"to hide)")
-p_480 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, residual_dtype="bf16")
+p_480 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, residual_dtype="bf16",
+                     resident_units=0)
 print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB of LPDDR5X: "
       f"{'FITS' if p_480['fits'] else 'does not fit'}")
 
@@ -145,7 +147,8 @@ print(planner.format_plan(p120))
 # global norm, so they no longer overlap the backward:
 
 # %%
-clip = planner.plan(C120, "h200", batch_size=4, seq_len=4096, mode="lean", grad_clip=1.0, host_mem_gb=1536)
+clip = planner.plan(C120, "h200", batch_size=4, seq_len=4096, mode="lean", grad_clip=1.0, host_mem_gb=1536,
+                    resident_units=0)
 print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB ({'FITS' if clip['fits'] else 'does not fit'} "
       f"in 1.5 TB), {clip['step_time_s']:.1f} s/step vs {p120['step_time_s']:.1f} without")
 
@@ -165,7 +168,7 @@ N = model.n_params(toy)
 store = {}
 for mode in ("fast", "lean"):
     for clip_on in (True, False):
-        p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=1.0 if clip_on else 0.0)
+        p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=1.0 if clip_on else 0.0, resident_units=0)
         t = Trainer(toy, w0, device="cpu", dtype=torch.bfloat16, mode=mode, grad_clip=1.0 if clip_on else 0.0,
                     grad_slabs=p["grad_slabs"])
         slabs_engine = t.opt.pool.qsize()       # the slabs waiting to be lent (none is, between steps)

@@ -99,7 +99,7 @@ H100 = planner.HARDWARE["h100"]
 
 
 def predicted(B, T=4096):
-    p = planner.plan(C7, "h100", batch_size=B, seq_len=T, grad_clip=0.0)
+    p = planner.plan(C7, "h100", batch_size=B, seq_len=T, grad_clip=0.0, resident_units=0)   # all streamed
     tw = twin.Twin(dict(H100, name="h100"))
     record.run(C7, [tw], 3, fake=True, sources=False, costs=True, batch=(B, T), dtype=torch.bfloat16, grad_clip=0.0,
             grad_slabs=p["grad_slabs"], skip_nonfinite=True, offload_activations=p["offload_activations"])
@@ -146,7 +146,7 @@ for B in (4, 8):
 
 # %%
 for B in (1, 4, 8):
-    p = planner.plan(model.PRESETS["7b"], "h100", batch_size=B, seq_len=4096, grad_clip=0.0)
+    p = planner.plan(model.PRESETS["7b"], "h100", batch_size=B, seq_len=4096, grad_clip=0.0, resident_units=0)
     print(f"{B} x 4096 tokens, 32 layers: step {p['step_time_s']:5.2f} s, {p['tokens_per_s']:6,.0f} tokens/s, "
           f"GPU busy {p['utilization']['compute']:.0%}, bound by {p['bottleneck']}")
 
