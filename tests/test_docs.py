@@ -74,7 +74,7 @@ def broken_links(path, text=None):
 
 
 def test_every_relative_link_resolves():
-    assert len(PAGES) >= 12, PAGES            # README, docs/*, tutorials/README.md and the ten lessons
+    assert len(PAGES) >= 12, PAGES            # README, docs/*, tutorials/README.md and the eleven lessons
     bad = [b for page in PAGES for b in broken_links(page)]
     assert not bad, "\n".join(bad)
 

@@ -17,8 +17,8 @@ LESSONS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 NEEDS = {"07_finetune_real_checkpoint.py": ("transformers", "tokenizers")}
 
 
-def test_there_are_ten_lessons():
-    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(1, 11)], [p.name for p in LESSONS]
+def test_there_are_eleven_lessons():
+    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(1, 12)], [p.name for p in LESSONS]
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])

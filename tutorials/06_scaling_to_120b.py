@@ -6,6 +6,8 @@
 # * how many bytes of host memory each parameter costs, component by component, and how big a model
 #   1.5 TB can hold in each memory mode;
 # * why the GPU side does not grow with depth, and the one term that does grow (boundary activations);
+# * one 120B plan made by hand -- its host bytes, component by component, and the tokens per step that
+#   hide each transfer -- then the same plan from `megatrain_min.plan`, equal to the byte;
 # * `fast` (stream a bf16 shadow: +2 B/param, half the PCIe bytes) versus `lean` (stream the fp32
 #   master and cast on the GPU: 12 B/param) -- and what each costs in time;
 # * what `megatrain_min.plan` says for the 100b and 120b presets on an H200 and a GH200 with 1.5 TB:
@@ -17,6 +19,7 @@
 # Run it: `python tutorials/06_scaling_to_120b.py` (~4 s on a 2-core CPU).
 
 # %%
+import math
 import sys
 from pathlib import Path
 
@@ -78,7 +81,55 @@ print(f"      boundary activations at {tokens:,} tokens: {C120.n_layer} x {token
       f"= {ckpt / 1e9:.0f} GB (grows with depth and tokens)")
 
 # %% [markdown]
-# ## 3. The planner's verdict
+# ## 3. One 120b plan by hand: its bytes and its tokens
+#
+# The setting the rest of this lesson plans: 120b in lean mode on an H200 with the paper's 1.5 TB,
+# 4 x 4096 tokens per step, no clipping, train.py's guard on (it skips a step whose gradient is not
+# finite), the engine's fp32 residual. Its host memory, component by component:
+#
+# * the store: fp32 master, m and v, 12 B/param (section 1);
+# * gradient slabs: without clipping each gradient lands in a slab the size of the largest unit and
+#   is updated from there; the slab comes back when the update is done. The GPU never waits for one
+#   while S - 1 backward visits outlast a gradient's trip (its D2H, then AdamW): S = ceil(trip /
+#   backward) + 1, and at least 3 (`stream.GRAD_SLABS`);
+# * pinned buffers of the step: the embedding rows (gathered from the fp32 master in lean mode),
+#   dy of layer 0 on its way back (fp32), the targets (int64);
+# * the runtime: Python, torch and the CUDA libraries, ~4 GB.
+#
+# And the tokens per step that hide each transfer -- lesson 5's rule and its siblings, F the
+# achievable FLOP/s: a layer's forward (2 N T FLOPs) outlasts its copy (4 N bytes in lean, plus the
+# cast on the GPU: 4 bytes read and 2 written in HBM); its recompute + backward (6 N T) outlasts its
+# fp32 gradient's D2H (4 N); the step's compute (8 N T per layer) outlasts AdamW's host traffic (28
+# B/param, + 4 for the guard's read of the gradient). The hardware's numbers are the planner's h200
+# profile (datasheet peaks, an assumed 60% of peak, measured-class link bandwidths).
+
+# %%
+H200 = planner.HARDWARE["h200"]
+T = 4 * 4096
+F = H200["bf16_tflops"] * 1e12 * H200["frac"]                    # achievable FLOP/s
+h2d, d2h, hbm, dram = (H200[k] * 1e9 for k in ("h2d_gbs", "d2h_gbs", "hbm_gbs", "host_bw_gbs"))
+units120 = model.units(C120)
+lay = units120[1]                                                # a layer: N = lay.numel
+adam_b = 28 + 4                                                  # AdamW's bytes + the guard's read
+attn = 2 * 4096 * C120.n_head * C120.head_dim                    # QK^T + AV per token (causal half)
+backward = T * (6 * lay.n_decay + 3.5 * attn) / F                # recompute + backward: matmuls
+trip = lay.numel * (4 / d2h + adam_b / dram)                     # the gradient's D2H, then AdamW
+slabs = max(3, math.ceil(trip / backward) + 1)
+by_hand = {"fp32 master + Adam m, v": 12 * N120,
+           f"fp32 grad slabs: {slabs}": slabs * max(u.numel for u in units120) * 4,
+           "pinned buffers: rows, dy, targets": T * C120.d_model * (4 + 4) + T * 8,
+           "runtime": 4 * 10**9}
+tokens_by_hand = {"h2d": F * (4 / h2d + 6 / hbm) / 2, "d2h": F * 4 / (6 * d2h),
+                  "cpu_adam": F * adam_b / (8 * dram)}
+print(f"a layer's backward {backward * 1e3:.0f} ms, its gradient's trip {trip * 1e3:.0f} ms -> "
+      f"{slabs} slabs")
+for k, v in by_hand.items():
+    print(f"  {k:<36}{v / 1e9:>10.1f} GB")
+print(f"  {'host, by hand':<36}{sum(by_hand.values()) / 1e12:>10.3f} TB")
+print("tokens per step that hide: " + ", ".join(f"{k} {v:,.0f}" for k, v in tokens_by_hand.items()))
+
+# %% [markdown]
+# ## 4. The planner's verdict
 #
 # Now the planner, with the paper's host (1.5 TB) on both GPUs, 4 x 4096 tokens per step (lesson 5:
 # enough to hide PCIe on an H200), clipping off, and the engine's default fp32 residual (x, the
@@ -99,6 +150,22 @@ for name in ("100b", "120b"):
                   f"{p['gpu_bytes'] / 1e9:>8.0f}G{p['step_time_s']:>8.1f}{p['tokens_per_s']:>9,.0f}  "
                   f"{p['bottleneck']:<10} {'FITS' if p['fits'] else 'no' + why}"
                   + ("  ckpts offloaded" if p["offload_activations"] else ""))
+
+# %% [markdown]
+# The 120b lean row on the h200 is section 3's plan. The planner's bytes and tokens, beside the hand
+# arithmetic (the planner keeps the boundary activations on this GPU, so none are on the host):
+
+# %%
+p120 = rows["120b", "h200", "lean"]
+planned = {key: sum(v for k, v in p120["host"].items() if k.startswith(prefix)) for key, prefix in
+           zip(by_hand, ("fp32 master", "fp32 grad slabs", "pinned buffers", "runtime"))}
+planned["fp32 master + Adam m, v"] += sum(v for k, v in p120["host"].items()
+                                          if k.startswith("Adam"))
+print(f"  {'':36}{'by hand':>18}{'plan.py':>18}")
+for k in by_hand:
+    print(f"  {k:<36}{by_hand[k]:>18,}{planned[k]:>18,}")
+for k, v in tokens_by_hand.items():
+    print(f"  {'tokens to hide ' + k:<36}{v:>18,.0f}{p120['min_tokens'][k]:>18,.0f}")
 
 # %% [markdown]
 # Read the table:
@@ -130,7 +197,7 @@ print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB 
       f"{'FITS' if p_480['fits'] else 'does not fit'}")
 
 # %% [markdown]
-# ## 4. The whole breakdown
+# ## 5. The whole breakdown
 #
 # ![120b host memory by component](figures/memory.png)
 #
@@ -139,7 +206,6 @@ print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB 
 # ...` with the same flags) shows:
 
 # %%
-p120 = rows["120b", "h200", "lean"]
 print(planner.format_plan(p120))
 
 # %% [markdown]
@@ -153,7 +219,7 @@ print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB ({'FITS' if cli
       f"in 1.5 TB), {clip['step_time_s']:.1f} s/step vs {p120['step_time_s']:.1f} without")
 
 # %% [markdown]
-# ## 5. The plan matches the engine's real store
+# ## 6. The plan matches the engine's real store
 #
 # A plan is only useful if it counts what the engine allocates. On a toy model, build the real
 # `stream.Trainer` for each mode, with and without clipping (bf16 compute on the CPU gives fast mode its
@@ -185,10 +251,15 @@ for mode in ("fast", "lean"):
 # * with the paper's 1.5 TB, 120b fits on an H200 in lean mode (>= 12 B/param: fp32 master + Adam) and
 #   not in fast mode; 100b fits in both; on the GH200 a bf16 residual makes 120b fit;
 # * the plan's per-parameter store is exactly the bytes the engine's store allocates, in all four cases.
+# * the 120b plan of section 3, made by hand, is the planner's to the byte, its tokens to 1e-9.
 
 # %%
 for (name, hw, mode), p in rows.items():
     assert p["host_bytes_per_param"] == bytes_per_param(mode, False), (name, hw, mode)
+assert planned == by_hand and sum(by_hand.values()) == p120["host_bytes"], (planned, by_hand)
+assert not p120["offload_activations"] and p120["grad_slabs"] == slabs
+for k, v in tokens_by_hand.items():
+    assert abs(v - p120["min_tokens"][k]) <= 1e-9 * v, (k, v, p120["min_tokens"][k])
 assert clip["host_bytes_per_param"] == bytes_per_param("lean", True)
 assert rows["120b", "h200", "lean"]["fits"] and not rows["120b", "h200", "fast"]["fits"]
 assert rows["120b", "h200", "lean"]["host_bytes"] >= 12 * N120
@@ -198,4 +269,5 @@ for (mode, clip_on), (engine, plan_bytes) in store.items():
     assert engine == plan_bytes, (mode, clip_on, engine, plan_bytes)
     assert slabs_engine == slabs_plan
 print(f"OK  bytes/param as derived; 120b lean on h200 + 1.5 TB fits ({p120['host_bytes'] / 1e12:.2f} TB, "
-      f"{p120['tokens_per_s']:,.0f} tokens/s predicted), fast does not; plan == engine store in all 4 modes")
+      f"{p120['tokens_per_s']:,.0f} tokens/s predicted), fast does not; the plan by hand == plan.py; "
+      f"plan == engine store in all 4 modes")

@@ -3,6 +3,8 @@
 #
 # **What you will learn**
 #
+# * what "happens before" means, checked by hand on a three-op log (reachability over program order
+#   and events), then by the project's checker on the same log: the same verdicts;
 # * how to prove the engine's ordering without a GPU: run the real `stream.Trainer` on *checked lanes*, where
 #   every aten op knows its stream and every wait is a happens-before edge -- then break one wait and read the
 #   checker's report;
@@ -35,7 +37,100 @@ from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min import race, record, twin  # noqa: E402
 
 # %% [markdown]
-# ## 1. Checked lanes: the real engine, every op on a stream
+# ## 1. Happens-before by hand: three ops, two lanes
+#
+# The question the checker answers, on the smallest log that can go wrong: the h2d lane copies a
+# layer into weight slot 0, the compute lane computes from it, the h2d lane copies the next layer
+# into the same slot. Events order them: `loaded` (h2d -> compute), `free` (compute -> h2d). An op
+# happens before another when a chain of edges leads from one to the other -- each lane's program
+# order, and each event from its record to its waits. Two ops on different lanes that touch the same
+# buffer, one writing, with no chain either way, race. Reachability by depth-first search:
+
+# %%
+def races_by_hand(log):
+    """log: ("op", lane, name, reads, writes) | ("record", lane, event) | ("wait", lane, event).
+    Returns [(buffer, first op, second op)] of the conflicting pairs no chain of edges orders."""
+    after, last, recorded = {i: set() for i in range(len(log))}, {}, {}
+    for i, (kind, lane, *rest) in enumerate(log):
+        if lane in last:
+            after[last[lane]].add(i)                  # program order on a lane
+        last[lane] = i
+        if kind == "record":
+            recorded[rest[0]] = i
+        elif kind == "wait":
+            after[recorded[rest[0]]].add(i)           # the event's record, then its wait
+
+    def reaches(a, b):
+        todo, seen = [a], {a}
+        while todo:
+            x = todo.pop()
+            if x == b:
+                return True
+            for y in after[x] - seen:
+                seen.add(y)
+                todo.append(y)
+        return False
+
+    ops = [(i, e) for i, e in enumerate(log) if e[0] == "op"]
+    found = []
+    for k, (i, (_, la, na, ra, wa)) in enumerate(ops):
+        for j, (_, lb, nb, rb, wb) in ops[k + 1:]:
+            shared = set(wa) & (set(rb) | set(wb)) | set(ra) & set(wb)
+            if la != lb and shared and not reaches(i, j) and not reaches(j, i):
+                found += [(buf, na, nb) for buf in sorted(shared)]
+    return found
+
+
+LOG = [("op", "h2d", "copy layer 1", ["shadow[layer.1]"], ["wslot[0]"]),
+       ("record", "h2d", "loaded"), ("wait", "compute", "loaded"),
+       ("op", "compute", "block layer 1", ["wslot[0]"], ["x"]),
+       ("record", "compute", "free"), ("wait", "h2d", "free"),
+       ("op", "h2d", "copy layer 3", ["shadow[layer.3]"], ["wslot[0]"])]
+FORGETFUL = [e for e in LOG if e != ("wait", "h2d", "free")]     # h2d forgets to wait
+by_hand = {name: races_by_hand(log) for name, log in (("ordered", LOG), ("forgetful", FORGETFUL))}
+print("by hand:", by_hand)
+
+# %% [markdown]
+# The real checker (`megatrain_min/race.py`) answers the same question with vector clocks, as
+# PyTorch's CUDA sanitizer does, over the stream of ops and edges that `megatrain_min/record.py`
+# records from the engine. Handed the same seven entries as that stream's objects, it must give the
+# same verdicts:
+
+# %%
+class Names:                                      # the checker names a buffer through its recorder
+    name_of = staticmethod(lambda st: st.name)
+
+
+def races_by_race_py(log):
+    checker, buffers, events = race.Checker(), {}, {}
+    checker.attach(Names())
+    where = lambda b: "pinned" if b.startswith("shadow") else "device"   # noqa: E731
+    storage = lambda b: buffers.setdefault(b, record.Storage(            # noqa: E731
+        len(buffers) + 1, None, 1 << 20, where(b), "h2d", "the log", name=b))
+    for kind, lane, *rest in log:
+        if kind == "op":
+            name, reads, writes = rest
+            checker.op(record.Op(lane, name, [(storage(b), 0, 1 << 20) for b in reads],
+                                 [(storage(b), 0, 1 << 20) for b in writes], f"LOG: {name}",
+                                 "h2d" if lane == "h2d" else "compute"))
+        elif kind == "record":
+            events[rest[0]] = record.SimEvent(len(events) + 1, lane)
+            checker.record(lane, events[rest[0]])
+        else:
+            checker.wait(lane, events[rest[0]])
+    return [(r["buffer"], r["first"]["op"], r["second"]["op"]) for r in checker.races]
+
+
+by_race_py = {name: races_by_race_py(log) for name, log in (("ordered", LOG),
+                                                              ("forgetful", FORGETFUL))}
+print("race.py:", by_race_py)
+
+# %% [markdown]
+# The ordered log has no race; without the h2d lane's wait for `free`, the next copy overwrites
+# `wslot[0]` while the compute lane may still read it -- both checkers say so, naming the same pair.
+# Now the same checker on the whole engine.
+#
+# ## 2. Checked lanes: the real engine, every op on a stream
 #
 # `stream.Trainer` asks its hardware for lanes (`stream.Lanes`: three streams, the host's waits, the optimizer
 # thread). `megatrain_min.record` hands it another backend with the same methods: each lane has an identity, a
@@ -57,7 +152,7 @@ print(clean.summary())
 # optimizer thread at each gradient slab it takes; the weight copies are what lesson 4 drew: every layer twice
 # (forward, backward) but the last, which is still in its slot when the backward starts, and the head once.
 #
-# ## 2. A deliberately broken engine
+# ## 3. A deliberately broken engine
 #
 # The same slip as in lesson 4, now in the engine: an h2d lane that ignores every event it is told to wait for.
 
@@ -85,7 +180,7 @@ print("\n".join(broken.summary().splitlines()[:9]))
 # ops, both lanes and both source lines. The test suite deletes every event wait of `stream.py` in turn and
 # asserts the checker catches each (`tests/test_sim.py`): none is redundant, none can go missing unnoticed.
 #
-# ## 3. The twin: a Llama-2-7B step on an H100
+# ## 4. The twin: a Llama-2-7B step on an H100
 #
 # The same recorder runs the engine under FakeTensorMode: tensors have shapes and dtypes but no data, so a 7B
 # layer costs nothing to "allocate". `twin.Twin` replays the op stream on a hardware profile from
@@ -157,7 +252,7 @@ for B in (1, 4, 8):
 #
 # ![twin timeline](figures/timeline.png)
 #
-# ## 4. On a GPU: the real timeline
+# ## 5. On a GPU: the real timeline
 #
 # With CUDA, profile one step of `stream.Trainer` (after a warm-up step) on a small model and draw the same
 # ASCII picture from the trace: every kernel and copy the GPU ran, by stream. The trace is written as JSON;
@@ -211,11 +306,15 @@ else:
 # ## Check
 #
 # * the engine on checked lanes has no race, one device sync per step, and the schedule's weight copies;
+# * on the three-op log, the reachability check by hand and `race.Checker` give the same verdicts:
+#   no race when ordered, the same pair on `wslot[0]` without the h2d lane's wait;
 # * an h2d lane that does not wait is caught, naming the weight slot it races on;
 # * the twin and the planner agree on the step time within 10%, overlap pays (the GPU computes most of the
 #   8 x 4096 step), and with CUDA the trace shows work on at least 3 streams.
 
 # %%
+assert by_hand == by_race_py and not by_hand["ordered"], (by_hand, by_race_py)
+assert by_hand["forgetful"] == [("wslot[0]", "block layer 1", "copy layer 3")], by_hand
 assert not clean.races and len(clean.steps) == 3
 for s in clean.steps[:2]:
     assert sum(n for where, n in s["syncs"].items() if where.startswith("host_wait")) == 1
@@ -225,6 +324,7 @@ for B, (tw, r, p) in timelines.items():
     assert 0.9 <= r["step_time_s"] / p["step_time_s"] <= 1.1, (B, r["step_time_s"], p["step_time_s"])
 assert timelines[8][1]["overlap"] >= 0.8 and timelines[8][1]["overlap"] > timelines[4][1]["overlap"]
 assert n_streams is None or n_streams >= 3, n_streams
-print(f"OK  clean engine: 0 races; forgetful h2d lane: {len(broken.races)} races, first on "
-      f"{broken.races[0]['buffer']}; twin/plan {timelines[8][1]['step_time_s'] / timelines[8][2]['step_time_s']:.3f} "
-      f"at 8 x 4096, GPU busy {timelines[8][1]['overlap']:.0%}")
+print(f"OK  three-op log: by hand == race.py; clean engine: 0 races; forgetful h2d lane: "
+      f"{len(broken.races)} races, first on {broken.races[0]['buffer']}; twin/plan "
+      f"{timelines[8][1]['step_time_s'] / timelines[8][2]['step_time_s']:.3f} at 8 x 4096, GPU busy "
+      f"{timelines[8][1]['overlap']:.0%}")
