@@ -48,11 +48,11 @@ DEV = "cuda" if CUDA else "cpu"
 DTYPE = default_dtype(DEV)  # the compute dtype stream.Trainer picks here: bf16 on CUDA, fp32 on the CPU
 GB = 1e9
 LLAMA7B_LAYER = dict(vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008, max_seq_len=4096)
-FULL = dict(wide=model.GPTConfig(n_layer=1, **LLAMA7B_LAYER), seq=4096, max_depth=64, peers_depth=8,
+FULL = dict(wide=model.GPTConfig(n_layer=1, **LLAMA7B_LAYER), seq=4096, max_depth=64, peers_depth=8, token_sweep=(2, 4, 8),
             sweep=model.GPTConfig(vocab_size=32000, n_layer=1, n_head=16, n_kv_head=16, d_model=2048, d_ff=5632,
                                   max_seq_len=4096), depths=(4, 8, 16, 32), sweep_batch=4, warmup=2, steps=4)
 SMOKE = dict(wide=model.GPTConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head=4, d_model=64, d_ff=176, max_seq_len=64),
-             seq=64, max_depth=3, peers_depth=2, sweep=model.GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_kv_head=2,
+             seq=64, max_depth=3, peers_depth=2, token_sweep=(2,), sweep=model.GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_kv_head=2,
              d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, tokens=256)
 DEFS = dict(
     step_s="median of timed steps (torch.cuda.synchronize before and after each) after warm-up steps",
@@ -140,8 +140,9 @@ def time_steps(step, b, warmup, steps, drain=lambda: None):
                 peak_gpu_gb=torch.cuda.max_memory_allocated() / GB if CUDA else None)
 
 
-def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
-    """Add tokens/s, TFLOP/s, copy volumes and rates, overlap to a timing dict r (see the docstring)."""
+def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None, resident=0):
+    """Add tokens/s, TFLOP/s, copy volumes and rates, overlap to a timing dict r (see the docstring). resident: the
+    units kept on the GPU (the first the forward needs), whose weights and gradients never cross PCIe."""
     us, tok, L = model.units(cfg), B * T, cfg.n_layer
     cb = DTYPE.itemsize                                     # bytes of the compute dtype (bf16 shadow / fp32)
     lay, head, act = us[1], us[-1], B * T * cfg.d_model * 4  # fp32 residual: rows, checkpoints, dy
@@ -151,8 +152,12 @@ def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None):
              hw_tflops=(8 * n_layers + 6 * n_head) * tok / r["step_s"] / 1e12,
              megatrain_tflops=6 * model.n_params(cfg) * tok / r["step_s"] / 1e12)
     if r.get("engine") == "stream":  # L layers + head forward, L-1 layers again backward; fp32 grads back
-        h2d = ((2 * L - 1) * lay.numel + head.numel) * cb + act * (1 + L * offload)
-        d2h = (L * lay.numel + head.numel) * 4 + act * (1 + L * offload)
+        streamed = L - max(0, min(resident - 1, L))                    # layers that cross PCIe
+        head_s = resident < len(us)                                     # the head crosses unless resident
+        rows = act * (resident == 0)                                    # a resident embedding: on the GPU
+        h2d = ((2 * streamed - (streamed > 0)) * lay.numel + head_s * head.numel) * cb + \
+            rows + act * L * offload
+        d2h = (streamed * lay.numel + head_s * head.numel) * 4 + rows + act * L * offload
         r.update(h2d_gb=h2d / GB, d2h_gb=d2h / GB, h2d_gbs=h2d / GB / r["step_s"], d2h_gbs=d2h / GB / r["step_s"])
         if peak:
             r.update(h2d_link_share=r["h2d_gbs"] / peak["h2d_gbs"], d2h_link_share=r["d2h_gbs"] / peak["d2h_gbs"])
@@ -282,12 +287,15 @@ def fsdp2_trainer(cfg, weights, M, fused=True):
 
 
 # ----------------------------------------------------------------------------- cases
-def stream_case(cfg, B, T, M, S, peak, offload, keep=False):
-    t = Trainer(cfg, SameLayers(cfg), micro_batches=M, **planner.objects(offload))
+def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_clip=0.0):
+    """The engine on cfg at B x T tokens in M micro-batches, `resident` units on the GPU (the first the forward
+    needs), grad_clip as given: its timing (and the trainer, keep=True)."""
+    t = Trainer(cfg, SameLayers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
+                **planner.objects(offload))
     b = batch(cfg, B, T)
     r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
-    r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload), peak, offload,
-              compute_only(cfg, B, T, M))
+    r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload, resident_units=resident,
+                              grad_clip=grad_clip), peak, offload, compute_only(cfg, B, T, M), resident)
     return (r, t) if keep else r
 
 
@@ -348,7 +356,11 @@ def tokens_for(cfg, S):
 def peers_case(S, peak, smoke, out_dir, peers=("resident", "resident_no_ckpt", "fsdp2_offload")):
     cfg = dataclasses.replace(S["wide"], n_layer=S["peers_depth"])
     B, T, M = tokens_for(cfg, S)
-    out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg), stream=stream_case(cfg, B, T, M, S, peak, offload=False))
+    k = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M)["resident_units"]   # the planner's
+    out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg),
+               stream=stream_case(cfg, B, T, M, S, peak, offload=False, resident=k))
+    free_memory()
+    out["stream_0_resident"] = stream_case(cfg, B, T, M, S, peak, offload=False)   # every unit streamed
     free_memory()
     runs = [("resident", True), ("resident_no_ckpt", True), ("fsdp2_offload", True), ("fsdp2_offload", False)]
     for name, fused in runs:  # fsdp2 with torch's default AdamW only if the fused CPU kernel failed on it
@@ -394,27 +406,39 @@ def peer_main(name, S, fused, path):
     Path(path).write_text(json.dumps(r, default=str))
 
 
-def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, clips=(0.0,)):
+def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, clips=(0.0, 1.0)):
+    """Llama-2-7B-width layers at the deepest depth whose streamed host store fits (or `layers`), run twice: in the
+    streaming regime a 120b run is in (the headline: at most 10% of the units resident on the GPU, the embedding and
+    layer 0 first) at the planner's minimum tokens, then 2x, 4x, 8x those tokens (the sweep: where the GPU-only
+    share reaches 0.95), then clipped; and as the planner chooses (every unit that fits resident: on an H200 with
+    a 5.1B model, all of them). Each with the planner's prediction on this machine's profile beside it."""
     base = S["wide"]
     B, T, M = tokens_for(base, S)
     avail = planner.host_available_bytes()
-    fits = lambda L, clip=0.0: planner.plan(dataclasses.replace(base, n_layer=L), "local", batch_size=B, seq_len=T,  # noqa
-                                            micro_batches=M, grad_clip=clip)["host_bytes"] <= 0.85 * avail
+    few = lambda cfg: len(model.units(cfg)) // 10  # noqa: E731  the streaming regime: <= 10% resident
+    kw = lambda clip, k: dict(batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, resident_units=k)  # noqa
+    fits = lambda L, clip=0.0: planner.plan(dataclasses.replace(base, n_layer=L), "local", **kw(  # noqa: E731
+        clip, few(dataclasses.replace(base, n_layer=L))))["host_bytes"] <= 0.85 * avail
     L = min(layers or S["max_depth"], next((L for L in range(S["max_depth"], 0, -1) if fits(L)), 1))
     cfg = dataclasses.replace(base, n_layer=L)
-    p = planner.plan(cfg, "local", batch_size=B, seq_len=T, micro_batches=M)  # dtype: the planner's default
-    r, t = stream_case(cfg, B, T, M, S, peak, p["offload_activations"], keep=True)
-    out = dict(n_layer=L, params=model.n_params(cfg), host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB,
-               planned_step_s=p["step_time_s"], planned_min_tokens=p["min_tokens_per_step"], at_min_tokens=r)
-    b2 = batch(cfg, 2 * B, T)  # twice the tokens, same trainer
-    r2 = time_steps(t.step, b2, 1, max(2, S["steps"] - 1), drain=lambda: t.weights(copy=False))
-    out["at_2x_tokens"] = rates(cfg, 2 * B, T, dict(r2, engine="stream", n_layer=L), peak, p["offload_activations"],
-                                compute_only(cfg, 2 * B, T, M))              # the trainer's M micro-batches
-    gpu = torch.cuda.get_device_properties(0).total_memory if CUDA else 0
-    out["resident"] = {"skipped": "not attempted: 16 B/param (fp32 weights, grads, Adam m, v) = "
-                       f"{16 * out['params'] / GB:.0f} GB vs {gpu / GB:.0f} GB of GPU memory; see the peers case"}
-    save(out)  # the numbers are on disk before the (slow, optional) trace
-    if profile_dir:
+    k = few(cfg)
+    p = planner.plan(cfg, "local", **kw(0.0, k))  # dtype: the planner's default
+    off = p["offload_activations"]
+    out = dict(n_layer=L, params=model.n_params(cfg), units=len(model.units(cfg)), streaming_resident_units=k,
+               host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB, planned_step_s=p["step_time_s"],
+               planned_min_tokens=p["min_tokens_per_step"])
+    r, t = stream_case(cfg, B, T, M, S, peak, off, keep=True, resident=k)
+    out["at_min_tokens"] = r
+    save(out)
+    for mult in S["token_sweep"]:                  # the same trainer, more tokens per step (the trainer's M)
+        bm = batch(cfg, mult * B, T)
+        rm = time_steps(t.step, bm, 1, 2, drain=lambda: t.weights(copy=False))
+        out[f"at_{mult}x_tokens"] = rates(cfg, mult * B, T, dict(rm, engine="stream", n_layer=L, resident_units=k),
+                                          peak, off, compute_only(cfg, mult * B, T, M), k)
+        out[f"at_{mult}x_tokens"]["planned_step_s"] = planner.plan(cfg, "local", **dict(
+            kw(0.0, k), batch_size=mult * B))["step_time_s"]
+        save(out)
+    if profile_dir:                                # the numbers are on disk before the (slow, optional) trace
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])
         b = batch(cfg, B, T)
         with torch.profiler.profile(activities=acts,  # all threads: the optimizer's too (framework internal)
@@ -429,20 +453,21 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
         trace.unlink()
         out["trace"] = f"{trace}.gz"
     t.weights(copy=False)
-    for clip in clips:  # train.py's default clips at 1.0: every update waits for the global norm
-        if not clip:
+    del t
+    runs = [(f"clip_{c:g}", c, k) for c in clips if c] + [(f"planned_clip_{c:g}", c, None) for c in clips]
+    for name, clip, resident in runs:              # train.py clips at 1.0 by default: updates wait for the norm
+        pr = planner.plan(cfg, "local", **kw(clip, resident))
+        if not pr["fits"]:
+            out[name] = {"skipped": f"{L} layers, clip {clip:g}, {pr['resident_units']} resident: the plan does "
+                                    f"not fit this machine"}
             continue
-        if not fits(L, clip):
-            out[f"clip_{clip:g}"] = {"skipped": f"{L} layers with clip {clip:g} do not fit in 85% of host memory"}
-            continue
-        del t
         gc.collect()
         free_memory()
-        t = Trainer(cfg, SameLayers(cfg), micro_batches=M, grad_clip=clip, **planner.objects(p["offload_activations"]))
-        r = time_steps(t.step, batch(cfg, B, T), S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
-        out[f"clip_{clip:g}"] = rates(cfg, B, T, dict(r, engine="stream", n_layer=L, grad_clip=clip), peak,
-                                      p["offload_activations"], out["at_min_tokens"]["compute_only_s"])
+        r = stream_case(cfg, B, T, M, S, peak, pr["offload_activations"], resident=pr["resident_units"],
+                        grad_clip=clip)
+        out[name] = dict(r, planned_step_s=pr["step_time_s"])
         save(out)
+    out["at_min_tokens"]["planned_step_s"] = p["step_time_s"]
     return out
 
 
@@ -479,25 +504,28 @@ def _dig(d, ks):
 def markdown(res):
     m, rows = res["meta"], []
     f = lambda v, p=2: "-" if v is None else f"{v:,.{p}f}"  # noqa: E731
-    for name, r in [("wide @ min tokens", _dig(res["cases"], ["wide", "at_min_tokens"])),
-                    ("wide @ 2x tokens", _dig(res["cases"], ["wide", "at_2x_tokens"])),
-                    ("wide @ min tokens, grad clip 1", _dig(res["cases"], ["wide", "clip_1"]))] + \
+    wide = res["cases"].get("wide", {})
+    for name, r in [(f"wide @ min tokens, {wide.get('streaming_resident_units')} resident",
+                     _dig(res["cases"], ["wide", "at_min_tokens"]))] + \
+            [(f"wide @ {m}x tokens", _dig(res["cases"], ["wide", f"at_{m}x_tokens"])) for m in (2, 4, 8)] + \
+            [("wide @ min tokens, grad clip 1", _dig(res["cases"], ["wide", "clip_1"]))] + \
+            [(f"wide as planned, clip {c}", _dig(res["cases"], ["wide", f"planned_clip_{c}"])) for c in (0, 1)] + \
             [(f"peers: {k}", _dig(res["cases"], ["peers", k]))
-             for k in ("stream", "resident", "resident_no_ckpt", "fsdp2_offload")] + \
+             for k in ("stream", "stream_0_resident", "resident", "resident_no_ckpt", "fsdp2_offload")] + \
             [(f"sweep L={L}", r) for L, r in (_dig(res["cases"], ["sweep", "depths"]) or {}).items()]:
         if isinstance(r, dict) and "step_s" in r:
             rows.append(f"| {name} | {r.get('n_layer', '')} | {r['tokens']:,} | {f(r['step_s'], 3)} | "
-                        f"{f(r['tokens_per_s'], 0)} | "
-                        f"{f(r['model_tflops'], 1)} | {f(r['hw_tflops'], 1)} | {f(r.get('overlap'))} | "
+                        f"{f(r.get('planned_step_s'), 3)} | {f(r['tokens_per_s'], 0)} | "
+                        f"{f(r['model_tflops'], 1)} | {f(r.get('megatrain_tflops'), 1)} | {f(r.get('overlap'))} | "
                         f"{f(r.get('h2d_gbs'), 1)} | {f(r.get('peak_gpu_gb'))} | {f(r['rss_peak_gb'], 1)} |")
         elif isinstance(r, dict):
-            rows.append(f"| {name} | | | {r.get('skipped') or r.get('error', '')[:80]} | | | | | | | |")
+            rows.append(f"| {name} | | | {r.get('skipped') or r.get('error', '')[:80]} | | | | | | | | |")
     head = (f"# megatrain-min bench: {m['device']}, {m['date']}\n\n"
             f"torch {m['torch']}, CUDA {m['cuda']}, driver {m['driver']}, "
             f"{m['cpus']} CPUs, {m['host_available_gb']:.0f} GB host available. Command: `{m['command']}`\n\n"
             f"pinned copy peak: {res['cases'].get('pinned')}\n\nsummary: {json.dumps(res['summary'])}\n\n"
-            "| case | layers | tokens/step | step s | tokens/s | model TFLOP/s | hw TFLOP/s | overlap | H2D GB/s (avg) "
-            "| peak GPU GB | peak RSS GB |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| case | layers | tokens/step | step s | planned s | tokens/s | model TFLOP/s | MegaTrain TFLOP/s | overlap "
+            "| H2D GB/s (avg) | peak GPU GB | peak RSS GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 
 

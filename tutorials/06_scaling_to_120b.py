@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
+from megatrain_min import cost  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from stream import Trainer  # noqa: E402
 
@@ -112,7 +113,9 @@ units120 = model.units(C120)
 lay = units120[1]                                                # a layer: N = lay.numel
 adam_b = 28 + 4                                                  # AdamW's bytes + the guard's read
 attn = 2 * 4096 * C120.n_head * C120.head_dim                    # QK^T + AV per token (causal half)
-backward = T * (6 * lay.n_decay + 3.5 * attn) / F                # recompute + backward: matmuls
+backward = T * (6 * lay.n_decay + 3.5 * attn) / F                # recompute + backward: matmuls, and the
+ew = cost.elementwise_bytes(C120, torch.bfloat16, torch.float32)["bwd"]   # HBM-bound ops (norms, casts, ...)
+backward += (T * ew[0] + ew[1]) / hbm + lay.numel * 4 / hbm      # per token and per call; zero the grad slot
 trip = lay.numel * (4 / d2h + adam_b / dram)                     # the gradient's D2H, then AdamW
 slabs = max(3, math.ceil(trip / backward) + 1)
 by_hand = {"fp32 master + Adam m, v": 12 * N120,

@@ -17,8 +17,7 @@
 # into a small JSON of intervals, committed in `bench/results/2026-11-27-nvidia-h200/` beside the
 # benchmark's own results. Everything below is recomputed from those intervals.
 #
-# Run it: `python tutorials/11_a_real_gpu_step.py` (under a second on a 2-core CPU; no GPU, no
-# torch).
+# Run it: `python tutorials/11_a_real_gpu_step.py` (a few seconds on a 2-core CPU; no GPU).
 
 # %%
 import json
@@ -242,20 +241,64 @@ print(f"a layer's backward grows with the tokens, its update does not: they brea
 # now does); and fewer units on the host at all -- the first units of the forward kept resident on
 # the GPU, updated there by torch's fused CUDA AdamW, never crossing PCIe.
 #
-# ## 6. What the twin says resident units and one host pass change
+# ## 6. What the models say one host pass and resident units change
+#
+# `plan.HARDWARE["h200"]` is made from this run: the achieved compute rate (frac 0.56 of the bf16
+# peak: the forward, backward and head above), the measured links, AdamW's 101 GB/s and the host's
+# 300 MB last-level cache. On it, `bench/twin_vs_plan.py --measured` replays this very step with the
+# engine as it was measured -- no resident units, the shadow written in a second pass -- through
+# both models: the twin (the real engine's op stream, `megatrain_min/twin.py`) and the planner (an
+# analytic schedule, `megatrain_min/plan.py`); both land within 5% of the measured step
+# (`bench/results/2026-11-27-nvidia-h200/twin_vs_plan.md`). The planner is instant, so this lesson
+# asks it what the engine as it is now would do on the same GPU and host -- predictions, until a GPU
+# measures them (`bench/gpu_run.sh`):
 
 # %%
 def twin_says(x):
-    """The same step as the twin predicts it once it has this run's measured hardware profile:
-    with one host pass, and with the first units resident on the GPU. To be filled in when the
-    twin's measured profile exists (megatrain_min/twin.py, megatrain_min/plan.py); nothing is
-    asserted here."""
-    print("the twin's measured profile is pending: this section will compare the measured step "
-          "with the twin's, and show what resident units and one host pass change")
+    """The planner on the measured profile: the engine as measured, then one host pass, then units
+    resident on the GPU (stream.Trainer(resident_units=)), the first the forward needs first."""
+    import sys
+    sys.path.insert(0, str(ROOT))
+    import model
+    import optim
+    from megatrain_min import plan
+    c = x["config"]
+    cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096,
+                          d_ff=11008, max_seq_len=4096)
+    host = json.loads((RUN / "results.json").read_text())["meta"]["host_available_gb"]
+    hw = dict(plan.HARDWARE["h200"], host_mem_gb=host)          # the run's host memory, not 1.5 TB
+    n = len(model.units(cfg))
+
+    def step(resident, mode="fast", two_passes=False):
+        tile = optim.TILE
+        optim.TILE = 1 << 40 if two_passes else tile    # a whole unit: the shadow in a second pass
+        try:
+            return plan.plan(cfg, hw, batch_size=c["tokens"] // 4096, seq_len=4096,
+                             micro_batches=c["micro_batches"], mode=mode, grad_clip=0.0,
+                             skip_nonfinite=False, grad_slabs=3, resident_units=resident)
+        finally:
+            optim.TILE = tile
+    rows = [("the engine as measured (two host passes, nothing resident)", step(0, two_passes=True)),
+            ("one host pass (the shadow from cache)", step(0)),
+            (f"+ {n // 10} units resident (<= 10%: a 120b run's regime)", step(n // 10)),
+            (f"  in lean mode (28 B/param on the host, fp32 over PCIe)", step(n // 10, "lean")),
+            (f"every unit resident ({n}: the 5.1B model fits the H200)", step(n))]
+    gpu_only = x["meta"]["timed"]["at_min_tokens"]["compute_only_s"]
+    print(f"{'engine':<60}{'step s':>8}{'GPU-only/step':>15}  bound by")
+    for name, p in rows:
+        print(f"{name:<60}{p['step_time_s']:>8.3f}{gpu_only / p['step_time_s']:>15.2f}  {p['bottleneck']}")
+    return {name: p["step_time_s"] for name, p in rows}, gpu_only
 
 
-twin_says(X)
+said, gpu_only = twin_says(X)
 
+# %% [markdown]
+# One host pass saves ~4 B/param of DRAM traffic; resident units take the units the next forward
+# needs first off the host entirely, so the step boundary waits for nothing and the host has the
+# whole backward for what is left. At this run's 16,384 tokens the host still sets the pace unless
+# most units are resident; with twice the tokens (or everything resident, as a 5.1B model can be
+# on an H200) the GPU computes the whole step.
+#
 # %% [markdown]
 # ## Check
 #
@@ -267,7 +310,9 @@ twin_says(X)
 #   ~101 GB/s of host memory; the update (73-76 ms) longer than the backward;
 # * every layer's update outlasts its backward; the slab waits and the tail are the updates'
 #   excess over the backward (within 10%); the optimizer thread is busy 95% of the time from the
-#   head's update on; the break-even token count lies between the two measured batch sizes.
+#   head's update on; the break-even token count lies between the two measured batch sizes;
+# * the planner on the measured profile replays the engine as measured within 10% of this step;
+#   each change predicts a faster step than the one before; every unit resident: the GPU-only time.
 
 # %%
 assert abs(sum(ours.values()) - STEP) < 1e-4, (sum(ours.values()), STEP)
@@ -285,6 +330,10 @@ assert 73e-3 * 0.97 <= med["update = AdamW + shadow copy"] <= 76e-3 * 1.03
 assert all(upd[i] > bwd[i] for i in upd), "a layer's update fit under its backward"
 assert abs(excess - (idle["slab"] + idle["tail"])) / excess < 0.1, (excess, idle)
 assert worked / chain > 0.95 and cfg["tokens"] < need < x2["tokens"] and x2["overlap"] > 0.9
+times = list(said.values())
+assert abs(times[0] - meta["timed"]["at_min_tokens"]["step_s"]) / meta["timed"]["at_min_tokens"]["step_s"] < 0.1
+assert all(a > b for a, b in zip(times[:3], times[1:3])) and times[3] < times[2]
+assert gpu_only / times[-1] > 0.95, (gpu_only, times)
 print(f"OK  GPU busy {busy:.3f} s of a {STEP:.3f} s step ({busy / STEP:.0%}); waits: slab "
       f"{idle['slab']:.3f} s, tail {idle['tail']:.3f} s; per layer update "
       f"{med['update = AdamW + shadow copy'] * 1e3:.0f} ms > backward "

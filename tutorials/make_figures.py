@@ -140,11 +140,47 @@ def measured_step(x):
 
 
 def twin_step(x):
-    """THE SECOND PANEL, to be filled in (lead engineer): the same step as the twin predicts it on
-    this run's measured hardware profile (megatrain_min/twin.py with a profile from plan.py), as
-    [(lane, start, end, kind)] in measured_step's lanes and kinds, seconds from the step's start.
-    None until that profile exists: the figure then has the measured panel alone."""
-    return None
+    """The same step as the twin predicts it on this run's profile (plan.HARDWARE["h200"], made from
+    it), the engine as measured (nothing resident, the shadow in a second pass): the real engine's op
+    stream at full size replayed (megatrain_min/twin.py; ~20 s), as [(lane, start, end, kind)]."""
+    import optim
+    import torch
+    from megatrain_min import record, twin
+    c = x["config"]
+    cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096,
+                          d_ff=11008, max_seq_len=4096)
+    host = json.loads((EXTRACT.parent / "results.json").read_text())["meta"]["host_available_gb"]
+    lane = {"host": "main", "cpu_adam": "adamw", "h2d": "h2d", "compute": "compute", "d2h": "d2h"}
+
+    class Tagged(twin.Twin):         # each span tagged with its op's kind, in the extract's words
+        def op(self, op):
+            n = len(self.spans)
+            super().op(op)
+            kind = ("adamw" if "adamw" in op.name else "shadow_copy" if "copy_" in op.name else
+                    "scatter") if op.actor == "worker" else op.kind if op.kind in ("h2d", "d2h") else \
+                "head" if "cross_entropy" in op.name or "log_softmax" in op.name else \
+                "backward" if op.autograd else "forward"
+            for s_ in self.spans[n:]:
+                s_.kind = kind
+    tw, tile = Tagged(dict(planner.HARDWARE["h200"], host_mem_gb=host)), optim.TILE
+    optim.TILE = 1 << 40                 # the engine as measured: the shadow in a second pass
+    try:
+        record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(c["tokens"] // 4096, 4096),
+                   dtype=torch.bfloat16, micro_batches=c["micro_batches"], grad_clip=0.0, grad_slabs=3,
+                   resident_units=0)
+    finally:
+        optim.TILE = tile
+    t0, t1 = tw.first_compute[-3].start, tw.first_compute[-2].start
+    spans = sorted((lane[s_.actor], max(s_.start, t0) - t0, min(s_.end, t1) - t0, getattr(s_, "kind", ""))
+                   for s_ in tw.spans if s_.label != "wait" and s_.end > t0 and s_.start < t1
+                   and s_.actor in lane)
+    merged = []                          # ~100k ops: one bar per run of a kind on a lane (gaps < 0.5 ms)
+    for sp in spans:
+        if merged and merged[-1][0] == sp[0] and merged[-1][3] == sp[3] and sp[1] - merged[-1][2] < 5e-4:
+            merged[-1] = (sp[0], merged[-1][1], max(merged[-1][2], sp[2]), sp[3])
+        else:
+            merged.append(sp)
+    return merged
 
 
 def draw_lanes(ax, spans, title, length, notes=()):
@@ -188,8 +224,9 @@ def measured():
                f"{idle['tail']:.2f} s", unit_notes(x))]
     twin = twin_step(x)
     if twin is not None:
-        panels.append((twin, "the same step as the twin predicts it (measured hardware profile)",
-                       ()))
+        end = max(b for _, _, b, _ in twin)
+        panels.append((twin, f"the same step as the twin predicts it on the profile made from this run "
+                       f"(plan.HARDWARE['h200']): {end:.2f} s", ()))
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.0 * len(panels) + 0.6),
                              constrained_layout=True, squeeze=False)
     for ax, (spans, title, notes) in zip(axes[:, 0], panels):
