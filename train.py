@@ -22,12 +22,13 @@ Try it
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
 step).
 Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input,
-refused before anything is trained, nothing lost; 3 training diverged (non-finite steps in a row, or
-non-finite weights that are never saved); 4 an output could not be written (disk full, file too
-large, no permission), every earlier checkpoint whole; 5 N ranks: another rank failed or was
-killed, this one stopped too (--nproc-per-node exits with the first failing rank's code; torchrun
-exits 1 and names the first failure; a refusal's line is rank 0's); 130 Ctrl-C before the first
-step or a second one while training: out at once, no save.
+refused before anything is trained, nothing lost (or a data file found damaged while training);
+3 training diverged (non-finite steps in a row, or non-finite weights that are never saved); 4 an
+output could not be written (disk full, file too large, no permission), every earlier checkpoint
+whole; 5 N ranks: another rank failed or was killed, this one stopped too (--nproc-per-node exits
+with the first failing rank's code, or 5 naming a rank frozen for 60 s; torchrun exits 1 and names
+the first failure; a refusal's line is rank 0's); 130 Ctrl-C before the first step or a second one
+while training: out at once, no save.
 """
 import argparse
 import dataclasses

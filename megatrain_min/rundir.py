@@ -18,11 +18,12 @@ What it is
                   (once that save is written, a second Ctrl-C changes nothing: the run is leaving)
     fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code (EXIT).
 Exit codes (README: Troubleshooting)
-    0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained, nothing lost;
-    3 training diverged (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output
-    could not be written (disk full, file too large, no permission), every earlier checkpoint whole; 5 under
-    torchrun, another rank failed or was killed (torchrun itself exits 1 and names it); 130 Ctrl-C before the
-    first step or a second one while training: out at once, no save.
+    0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained,
+    nothing lost (or a data file found damaged while training: Run.data_failed); 3 training diverged
+    (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output could not
+    be written (disk full, file too large, no permission), every earlier checkpoint whole; 5 under
+    torchrun, another rank failed or was killed (torchrun itself exits 1 and names it); 130 Ctrl-C
+    before the first step or a second one while training: out at once, no save.
 """
 import json
 import math
