@@ -22,12 +22,13 @@ Try it
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
 step).
 Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input,
-refused before anything is trained, nothing lost; 3 training diverged (non-finite steps in a row, or
-non-finite weights that are never saved); 4 an output could not be written (disk full, file too
-large, no permission), every earlier checkpoint whole; 5 N ranks: another rank failed or was
-killed, this one stopped too (--nproc-per-node exits with the first failing rank's code; torchrun
-exits 1 and names the first failure; a refusal's line is rank 0's); 130 Ctrl-C before the first
-step or a second one while training: out at once, no save.
+refused before anything is trained, nothing lost (or a data file found damaged while training);
+3 training diverged (non-finite steps in a row, or non-finite weights that are never saved); 4 an
+output could not be written (disk full, file too large, no permission), every earlier checkpoint
+whole; 5 N ranks: another rank failed or was killed, this one stopped too (--nproc-per-node exits
+with the first failing rank's code, or 5 naming a rank frozen for 60 s; torchrun exits 1 and names
+the first failure; a refusal's line is rank 0's); 130 Ctrl-C before the first step or a second one
+while training: out at once, no save.
 """
 import argparse
 import dataclasses
@@ -54,6 +55,7 @@ from megatrain_min.tokenizer import HFTokenizer
 # --- flags ----------------------------------------------------------------------------------------
 cli.survive_closed_pipe()               # `python train.py --plan --json | head`: no traceback
 RANK, WORLD, GPUS = rundir.torchrun()   # rank RANK of WORLD processes, GPUS per node; plain: 0 of 1
+launch.heartbeat(RANK)                  # a rank of --nproc-per-node: the launcher sees it is alive
 p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host RAM.")
 for add in (cli.add_model, cli.add_step, cli.add_hardware, cli.add_run):
     add(p, **(dict(config_default=False) if add is cli.add_model else {}))
@@ -66,7 +68,7 @@ LAUNCH = args.nproc_per_node > 1 and WORLD == 1   # N ranks from here, all check
 if LAUNCH:   # the checks below run in a child (this process, the ranks' parent, never touches CUDA)
     WORLD = GPUS = args.nproc_per_node
     if not (args.plan or args.json or args.max_context):
-        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"))
+        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"), args.out)
 try:
     cli.check(args, WORLD)
 except cli.FlagError as e:
@@ -90,17 +92,18 @@ try:
     cfg = check_config(cli.config_of(args, base))
 except (ValueError, TypeError) as e:  # HFError, CheckpointError, a config field GPTConfig lacks
     fail(f"--init-from {init_dir}: {e}" if isinstance(e, TypeError) else str(e))
+plan_only = args.plan or args.json or args.max_context
+here = not plan_only or args.hardware == "local"   # planning for other hardware needs no GPU here
 try:  # torchrun: this rank's GPU, made current before anything touches CUDA (else GPU 0)
     if LAUNCH:   # the N ranks to come: a GPU each
-        device = launch.check(args.device, WORLD)
+        device = launch.check(args.device, WORLD, here)
     else:
-        device = sharded.rank_device(args.device) if WORLD > 1 else check_device(args.device)
+        device = sharded.rank_device(args.device) if WORLD > 1 else check_device(args.device, here)
 except ValueError as e:
     fail(str(e) if LAUNCH else f"--device: {e}")
 dtype = planner.DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
                                       "default on CPU: bf16 matmuls are slow there")
-plan_only = args.plan or args.json or args.max_context
 if args.seq_len > cfg.max_seq_len and plan_only:  # planning is arithmetic: any length
     cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
     if not args.json:
@@ -274,7 +277,7 @@ if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 
     try:
         if RANK == 0:
             hf.save_hf(cfg, final, run.hf_dir, dtype=planner.DTYPES[args.save_hf_dtype],
-                       tokenizer_from=init_dir)
+                       tokenizer_from=init_dir, replaces=run.hf_state)   # what it held then
     except hf.HFError as e:  # the directory changed during the run
         fail(f"--save-hf: {e}; the run's checkpoint is {checkpoint.latest(run.out) or 'none'}")
     except OSError as e:

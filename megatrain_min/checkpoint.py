@@ -10,8 +10,11 @@ What it is
     checkpoint whole. load() checks everything (format version, config, layout, every file's size and
     CRC, streamed a chunk at a time) before it touches the trainer, then reads straight into the store.
     save(..., tokenizer_from=MODEL_DIR) puts the model's tokenizer files beside the units (tokenizer.TOKENIZER_FILES,
-    and its config.json's bos/eos/pad ids into meta.json): the checkpoint is then a tokenizer source itself
-    (tokenizer.HFTokenizer(ckpt)) and `python -m megatrain_min.hf export` takes them along.
+    and its config.json's bos/eos/pad ids and each file's sha256 into meta.json): the checkpoint is
+    then a tokenizer source itself (tokenizer.HFTokenizer(ckpt)) and `python -m megatrain_min.hf
+    export` takes them along. read_meta verifies them: a file missing, replaced (another tokenizer
+    of the same size) or damaged is a CheckpointError naming it, never silently another tokenizer
+    than the one the model was trained with.
     read_weights(path) -> (cfg, weights): the fp32 master weights as a lazy mapping, read tensor by tensor from
     the unit files (verified first, as load() does) without a trainer: what hf.export and --init-from need.
 Sharded (megatrain_min/sharded.py: N ranks, each holding [lo, hi) of every unit)
@@ -28,7 +31,8 @@ Nothing lost
     full, file too large, no permission) raises SaveError with the temporary directory removed. `keep` prunes
     only checkpoints of the same run (meta["run"]), never another run's, and a step saved again replaces only
     its own run's checkpoint. Debris of a killed save is removed only when the process that wrote it is gone.
-    lock(out_dir) is the run lock: one run per directory (flock, dropped by the kernel even on SIGKILL).
+    lock(out_dir) is the run lock: one run per directory (flock, dropped by the kernel even on
+    SIGKILL); lock_holder(out_dir) asks who holds it without taking it (a refusal writes nothing).
 What it is not
     Not torch.save of a state dict (pickle: a second copy of the model in memory, and loading runs code);
     not a Hugging Face export (hf.py: weights only). Gradients and the bf16 shadow are not saved -- they do
@@ -68,7 +72,8 @@ import torch.distributed as dist
 
 import model
 from megatrain_min.checks import all_finite, check_config
-from megatrain_min.tokenizer import copy_tokenizer_files
+from megatrain_min.publish import alive
+from megatrain_min.tokenizer import copy_tokenizer_files, file_sha256
 
 FORMAT, VERSION = "megatrain-min checkpoint", 1
 SHARDED = 2                     # the version of a checkpoint written by N > 1 ranks: parts per unit
@@ -129,6 +134,40 @@ def lock(out_dir):
     return f
 
 
+def lock_holder(out_dir):
+    """The PID holding out_dir's run lock, or None (no lock file, or nobody holds it): a probe that
+    creates, takes and changes nothing."""
+    try:
+        f = open(Path(out_dir) / LOCK, "rb")
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _lock_holder(f)
+    return None   # closing the file dropped the lock this probe took
+
+
+def is_checkpoint(path):
+    """Whether `path` is a checkpoint directory: ckpt-STEP holding a meta.json of this format."""
+    path = Path(path)
+    if not (NAME.fullmatch(path.name) and (path / "meta.json").is_file()):
+        return False
+    try:
+        return json.loads((path / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def before(path):
+    """The checkpoint of the same directory just before checkpoint `path` (often intact when `path`
+    is not), or None."""
+    path = Path(path)
+    found = [p for _, p in checkpoints(path.parent) if p.name < path.name]
+    return found[-1] if found else None
+
+
 def _lock_holder(f):
     """The PID holding a flock on the open file f, read from /proc/locks (Linux), or "unknown"."""
     st = os.fstat(f.fileno())
@@ -168,7 +207,7 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
             tmp = out / f".tmp-{final.name}-{os.getpid()}"
             out.mkdir(parents=True, exist_ok=True)
             for stale in out.glob(".tmp-*"):     # what a killed save or delete left behind, never a live run's
-                if not _alive(stale.name.rsplit("-", 1)[-1]):
+                if not alive(stale.name.rsplit("-", 1)[-1]):
                     shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         except BaseException as e:
@@ -269,25 +308,9 @@ def ranks(trainer):
 def _run_of(path):
     """meta["run"] of checkpoint `path`; a value equal to no run's when it cannot be read (never ours to delete)."""
     try:
-        return read_meta(path)["meta"].get("run")
+        return read_meta(path, tokenizer=False)["meta"].get("run")
     except (CheckpointError, OSError):
         return object()
-
-
-def _alive(pid):
-    """Is `pid` (the tail of a .tmp-* name) another process that is still running? A tail that is no PID
-    counts as alive: whatever it is, it is left alone."""
-    if not pid.isdigit():
-        return True
-    if int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:                      # someone else's process
-        return True
-    return True
 
 
 def _write(path, tensors, layout, lo=0):
@@ -340,8 +363,10 @@ def _doc_crc(doc):
 
 
 # ----------------------------------------------------------------------------- load
-def read_meta(path):
-    """The contents of path/meta.json with format, version and its own CRC checked (else CheckpointError)."""
+def read_meta(path, tokenizer=True):
+    """The contents of path/meta.json with format, version and its own CRC checked (else
+    CheckpointError); tokenizer: and the tokenizer files it was saved with, each there and the same
+    (check_tokenizer)."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         hint = f"; it holds checkpoints, the latest is {latest(path)}" if latest(path) else ""
@@ -360,7 +385,35 @@ def read_meta(path):
     if doc.pop("crc32", None) != _doc_crc(doc):
         raise CheckpointError(f"{path}/meta.json fails its CRC-32 check; the checkpoint is damaged")
     _check_fields(path, doc)
+    if tokenizer:
+        check_tokenizer(path, doc)
     return doc
+
+
+def check_tokenizer(path, doc):
+    """CheckpointError unless every tokenizer file checkpoint `path` was saved with
+    (doc["tokenizer"]) is there and, where its sha256 was recorded, the same: a tokenizer.json of
+    another model with the same vocabulary size, a lost tokenizer_config.json (its chat template,
+    its eos) would train and export silently."""
+    tok = doc.get("tokenizer")
+    if tok is None:
+        return
+    if not (isinstance(tok, dict) and isinstance(tok.get("files", []), list)
+            and isinstance(tok.get("sha256", {}), dict)):
+        raise CheckpointError(f"{path}/meta.json: its tokenizer entry is malformed; the checkpoint "
+                              f"was edited")
+    args = doc["meta"].get("args")
+    src = args.get("init_from") if isinstance(args, dict) else None
+    fix = f"copy it back from {src or 'the model directory the run started from'}"
+    for name in tok.get("files", []):
+        f = Path(path) / name
+        if not f.exists():
+            raise CheckpointError(f"{f} is missing: {Path(path).name} was saved with it (its "
+                                  f"tokenizer's files); {fix}")
+        want = tok.get("sha256", {}).get(name)
+        if want is not None and (not f.is_file() or file_sha256(f) != want):
+            raise CheckpointError(f"{f} is not the file {Path(path).name} was saved with (sha256 "
+                                  f"differs): replaced or damaged; {fix}")
 
 
 def _check_fields(path, doc):

@@ -189,9 +189,10 @@ def check_batch(cfg, tokens, targets):
                     f"targets (besides {model.IGNORE}, ignored)")
 
 
-def check_device(device):
+def check_device(device, present=True):
     """torch.device of `device` ("cpu", "cuda", "cuda:i"; None = cuda when available), or ValueError naming it
-    when the engines cannot run there: not a device torch knows, not cpu/cuda, or a GPU this machine lacks."""
+    when the engines cannot run there: not a device torch knows, not cpu/cuda, or (present: it must
+    be here, not only planned for) a GPU this machine lacks."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -200,9 +201,9 @@ def check_device(device):
         raise ValueError(f"device {str(device)!r} is not a device torch knows; use 'cpu' or 'cuda'") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {str(device)!r}: the engines run on 'cpu' or 'cuda'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and present and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device; use 'cpu'")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+    if dev.type == "cuda" and present and (dev.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 

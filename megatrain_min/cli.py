@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import sys
+import warnings
 
 import model
 import optim
@@ -44,10 +45,14 @@ class FlagError(ValueError):
 
 class _Survivor:
     """A standard stream whose reader may go away: the first write or flush that fails (a closed pipe, a
-    terminal hung up) points the file descriptor at /dev/null, and the program goes on."""
+    terminal hung up) points the file descriptor at /dev/null, and the program goes on. A character
+    its encoding lacks (PYTHONIOENCODING=ascii, a C locale) is written escaped
+    (backslashreplace)."""
 
     def __init__(self, stream):
         self.stream = stream
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
     def _gone(self):
         os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
@@ -81,6 +86,12 @@ def finite_json(obj):
         items = [finite_json(v) for v in obj]
         return [v for v, _ in items], any(bad for _, bad in items)
     return obj, False
+
+
+def _num(v):
+    """A bound or a value as people write it: 10,000,000 (not 1e+07), 0.01, 1e+308."""
+    whole = isinstance(v, int) or float(v).is_integer() and abs(v) < 1e15
+    return f"{int(v):,}" if whole else f"{v:g}"
 
 
 def survive_closed_pipe():
@@ -217,6 +228,11 @@ def check(a, world=1):
         check_hyper(**hyper, **(dict(lr=a.lr, weight_decay=a.weight_decay) if run else {}))
     except HyperParameterError as e:
         raise FlagError(f"--{e.name.replace('_', '-')}: {e}") from None
+    for flag, most in MOST.items():     # first: a typo in one of them is not the batch's fault
+        v, least = getattr(a, flag, None), LEAST.get(flag, 0)
+        if v is not None and not least <= v <= most:
+            raise FlagError(f"--{flag.replace('_', '-')} {_num(v)} is out of range: at most "
+                            f"{_num(most)}" + (f" and at least {_num(least)}" if least else ""))
     if a.batch_size % a.micro_batches:
         raise FlagError(f"--batch-size {a.batch_size} is not divisible by --micro-batches {a.micro_batches}")
     if world > 1 and a.batch_size % (world * a.micro_batches):
@@ -233,11 +249,6 @@ def check(a, world=1):
         v = getattr(a, flag)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise FlagError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v}")
-    for flag, most in MOST.items():
-        v, least = getattr(a, flag, None), LEAST.get(flag, 0)
-        if v is not None and not least <= v <= most:
-            raise FlagError(f"--{flag.replace('_', '-')} {v:g} is out of range: at most {most:g}" +
-                            (f" and at least {least:g}" if least else ""))
     if not run:
         return
     for flag in ("out", "save_hf", "init_from", "data"):
@@ -246,12 +257,28 @@ def check(a, world=1):
     if a.sample_prompt == "":
         raise FlagError("--sample-prompt is empty: give the text the closing sample continues (or answers), or "
                         "drop the flag for the default")
+    try:
+        (a.sample_prompt or "").encode("utf-8")
+    except UnicodeEncodeError as e:     # bytes not UTF-8 arrive as lone surrogates (PEP 383)
+        ch = ord(a.sample_prompt[e.start])
+        what = f"byte {ch - 0xDC00:#04x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate {ch:#06x}"
+        raise FlagError(f"--sample-prompt is not UTF-8 text ({what} at character {e.start}); pass "
+                        f"the prompt in UTF-8") from None
     if a.nproc_per_node > 1 and world != a.nproc_per_node:
         raise FlagError(f"--nproc-per-node {a.nproc_per_node} under torchrun: torchrun started the ranks already; "
                         f"drop it")
     if world > 1 and (a.engine != "stream" or a.profile):
         raise FlagError(f"on {world} ranks (torchrun, --nproc-per-node) train.py runs --engine stream without --profile")
     planning = a.plan or a.json or a.max_context
+    unused = ["--" + f.replace("_", "-") for f, given in (
+        ("data", a.data), ("resume", a.resume), ("save_hf", a.save_hf),
+        ("save_every", a.save_every),
+        ("keep", a.keep != DEFAULTS["keep"]), ("profile", a.profile),
+        ("sample_prompt", a.sample_prompt is not None)) if given]
+    if planning and unused:   # a training command with --plan added: it plans, and trains nothing
+        what = "--max-context" if a.max_context else "--plan" if a.plan else "--json"
+        warnings.warn(f"{what} plans the run and trains nothing: {', '.join(unused)} "
+                      f"{'is' if len(unused) == 1 else 'are'} not used (drop {what} to train)")
     if a.engine == "reference" and not planning:   # it keeps no host store: nothing to checkpoint
         given = (("--resume", a.resume), ("--save-every", a.save_every),
                  ("--keep", a.keep != DEFAULTS["keep"]))

@@ -10,15 +10,15 @@ What it is
                    naming the prepare command (a whole-file encode needs the corpus several times in RAM)
       FILE.npy     token ids (uint16, uint32, int64), memory-mapped
       FILE.jsonl   SFT examples, loss on the answers only (data.py: the formats)
-      DIR          made by `python -m megatrain_min.data prepare` (prepare.py): memory-mapped, its tokenizer
-                   and vocabulary checked against the model's
+      DIR          made by `python -m megatrain_min.data prepare` (prepare.py): its files' digests
+                   verified, read as batches ask (every id checked), its tokenizer, chat format and
+                   vocabulary checked against the model's and the flags
     Any other input (a .npz, a .json array, a binary file, a FIFO, a directory prepare did not make) is
     refused with one line that says what would be accepted.
 What it is not
     No streaming from a hub and no mixing of corpora: one source per run.
 """
 import dataclasses
-import hashlib
 import os
 import stat
 from pathlib import Path
@@ -29,7 +29,6 @@ from megatrain_min import data, prepare
 from megatrain_min.checks import check_token_ids
 
 RAW_LIMIT = 512 << 20        # bytes of .txt or .jsonl read whole; beyond: the prepare command
-FINGERPRINT_WHOLE = 256 << 20  # files up to this size are hashed whole; larger ones at 64 spread-out 1 MiB blocks
 REFUSED = {".npz": "a NumPy archive (.npz) holds several arrays; save the token ids alone with np.save as .npy",
            ".json": "SFT data is JSON lines (.jsonl): one example per line; convert with jq -c '.[]' FILE > FILE.jsonl",
            ".parquet": "convert it to .jsonl or .txt, or tokenize it with python -m megatrain_min.data prepare",
@@ -50,21 +49,13 @@ class Source:
 
 
 def fingerprint(path):
-    """{"bytes", "sha256"} of a file (hashed whole up to FINGERPRINT_WHOLE, else 64 spread-out 1 MiB blocks:
-    "sampled": true), or of a prepared directory's meta.json (its sources' sizes, tokenizer and counts)."""
+    """{"bytes", "sha256"} of a data file (prepare.digest: whole up to prepare.DIGEST_WHOLE, else
+    sampled), or of a prepared directory's ids (PreparedTokens.fingerprint: the same ids prepared
+    again are the same data)."""
     path = Path(path)
     if path.is_dir():
-        path = path / prepare.META
-    size, h = path.stat().st_size, hashlib.sha256()
-    with open(path, "rb") as f:
-        if size <= FINGERPRINT_WHOLE:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        else:
-            for k in range(64):
-                f.seek(k * (size - (1 << 20)) // 63)
-                h.update(f.read(1 << 20))
-    return {"bytes": size, "sha256": h.hexdigest(), **({"sampled": True} if size > FINGERPRINT_WHOLE else {})}
+        return prepare.PreparedTokens(path, verify=False).fingerprint()
+    return prepare.digest(path)
 
 
 def _check_path(path):
@@ -87,8 +78,8 @@ def _check_path(path):
     if suffix != ".npy":   # text, read whole
         if path.stat().st_size > RAW_LIMIT:
             raise ValueError(f"--data {path} is {path.stat().st_size / 1e9:.1f} GB; text this large is tokenized "
-                             f"once into memory-mapped files: python -m megatrain_min.data prepare {path} --out "
-                             f"DIR [--tokenizer MODEL_DIR], then --data DIR")
+                             f"once into token files: python -m megatrain_min.data prepare {path} "
+                             f"--out DIR [--tokenizer MODEL_DIR], then --data DIR")
     if not os.access(path, os.R_OK):
         raise ValueError(f"--data {path} is not readable by this user (permission denied)")
 
@@ -140,7 +131,8 @@ def open_data(path, cfg, batch_size, seq_len, seed=0, tokenizer=None, source=Non
     try:
         _check_path(path)
         if path.is_dir():
-            return _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_prompt)
+            return _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_prompt,
+                             chat_format)
         suffix = path.suffix.lower()
         if needs_tokenizer and tokenizer is None and suffix != ".npy":
             raise ValueError(f"{source} has no tokenizer.json, and {path.name} needs the model's own tokenizer "
@@ -183,7 +175,8 @@ def open_data(path, cfg, batch_size, seq_len, seed=0, tokenizer=None, source=Non
     except PermissionError as e:
         raise ValueError(f"--data {path}: cannot read {e.filename or path} (permission denied)") from None
     except OSError as e:
-        raise ValueError(f"--data {path}: cannot read it ({e.strerror or e})") from None
+        raise ValueError(f"--data {path}: cannot read {e.filename or 'it'} "
+                         f"({e.strerror or e})") from None
 
 
 def _check_ids(ids, cfg, path, tokenizer, source):
@@ -205,27 +198,38 @@ def _text_prompt(tok, text):
     return [tok.bos_id] if tok.bos_id is not None else tok.encode("\n")
 
 
-def _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_prompt):
-    """A Source over a prepared directory: its tokenizer is the model's (or both are bytes), its ids fit."""
+def _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_prompt, chat_format):
+    """A Source over a prepared directory: its tokenizer is the model's (or both are bytes), its ids
+    fit, its chat format is the one asked for (it was fixed when it was prepared)."""
     try:
         d = prepare.PreparedTokens(path)
-        d.check_model(source if tokenizer is not None else None, cfg.vocab_size)
         if tokenizer is None and d.tokenizer_hash != "bytes":
-            raise ValueError(f"{path} was tokenized with a model's tokenizer.json; train the model it belongs to "
-                             f"(--init-from MODEL_DIR), or prepare the data again without --tokenizer")
+            made = d.meta.get("tokenizer_dir") or "MODEL_DIR"
+            raise ValueError(f"{path} was tokenized with a model's tokenizer.json ({made}); train "
+                             f"that model (--init-from {made}), or prepare the data again without "
+                             f"--tokenizer")
+        d.check_model(source if tokenizer is not None else None, cfg.vocab_size)
+        if chat_format is not None and chat_format != d.meta["chat_format"]:
+            raise ValueError(
+                f"--chat-format {chat_format}: {path} holds pretraining text, not conversations; "
+                f"drop --chat-format" if d.kind != "sft" else
+                f"--chat-format {chat_format}: {path} was prepared in the {d.meta['chat_format']} "
+                f"format (fixed when it is prepared); drop --chat-format, or prepare the data "
+                f"again with --chat-format {chat_format}")
         tok = tokenizer or data.ByteTokenizer()
         decode = tok.decode if tokenizer is not None or cfg.vocab_size == 256 else None
         seeds = (seed, 10_000 + seed)
         if d.kind == "sft":
             train, val = (d.sft_batches(s, batch_size, seq_len, seed=k) for s, k in zip(prepare.SPLITS, seeds))
             lines = [f"data {path}: prepared SFT examples, {len(train.examples):,} train / "
-                     f"{len(val.examples):,} val (memory-mapped)"]
+                     f"{len(val.examples):,} val (read as batches ask)"]
             prompt, stop = (_asked_prompt(sample_prompt, tok, d.meta["chat_format"]) if sample_prompt is not None
                             else _held_out_prompt(val.examples))
-            return Source(train, val, lines, fingerprint(path), prompt, stop, decode, "reply")
+            return Source(train, val, lines, d.fingerprint(), prompt, stop, decode, "reply")
         train, val = (d.batches(s, batch_size, seq_len, seed=k) for s, k in zip(prepare.SPLITS, seeds))
         lines = [f"data {path}: prepared, {len(train.tokens):,} train / {len(val.tokens):,} val tokens "
-                 f"(memory-mapped)"]
-        return Source(train, val, lines, fingerprint(path), _text_prompt(tok, sample_prompt), None, decode)
+                 f"(read as batches ask)"]
+        prompt = _text_prompt(tok, sample_prompt)
+        return Source(train, val, lines, d.fingerprint(), prompt, None, decode)
     except prepare.PrepareError as e:
         raise ValueError(str(e)) from None

@@ -9,7 +9,7 @@ What it is
     prompt/completion .jsonl files with the loss on the answers only, and a padded batch sampler.
     Conversations are rendered in the model's own chat_template by chat.py (chat_tokens), or in a fixed
     format when the directory has none.
-    A corpus tokenized once into memory-mapped files: prepare.py (`python -m megatrain_min.data prepare`).
+    A corpus tokenized once into token files: prepare.py (`python -m megatrain_min.data prepare`).
 What it is not
     No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
     package), no multi-process loading: a pretraining batch is B random windows of T+1 tokens, which

@@ -13,13 +13,17 @@ What it is
     Every file header, key, shape and dtype is checked against config.json before a byte of data is
     read: a bad checkpoint fails before the store is allocated.
     save_hf(cfg, weights, dir) writes bf16 or fp32 safetensors shards (one tensor in memory at a time),
-    the index, config.json and the tokenizer files, into a temporary directory renamed into place, with a
-    marker (EXPORT_MARKER) listing what it wrote: an existing dir is replaced only when it is empty or
-    provably one of these exports and nothing more (check_export_dir; train.py asks before training).
+    the index, config.json and the tokenizer files, aside and then put in place whole (publish.py:
+    an existing directory -- empty, a mount point -- is filled, never renamed), with a marker
+    (EXPORT_MARKER) listing what it wrote: an existing dir is replaced only when it is empty or
+    provably one of these exports and nothing more (check_export_dir; train.py asks before
+    training), never inside a checkpoint (which --keep deletes whole), and only when it still holds
+    what it held when checked (an export written there meanwhile, by another process, wins).
     export(ckpt, dir) / `python -m megatrain_min.hf export CKPT DIR`: one of our checkpoints (checkpoint.save,
     one process's or sharded) through save_hf, its master weights read tensor by tensor from the unit files
     (checkpoint.read_weights, CRCs verified first; no trainer, no optimizer state in memory), with the
-    tokenizer files the checkpoint carries.
+    tokenizer files the checkpoint carries (verified: checkpoint.read_meta, and parsed as
+    HFTokenizer does).
 What it is not
     Not a general converter. Anything model.py does not compute fails with HFError naming it, never a
     silently different model: other architectures, mixture-of-experts, quantized weights, RoPE scaling
@@ -61,9 +65,10 @@ import torch
 from safetensors import safe_open
 
 from model import HEAD, GPTConfig, units
-from megatrain_min import checkpoint
+from megatrain_min import checkpoint, publish
+from megatrain_min.cli import survive_closed_pipe
 from megatrain_min.checks import check_config, check_finite
-from megatrain_min.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
+from megatrain_min.tokenizer import TOKENIZER_FILES, HFTokenizer, copy_tokenizer_files
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -335,7 +340,7 @@ def export_state(model_dir):
     (each export's differs). save_hf(replaces=state) replaces only that: an export another run wrote there in
     between is kept."""
     d = Path(model_dir)
-    if not d.is_dir() or not any(d.iterdir()):
+    if not d.is_dir() or not any(p for p in d.iterdir() if not publish.is_staging(p)):
         return None
     try:
         return (d / EXPORT_MARKER).read_text()
@@ -368,9 +373,9 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
 
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    old = json.loads((out / EXPORT_MARKER).read_text())["files"] if export_state(out) else []
+    expect = export_state(out) if replaces is ANY else replaces
+    tmp = publish.stage(out)
     try:
         for name, shard in zip(names, shards):
             _write_safetensors(tmp / name, shard, weights, dtype)
@@ -384,14 +389,10 @@ def save_hf(cfg, weights, model_dir, dtype=torch.bfloat16, shard_size="5GB", tok
         written = sorted(p.name for p in tmp.iterdir())
         marker = {"format": "megatrain-min save_hf", "files": written, "id": uuid.uuid4().hex}
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
-        if replaces is not ANY and export_state(out) != replaces:
-            raise HFError(f"{out} changed while this run trained (another export was written there); nothing "
-                          f"was replaced")
-        old_dir = out.parent / f".old-{out.name}-{os.getpid()}"
-        if out.exists():
-            out.rename(old_dir)
-        tmp.rename(out)
-        shutil.rmtree(old_dir, ignore_errors=True)
+        publish.publish(tmp, out, expect, export_state, EXPORT_MARKER, old)
+    except publish.Conflict:
+        raise HFError(f"{out} was written by another export while this one ran; nothing there was "
+                      f"replaced") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -404,11 +405,20 @@ def check_export_dir(model_dir):
     another model's directory, a run's output, an export with a file added since -- raises HFError: save_hf
     replaces the whole directory, and nothing that is not provably its own may go with it."""
     d = Path(model_dir)
+    held = next((c for c in (d.absolute(), *d.absolute().parents) if checkpoint.is_checkpoint(c)),
+                None)
+    if held is not None:
+        beside = held.parent.parent / (held.parent.name + "-hf")
+        raise HFError(f"{d} is inside checkpoint {held}, which --keep deletes whole when it "
+                      f"prunes; put the export beside the run, e.g. {beside}")
     if not d.exists():
         return d
     if not d.is_dir():
         raise HFError(f"{d} exists and is not a directory; pick a new or empty directory for the export")
-    names = sorted(p.name for p in d.iterdir())
+    if busy := publish.writers(d):
+        raise HFError(f"{d} is being written by another export (pid {busy[0]}); wait for it to "
+                      f"finish, or pick another directory")
+    names = sorted(p.name for p in d.iterdir() if not publish.is_staging(p))
     if not names:
         return d
     try:
@@ -433,8 +443,13 @@ def export_source(ckpt, model_dir):
     """(cfg, weights) of checkpoint `ckpt` for an export to model_dir, after every check that needs no writing:
     ckpt is a checkpoint whose files verify (checkpoint.read_weights), model_dir is one save_hf may replace
     (check_export_dir: so never a directory that holds ckpt). Raises CheckpointError or HFError, one line."""
-    checkpoint.read_meta(ckpt)                          # a run directory: the message names its latest checkpoint
-    check_export_dir(model_dir)
+    checkpoint.read_meta(ckpt)        # a run directory: the message names its latest checkpoint;
+    check_export_dir(model_dir)       # its tokenizer files verified against their recorded sha256
+    if (Path(ckpt) / "tokenizer.json").is_file():
+        try:
+            HFTokenizer(ckpt)               # files that load: what the export's users will read
+        except ValueError as e:
+            raise HFError(f"{ckpt}'s tokenizer: {e}") from None
     return checkpoint.read_weights(ckpt)
 
 
@@ -458,13 +473,20 @@ def main(argv=None):
     e.add_argument("out_dir", help="new or empty directory, or an earlier export (replaced)")
     e.add_argument("--dtype", choices=DTYPE_FLAGS, default="bf16", help="tensor dtype written (default: %(default)s)")
     p.error = e.error = fail                            # argparse's complaints: one line and exit code 2 too
+    survive_closed_pipe()                               # and a stdout that cannot encode a path
     a = p.parse_args(argv)
     try:
         cfg, weights = export_source(a.ckpt, a.out_dir)
+        state = export_state(a.out_dir)        # replaced only if it still holds this at the end
+    except checkpoint.CheckpointError as err:
+        before = checkpoint.before(Path(a.ckpt).absolute())
+        fail(f"{err}" + (f"; the checkpoint before it may be intact: export {before}"
+                         if before else ""))
     except (ValueError, OSError) as err:
         fail(str(err) if isinstance(err, ValueError) else f"{a.ckpt}: cannot read {err.filename} ({err.strerror})")
     try:
-        save_hf(cfg, weights, a.out_dir, dtype=DTYPE_FLAGS[a.dtype], tokenizer_from=a.ckpt)
+        save_hf(cfg, weights, a.out_dir, dtype=DTYPE_FLAGS[a.dtype], tokenizer_from=a.ckpt,
+                replaces=state)
     except ValueError as err:
         fail(str(err))
     except OSError as err:

@@ -9,9 +9,20 @@ What it is
     torch.distributed's own launcher (elastic_launch, what torchrun runs) and exits with the documented code of
     the rank that failed (torchrun itself exits 1 whatever happened, after a report of its own).
 Signals
-    A SIGTERM, SIGHUP, SIGQUIT or Ctrl-C here is passed on to every rank, as torchrun does, and this process
-    waits for them: on SIGTERM, SIGHUP or a first Ctrl-C they save at the end of their step and exit 0; a
-    second Ctrl-C stops them at once (130); a save that fails gives 4. The exit code says what they did.
+    A SIGTERM, SIGHUP, SIGQUIT or Ctrl-C here is passed on to every rank, as torchrun does, and this
+    process waits for them: on SIGTERM, SIGHUP or a first Ctrl-C they save at the end of their step
+    and exit 0; a second Ctrl-C stops them at once (130); a save that fails gives 4. The exit code
+    says what they did (outcome(): a rank's own failure first -- the agent then stops the others
+    with SIGTERM, which is no news).
+A rank that stops answering
+    Each rank beats (heartbeat(): a thread that touches a file of its own every HEARTBEAT_S / 6 s).
+    A rank whose process stops running -- SIGSTOP, a paused container or VM, a process frozen whole
+    -- is silent there; after HEARTBEAT_S seconds of silence (60 by default; HEARTBEAT_ENV sets it)
+    this process names the rank, ends the run (SIGKILL to every rank: a checkpoint being written
+    stays a .tmp-* directory, every finished one whole) and exits 5. Without this the other ranks
+    wait in a collective for torch's timeout (10 minutes), then the agent waits 30 s more for the
+    frozen one. A rank alive but stuck in one call (a hung kernel) still beats: the collective
+    timeout catches it.
 What it is not
     Not a transport and not a scheduler: torch.distributed moves the bytes, its elastic agent starts and watches
     the ranks. One node; for several, torchrun on each node (README: more than one GPU). As with torchrun, a
@@ -20,18 +31,25 @@ What it is not
 import glob
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 import uuid
 import warnings
+from pathlib import Path
 
 import torch
 
-from megatrain_min import checks, rundir
+from megatrain_min import checkpoint, checks, rundir
 
 EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell reports it
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's default set
+HEARTBEAT_S = 60                              # seconds of silence: a rank has stopped answering
+HEARTBEAT_ENV = "MEGATRAIN_MIN_HEARTBEAT_S"   # ... when set here (a test: a few seconds)
+BEATS_ENV = "MEGATRAIN_MIN_BEATS"             # where the ranks beat (set for them by ranks())
 
 
 def without(argv, flag):
@@ -48,14 +66,16 @@ def without(argv, flag):
     return out
 
 
-def check(device, n):
+def check(device, n, present=True):
     """checks.check_device for n local ranks: ValueError (one line) unless, with CUDA, this machine shows n GPUs,
-    one per rank (torchrun finds that out only in the ranks). Returns the torch.device."""
+    one per rank (torchrun finds that out only in the ranks). present=False: planned for, not run
+    here.
+    Returns the torch.device."""
     try:
-        dev = checks.check_device(device)
+        dev = checks.check_device(device, present)
     except ValueError as e:
         raise ValueError(f"--device: {e}") from None
-    if dev.type == "cuda" and torch.cuda.device_count() < n:
+    if dev.type == "cuda" and present and torch.cuda.device_count() < n:
         raise ValueError(f"--nproc-per-node {n} but this machine shows {torch.cuda.device_count()} CUDA devices; "
                          f"one rank per GPU: --nproc-per-node {torch.cuda.device_count()}, or --device cpu")
     return dev
@@ -84,10 +104,10 @@ def _pass_on(pids, passed=None):
     return handler
 
 
-def checks_then_ranks(n, argv):
+def checks_then_ranks(n, argv, out):
     """In the parent: fork; wait for the child, which runs train.py's checks and leaves at hand_over; exit with
     its code when it refused, else start the ranks and exit with theirs. In the child: return, output quiet but
-    errors (no warnings). argv: train.py's flags without --nproc-per-node."""
+    errors (no warnings). argv: train.py's flags without --nproc-per-node; out: its --out."""
     sys.stdout.flush(), sys.stderr.flush()
     child = os.fork()
     if child == 0:   # rank 0 prints what this would, warnings included
@@ -97,7 +117,7 @@ def checks_then_ranks(n, argv):
     for s in PASSED_ON:
         signal.signal(s, _pass_on(lambda: [child]))
     code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    sys.exit((EXIT_OF_SIGNAL - code if code < 0 else code) or ranks(n, argv))
+    sys.exit((EXIT_OF_SIGNAL - code if code < 0 else code) or ranks(n, argv, out))
 
 
 def hand_over(run):
@@ -107,11 +127,77 @@ def hand_over(run):
     os._exit(0)   # the parent starts the ranks; nothing of this process may run at exit (no second lock file)
 
 
-def ranks(n, argv):
+def heartbeat_s():
+    """HEARTBEAT_S, or HEARTBEAT_ENV's seconds when it is a number > 0."""
+    try:
+        wait = float(os.environ.get(HEARTBEAT_ENV, HEARTBEAT_S))
+    except ValueError:
+        wait = HEARTBEAT_S
+    return wait if wait > 0 else HEARTBEAT_S
+
+
+def heartbeat(rank):
+    """In a rank started by ranks() (BEATS_ENV set): write this process's PID to BEATS/RANK, then
+    touch it every heartbeat_s() / 6 seconds from a daemon thread, for as long as the process runs.
+    Elsewhere: nothing."""
+    beats = os.environ.get(BEATS_ENV)
+    if not beats:
+        return
+    path, every = Path(beats) / str(rank), heartbeat_s() / 6
+
+    def beat():
+        while True:
+            try:
+                os.utime(path)
+            except OSError:            # the launcher went away and took the directory with it
+                return
+            time.sleep(every)
+    path.write_text(str(os.getpid()))
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def silent(beats, wait, now=None):
+    """(rank, pid, seconds) of the live rank that has been silent longest, if more than `wait`
+    seconds, else None. beats: the directory where the ranks beat; a rank that has not beaten yet is
+    not judged (torch's rendezvous times out on a rank that never joins), nor one that exited
+    (Linux's /proc says which)."""
+    now, worst = time.time() if now is None else now, None
+    for f in Path(beats).iterdir():
+        try:
+            quiet, pid = now - f.stat().st_mtime, int(f.read_text() or 0)
+            with open(f"/proc/{pid}/stat") as st:           # "pid (comm) S ...": its state
+                gone = st.read().rsplit(")", 1)[1].split()[0] in "ZXx"
+        except (OSError, ValueError, IndexError):           # no such process any more: it exited
+            continue
+        if quiet > wait and not gone and (worst is None or quiet > worst[2]):
+            worst = (int(f.name), pid, quiet)
+    return worst
+
+
+def outcome(codes, passed):
+    """(exit code, the line to say or None) of a launch from the ranks' exit codes ({rank: code};
+    -s: killed by signal s) and the signals passed on from here. A rank's own failure (refused,
+    diverged, a write error, a second Ctrl-C: its one line already said) comes first: the agent then
+    stops the others with SIGTERM, which is no news. Else a rank killed by a signal not passed on
+    from here is named (128 + s; a SIGTERM last, being the agent's), one killed by a signal passed
+    on from here is not; else 5 (another rank was lost), or 0."""
+    own = sorted(r for r, c in codes.items() if c > 0 and c != rundir.EXIT["rank_lost"])
+    if own:
+        return codes[own[0]], None
+    killed = sorted((r for r, c in codes.items() if c < 0),
+                    key=lambda r: (codes[r] == -signal.SIGTERM, r))
+    if killed:
+        r, sig = killed[0], -codes[killed[0]]
+        said = f"rank {r} was killed (signal {sig}); the other ranks stopped"
+        return EXIT_OF_SIGNAL + sig, None if sig in passed else said
+    return (rundir.EXIT["rank_lost"] if codes else 0), None
+
+
+def ranks(n, argv, out=None):
     """Run `python -u train.py argv` on n local ranks (torchrun --standalone's settings) and return the exit
-    code: 0 when every rank exited 0 (finished, or stopped by a signal after a save), else the code of the
-    rank that failed -- a rank killed by a signal first (named here: 128 + the signal), then a rank's own code
-    other than 5 (its one line already on stderr), else 5."""
+    code (outcome()): 0 when every rank exited 0 (finished, or stopped by a signal after a save),
+    else the code of the rank that failed; 5 with one line naming it when a rank stopped answering
+    (heartbeat_s() of silence: the run is ended). out: --out, for the line's last checkpoint."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -120,6 +206,7 @@ def ranks(n, argv):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")   # as torchrun: N ranks share this machine's cores
     os.environ[rundir.LAUNCHED_ENV] = "1"           # the ranks say what a signal to this process does
+    beats = os.environ[BEATS_ENV] = tempfile.mkdtemp(prefix="megatrain-min-beats-")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
     codes, passed = {}, []
@@ -139,17 +226,29 @@ def ranks(n, argv):
         signal.signal(s, _pass_on(_children, passed))
     thread = threading.Thread(target=agent, name="elastic-agent")
     thread.start()
+    frozen, wait = None, heartbeat_s()
     while thread.is_alive():
         thread.join(0.1)
+        if frozen is None and (frozen := silent(beats, wait)):   # end the run: every rank, at once
+            for pid in _children():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    shutil.rmtree(beats, ignore_errors=True)
+    if frozen:
+        last = checkpoint.latest(out) if out else None
+        print(f"error: rank {frozen[0]} (pid {frozen[1]}) stopped answering: no heartbeat for "
+              f"{frozen[2]:.0f} s (a frozen process: SIGSTOP, a paused VM); the run was ended, "
+              f"every finished checkpoint is whole (the last: {last or 'none'}); continue with "
+              f"--resume",
+              file=sys.stderr)
+        return rundir.EXIT["rank_lost"]
     if -1 in codes:
         print(f"error: could not start the ranks ({codes[-1]}); try torchrun --standalone --nproc-per-node {n}",
               file=sys.stderr)
         return rundir.EXIT["rank_lost"]
-    killed = sorted(r for r, c in codes.items() if c < 0)
-    if killed:    # by a signal passed on from here (the user's: no word), or from elsewhere (named)
-        if -codes[killed[0]] not in passed:
-            print(f"error: rank {killed[0]} was killed (signal {-codes[killed[0]]}); the other ranks stopped",
-                  file=sys.stderr)
-        return EXIT_OF_SIGNAL - codes[killed[0]]
-    own = sorted(r for r, c in codes.items() if c != rundir.EXIT["rank_lost"])   # rank 0 first: the refusals
-    return codes[own[0]] if own else (rundir.EXIT["rank_lost"] if codes else 0)
+    code, line = outcome(codes, passed)
+    if line:
+        print(f"error: {line}", file=sys.stderr)
+    return code

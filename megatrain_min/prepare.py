@@ -1,52 +1,70 @@
-"""prepare.py -- a corpus tokenized once, into memory-mapped token files that a run opens in no time.
+"""prepare.py -- a corpus tokenized once, into token files that a run opens in no time.
 
 What it is
-    python -m megatrain_min.data prepare INPUT... --out DIR [--tokenizer MODEL_DIR] [--val-fraction 0.1]
-    streams text (.txt) or JSON lines (.jsonl) through a tokenizer (MODEL_DIR's tokenizer.json -- a Hugging Face
-    model directory or one of our checkpoints that carries it -- else bytes) and writes DIR:
-        train.npy, val.npy                  token ids, uint16 when the vocabulary fits, else uint32
-        train.mask.npy, val.mask.npy        SFT only: bool per token, True where it is supervised (carries loss)
-        train.examples.npy, val.examples.npy    SFT only: int64 (n, 3) per example: start, end, first target
-        meta.json                           written last: format version, tokenizer sha256 ("bytes" without
-                                            --tokenizer), vocabulary size, dtype, per split the tokens, the
-                                            .jsonl records (documents or examples) and the largest id, the
-                                            sources with sizes and mtimes, the settings
+    python -m megatrain_min.data prepare INPUT... --out DIR [--tokenizer MODEL_DIR]
+                                         [--val-fraction 0.1]
+    streams text (.txt) or JSON lines (.jsonl) through a tokenizer (MODEL_DIR's tokenizer.json -- a
+    Hugging Face model directory or one of our checkpoints that carries it -- else bytes) into DIR:
+        train.npy, val.npy              token ids, uint16 when the vocabulary fits, else uint32
+        train.mask.npy, val.mask.npy    SFT only: bool per token, True where it is supervised
+        train.examples.npy, val.examples.npy    SFT only: int64 (n, 3): start, end, first target
+        meta.json                       written last: format version, tokenizer sha256 ("bytes"
+                                        without --tokenizer), vocabulary size, dtype, per split the
+                                        tokens, the .jsonl records (documents or examples) and the
+                                        largest id, the sources with sizes and mtimes, the settings,
+                                        per file its size and sha256 (digest(): whole up to
+                                        DIGEST_WHOLE, else sampled)
     What an input becomes:
-    * .txt: the text line by line -- each line with its newline encoded on its own, the ids concatenated, as
-      transformers' run_clm.py does with keep_linebreaks. A tokenizer that merges across a line end (Llama 3
-      makes one token of "\\n\\n") gives a few other ids there than one encode() of the whole file would.
-      Nothing is put between files.
-    * .jsonl lines {"text": ...}: one document per line, encoded whole, then eos (a newline for a tokenizer
-      without one, as data.example_tokens ends a turn): documents never run into each other.
-    * .jsonl lines {"messages": [...]} or {"prompt", "completion"} (whatever else they hold, "text" too): SFT
-      examples through data.example_tokens -- the model's own chat template (chat.py) and its supervised mask,
-      what data.load_sft_jsonl trains on -- stored one after the other with their boundaries, so that each batch
-      row holds one example (SFTBatches). One directory holds one kind: mixing them is refused.
-    The validation split is the tail of the input: the last floor(F * total) bytes of all inputs (in the order
-    given), widened to whole lines and records -- a line goes to val when its last byte lies there. The same
-    contiguous tail that data.split takes of a token array, and fixed before anything is tokenized, so it streams.
-    Memory is bounded by a batch, never by the corpus: input is read BATCH_BYTES at a time cut at a line end,
-    encoded by the tokenizers package's encode_batch on all usable cores (RAYON_NUM_THREADS = the CPUs this
-    process may run on), and appended to the output files. Measured: bench/prepare_throughput.py, bench/NOTES.md.
-    Nothing half-written is ever taken for finished: everything goes into DIR's sibling .tmp-DIR-PID, is fsynced,
-    meta.json last, and is renamed to DIR; the reader refuses a directory without a complete meta.json, and a
-    rerun removes what a killed one left. A rerun into a finished DIR does nothing when the sources, tokenizer
-    and settings are the same (like make); otherwise it refuses unless --force, which replaces only a
-    directory that prepare wrote.
-    PreparedTokens(DIR): the arrays memory-mapped (start-up does not grow with the corpus), vocab_size and
-    tokenizer_hash, data.Batches over the ids, data.SFTBatches over the examples, and check_model(MODEL_DIR,
-    vocab_size): the same tokenizer (and chat template) as the model that will train on them.
+    * .txt: the text line by line -- each line with its newline encoded on its own, the ids
+      concatenated, as transformers' run_clm.py does with keep_linebreaks. A tokenizer that merges
+      across a line end (Llama 3 makes one token of "\\n\\n") gives a few other ids there than one
+      encode() of the whole file would. Nothing is put between files.
+    * .jsonl lines {"text": ...}: one document per line, encoded whole, then eos (a newline for a
+      tokenizer without one, as data.example_tokens ends a turn): documents never run together.
+    * .jsonl lines {"messages": [...]} or {"prompt", "completion"} (whatever else they hold, "text"
+      too): SFT examples through data.example_tokens -- the model's own chat template (chat.py) and
+      its supervised mask, what data.load_sft_jsonl trains on -- stored one after the other with
+      their boundaries, so that each batch row holds one example (SFTBatches). One directory holds
+      one kind: mixing them is refused.
+    The validation split is the tail of the input: the last floor(F * total) bytes of all inputs
+    (in the order given), widened to whole lines and records -- a line goes to val when its last
+    byte lies there. The same contiguous tail that data.split takes of a token array, fixed before
+    anything is tokenized, so it streams. A --val-fraction above 0 that leaves it empty is refused
+    (train.py evaluates on it).
+    Memory is bounded by a batch, never by the corpus: input is read BATCH_BYTES at a time cut at a
+    line end, encoded by the tokenizers package's encode_batch on all usable cores
+    (RAYON_NUM_THREADS = the CPUs this process may run on), and appended to the output files. A
+    line (or record) is one sequence, which costs the tokenizers package ~200 bytes of memory per
+    byte of it (measured: 1.6 GB for 8 MiB): a line is at most TOKENIZED_LINE_MAX through a
+    tokenizer (LINE_MAX as bytes). Measured: bench/prepare_throughput.py, bench/NOTES.md.
+    Nothing half-written is ever taken for finished: everything is written aside (publish.stage),
+    fsynced, meta.json last, and put in place whole (publish.publish: a new DIR renamed into place,
+    an existing one -- empty, a mount point, the working directory -- filled, never replaced); the
+    reader refuses a directory without a complete meta.json, and a rerun removes what a killed one
+    left. Two prepares into one DIR at once: the second is refused (or, when both got past their
+    checks, the one that finishes second replaces nothing). A rerun into a finished DIR does nothing
+    when the sources, tokenizer and settings are the same (like make); otherwise it refuses unless
+    --force, which replaces only a directory that prepare wrote.
+    PreparedTokens(DIR): each file's size and digest checked against meta.json (a foreign or
+    bit-rotten file is refused); the arrays read as batches ask (TokenFile: os.pread, nothing in RAM
+    before, and a file truncated under a run is an error naming it, never a SIGBUS as from a memory
+    map), every id read checked against the split's largest; vocab_size and tokenizer_hash,
+    data.Batches over the ids, data.SFTBatches over the examples; check_model(MODEL_DIR,
+    vocab_size): the same tokenizer (and chat template) as the model that will train on them;
+    fingerprint(): what a checkpoint keeps of the data -- the digests of the ids, not when or from
+    which paths they were prepared.
 What it is not
-    No shuffling, deduplication or filtering; no packing of SFT examples (data.py says why); no CRC of the token
-    files (sizes are checked; they are written once and renamed into place). SFT examples are rendered one at a
-    time in Python (a chat template is a jinja program); text goes through encode_batch.
+    No shuffling, deduplication or filtering; no packing of SFT examples (data.py says why); no CRC
+    of the token files beyond the digests above. SFT examples are rendered one at a time in Python
+    (a chat template is a jinja program); text goes through encode_batch.
 Reference
     nanoGPT's data/openwebtext/prepare.py (flat uint16 ids, np.memmap to read them); Megatron-LM's
-    tools/preprocess_data.py (documents with an index, an end-of-document token); transformers' run_clm.py.
+    tools/preprocess_data.py (documents with an index, an end-of-document token); transformers'
+    run_clm.py.
 Try it
-    python -m megatrain_min.data prepare data/tinyshakespeare.txt --out /tmp/shakespeare   # bytes, ~1 s
+    python -m megatrain_min.data prepare data/tinyshakespeare.txt --out /tmp/shakespeare   # ~1 s
     python -m pytest tests/test_prepare.py
-    python bench/prepare_throughput.py        # against plain Tokenizer.encode_batch, with peak RSS of each
+    python bench/prepare_throughput.py    # against Tokenizer.encode_batch, with peak RSS of each
 """
 import argparse
 import hashlib
@@ -62,13 +80,15 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain_min import data
+from megatrain_min import data, publish
 from megatrain_min.tokenizer import HFTokenizer
 
 FORMAT, VERSION = "megatrain-min prepared tokens", 1
 META = "meta.json"
 BATCH_BYTES = 4 << 20   # input per encode_batch call: ~1M tokens, ~100 MB of the package's Encodings in flight
 LINE_MAX = 64 << 20     # a line is never cut: a longer one would make a batch that large, and is refused
+TOKENIZED_LINE_MAX = 8 << 20   # ... through a tokenizer: ~200 B of memory per byte of a sequence
+DIGEST_WHOLE = 256 << 20       # files up to this size are hashed whole; larger: 64 spread-out MiB
 SPLITS = ("train", "val")
 
 
@@ -93,6 +113,44 @@ def tokenizer_hash(model_dir):
     if not path.is_file():
         raise PrepareError(f"{model_dir} has no tokenizer.json")
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_tokenizer_dir(model_dir, flag="--tokenizer"):
+    """PrepareError (one line, what to pass instead) unless model_dir is a directory holding
+    tokenizer.json: the file itself, a training run's directory (its checkpoints carry the
+    tokenizer) and a directory without one are named as what they are."""
+    d = Path(model_dir)
+    if d.is_file():
+        raise PrepareError(f"{flag} {d} is a file; pass the directory that holds it: "
+                           f"{flag} {d.parent}")
+    ckpts = sorted(p.parent for p in d.glob("ckpt-*/meta.json"))
+    if not (d / "tokenizer.json").is_file() and ckpts:
+        carried = [p for p in ckpts if (p / "tokenizer.json").is_file()]
+        raise PrepareError(f"{flag} {d} is a training run's directory; pass one of its "
+                           f"checkpoints, e.g. {flag} {carried[-1]}" if carried else
+                           f"{flag} {d} is a training run's directory whose checkpoints carry no "
+                           f"tokenizer.json (a byte-vocabulary run): prepare without {flag}")
+    if not (d / "tokenizer.json").is_file():
+        raise PrepareError(f"{flag} {d}: no tokenizer.json there (a directory is a tokenizer only "
+                           f"when it holds one); pass a model directory or one of our checkpoints"
+                           if d.is_dir() else f"{flag} {d} does not exist")
+
+
+def digest(path):
+    """{"bytes", "sha256"} of a file: hashed whole up to DIGEST_WHOLE, else 64 spread-out 1 MiB
+    blocks ("sampled": true) -- a file of other content but the same size is told apart (but for
+    blocks it shares)."""
+    size, h = os.stat(path).st_size, hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= DIGEST_WHOLE:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            for k in range(64):
+                f.seek(k * (size - (1 << 20)) // 63)
+                h.update(f.read(1 << 20))
+    sampled = {"sampled": True} if size > DIGEST_WHOLE else {}
+    return {"bytes": size, "sha256": h.hexdigest(), **sampled}
 
 
 def _sha(text):
@@ -187,6 +245,8 @@ def _sources(inputs):
     out = []
     for name in inputs:
         p = Path(name)
+        if p.is_dir():
+            raise PrepareError(f"{p} is a directory; pass the files in it, e.g. {p / '*.txt'}")
         if p.suffix not in (".txt", ".jsonl"):
             raise PrepareError(f"{p}: expected a .txt (text) or .jsonl (one JSON object per line) file")
         if not p.is_file():
@@ -202,23 +262,33 @@ def _sources(inputs):
     return out
 
 
-def _chunks(path):
-    """(offset, bytes) of the file in pieces of about BATCH_BYTES, each ending at a line end (or the file's end).
-    A read error is a PrepareError (an error of the caller's, between the pieces, is not caught here)."""
+def _chunks(path, line_max=LINE_MAX):
+    """(offset, bytes) of the file in pieces of about BATCH_BYTES, each ending at a line end (or the
+    file's end); a line longer than line_max (> BATCH_BYTES) is refused. A read error is a
+    PrepareError (an error of the caller's, between the pieces, is not caught here)."""
     def read(f):
         try:
             return f.read(BATCH_BYTES)
         except OSError as e:
             raise PrepareError(f"{path}: cannot read it ({e.strerror})") from None
 
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise PrepareError(f"{path} was moved or deleted while the inputs were being prepared; put "
+                           f"it back (or leave it out), then run again") from None
+    with f:
         rest, at = b"", 0
         while block := read(f):
             buf = rest + block
             end = buf.rfind(b"\n") + 1
-            if end == 0 and len(buf) > LINE_MAX:
-                raise PrepareError(f"{path}: a line of more than {LINE_MAX >> 20} MiB at byte {at:,}; text is "
-                                   f"tokenized line by line: break it into lines")
+            first = buf.find(b"\n") + 1 or len(buf)  # only the first line can outgrow a block
+            if first > line_max:
+                why = ("a line is encoded as one sequence, ~200 bytes of memory per byte"
+                       if line_max < LINE_MAX else "text is read line by line")
+                raise PrepareError(f"{path}: a line of more than {line_max >> 20} MiB at byte "
+                                   f"{at:,} ({why}); break it into lines (or records) of at most "
+                                   f"{line_max >> 20} MiB")
             if end:
                 yield at, buf[:end]
                 at, rest = at + end, buf[end:]
@@ -243,11 +313,12 @@ class _Corpus:
 
     def __init__(self, tmp, tok, dtype, chat_format, cut):
         self.tmp, self.tok, self.dtype, self.chat_format, self.cut = tmp, tok, dtype, chat_format, cut
-        self.t0 = time.time()
+        self.t0, self.lines = time.time(), 0
         self.kind, self.first, self.splits = None, None, None
         self.end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")   # after each "text" document
         fast = getattr(getattr(tok, "tok", None), "encode_batch_fast", None)      # the same ids, no offsets
         self.encode_batch = fast or getattr(getattr(tok, "tok", None), "encode_batch", None)
+        self.line_max = LINE_MAX if self.encode_batch is None else TOKENIZED_LINE_MAX
 
     def _split(self, kind, where):
         if self.kind is None:
@@ -304,7 +375,7 @@ class _Corpus:
         base = 0
         for path, src in zip(map(Path, inputs), sources):           # messages name a file as it was given
             line = 0
-            for at, chunk in _chunks(path):
+            for at, chunk in _chunks(path, self.line_max):
                 # the split point: lines whose last byte lies before self.cut go to train, the rest to val
                 lo = base + at
                 p = (len(chunk) if lo + len(chunk) <= self.cut else 0 if lo >= self.cut
@@ -312,32 +383,21 @@ class _Corpus:
                 for split, a, b in (("train", 0, p), ("val", p, len(chunk))):
                     if b > a:
                         self.add(path, lo + a, chunk[a:b], line + chunk.count(b"\n", 0, a), split)
-                line += chunk.count(b"\n")
+                line += chunk.count(b"\n") + (not chunk.endswith(b"\n"))
                 bar.update(len(chunk))
                 n_tok = sum(s.ids.n for s in (self.splits or {}).values())
                 bar.set_postfix_str(f"{n_tok / max(time.time() - self.t0, 1e-9) / 1e6:.2f}M tokens/s", refresh=False)
-            st = path.stat()
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                raise PrepareError(f"{path} was moved or deleted while it was being prepared; put "
+                                   f"it back, then run again") from None
             if (st.st_size, st.st_mtime_ns) != (src["bytes"], src["mtime_ns"]):
                 raise PrepareError(f"{path} changed while it was being prepared; run again when it is written")
-            base += src["bytes"]
+            base, self.lines = base + src["bytes"], self.lines + line
         if self.kind is None:
             raise PrepareError(f"{', '.join(map(str, inputs))}: no records, only blank lines")
         return {s: self.splits[s].close() for s in SPLITS}
-
-
-def _alive(pid):
-    """Is `pid` (the tail of a .tmp-* name) a running process? A tail that is no PID counts as alive."""
-    if not pid.isdigit():
-        return True
-    if int(pid) == os.getpid():                 # a directory of ours from before: a process of this PID that died
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _existing(out, given, differs, force):
@@ -347,7 +407,10 @@ def _existing(out, given, differs, force):
         return False
     if not out.is_dir():
         raise PrepareError(f"--out {given} exists and is not a directory; pick a new or empty directory")
-    names = {p.name for p in out.iterdir()}
+    if busy := publish.writers(out):
+        raise PrepareError(f"--out {given} is being written by another prepare (pid {busy[0]}); "
+                           f"wait for it to finish, or pick another --out")
+    names = {p.name for p in out.iterdir() if not publish.is_staging(p)}
     if not names:
         return False
     try:                                                   # ours: our meta.json, and no file it does not list
@@ -380,11 +443,15 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
     Raises PrepareError (a ValueError; HFTokenizer's own for an unreadable tokenizer) with one line before
     anything is written, or while reading; OSError when an output cannot be written. Either way out is unchanged."""
     from tqdm import tqdm
+    if str(out) == "":
+        raise PrepareError("--out is an empty path; name the directory to write, e.g. --out tokens")
     sources, given, out = _sources(inputs), out, Path(out).resolve()      # messages name out as given
     if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
         raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {val_fraction}")
     if chat_format not in (None, "native", "fixed"):
         raise PrepareError(f"chat_format must be 'native', 'fixed' or None, got {chat_format!r}")
+    if tokenizer is not None:
+        check_tokenizer_dir(tokenizer)
     tok = HFTokenizer(tokenizer) if tokenizer is not None else data.ByteTokenizer()
     if chat_format == "native" and tok.chat_template is None:
         raise PrepareError(f"--chat-format native: {tokenizer or 'the byte tokenizer'} has no chat_template")
@@ -407,45 +474,63 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
 
     if _existing(out, given, differs, force):
         return {**_read_meta(out), "up_to_date": True}
-    for stale in out.parent.glob(f".tmp-{out.name}-*"):        # what a killed prepare left, never a live one's
-        if not _alive(stale.name.rsplit("-", 1)[-1]):
-            shutil.rmtree(stale, ignore_errors=True)
+    was = _state(out)                               # what out holds now: only that is replaced
+    old = list(_read_meta(out)["files"]) + [META] if was else []
     # the tokenizers package runs encode_batch on a thread pool sized when it is first used
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     os.environ.setdefault("RAYON_NUM_THREADS", str(cpus))
     total = sum(s["bytes"] for s in sources)
-    tmp, t0 = out.parent / f".tmp-{out.name}-{os.getpid()}", time.time()
-    tmp.mkdir(parents=True)
+    tmp, t0 = publish.stage(out), time.time()
     try:
         corpus = _Corpus(tmp, tok, dtype, chat_format, cut=total - int(val_fraction * total))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"prepare {out.name}",
                   disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
             done = corpus.run(inputs, sources, bar)
         if done["train"][1]["tokens"] == 0:
-            raise PrepareError(f"the train split is empty: every line holds some of the last {val_fraction:.0%} of "
-                               f"the input bytes (--val-fraction {val_fraction}); lower --val-fraction")
+            raise PrepareError(
+                "the train split is empty: the input is one line (or record), and the split is "
+                "made at line ends; break the text into lines" if corpus.lines < 2 else
+                f"the train split is empty: every line holds some of the last {val_fraction:.0%} "
+                f"of the input bytes (--val-fraction {val_fraction}); lower --val-fraction")
+        if done["val"][1]["tokens"] == 0 and val_fraction > 0:
+            least = max(1 / total, 1e-4)
+            raise PrepareError(
+                f"the val split is empty: --val-fraction {val_fraction} of {total:,} input bytes "
+                f"is {int(val_fraction * total)} bytes, less than the last line or record, and "
+                f"train.py evaluates on it; pass --val-fraction {least:.2g} or more (0: no val "
+                f"split)")
+        files = {name: size for s in SPLITS for name, size in done[s][0].items()}
         meta = {"format": FORMAT, **settings, "kind": corpus.kind, "dtype": dtype.name,
                 "chat_format": chat_format if corpus.kind == "sft" else None,
                 "tokenizer_dir": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
                 "splits": {s: done[s][1] for s in SPLITS},
                 "val_rule": "the lines/records holding the last floor(val_fraction * bytes) bytes of the inputs",
-                "files": {name: size for s in SPLITS for name, size in done[s][0].items()},
+                "files": files, "sha256": {name: digest(tmp / name)["sha256"] for name in files},
                 "seconds": round(time.time() - t0, 3)}
         with open(tmp / META, "w") as f:                         # last: its presence means the rest is whole
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        old = out.parent / f".tmp-{out.name}-old-{os.getpid()}"
-        if out.exists():                                          # empty, or replaced with --force
-            os.rename(out, old)
-        os.rename(tmp, out)                                       # atomic: DIR appears whole or not at all
-        _fsync_dir(out.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        publish.publish(tmp, out, was, _state, META, old)    # DIR appears whole or not at all
+    except publish.Conflict:
+        raise PrepareError(f"--out {given} was written by another prepare while this one ran; "
+                           f"nothing there was replaced (this preparation is discarded)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {**meta, "up_to_date": False}
+
+
+def _state(out):
+    """What a prepare would replace at out: None (nothing, or an empty directory), else its
+    meta.json's text."""
+    try:
+        return (Path(out) / META).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "unreadable"
 
 
 def _fsync_dir(path):
@@ -457,39 +542,120 @@ def _fsync_dir(path):
 
 
 # ----------------------------------------------------------------------------- reading
+class TokenFile:
+    """A 1-D array in a .npy file, read with os.pread as it is sliced (f[a:b] -> a new ndarray;
+    np.asarray(f): all of it): as with a memory map nothing is in RAM before it is asked for, but a
+    file truncated under a run is a PrepareError naming it, where touching a memory map past a
+    file's new end kills the process (SIGBUS). top: the largest value the file may hold (meta.json's
+    max_id); a larger one read is bit rot, refused."""
+
+    def __init__(self, path, n, dtype, top=None):
+        self.path, self.n, self.dtype, self.top = Path(path), n, np.dtype(dtype), top
+        with open(self.path, "rb") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read = {(1, 0): np.lib.format.read_array_header_1_0,
+                        (2, 0): np.lib.format.read_array_header_2_0}[version]
+                shape, _, dt = read(f)
+            except (ValueError, KeyError, OSError) as e:
+                raise PrepareError(f"{self.path}: not a .npy file ({e}); prepare the data "
+                                   f"again") from None
+            self.offset = f.tell()
+        if dt != self.dtype or shape != (n,):
+            raise PrepareError(f"{self.path} holds {dt} {shape}, meta.json says {n} of "
+                               f"{self.dtype}")
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, s):
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise TypeError("a TokenFile is read in slices [a:b]")
+        a, b, _ = s.indices(self.n)
+        k, size = max(b - a, 0), self.dtype.itemsize
+        buf = bytearray(k * size)
+        got = 0
+        while got < len(buf):                    # pread returns at most ~2 GB per call
+            piece = os.pread(self.fd, min(len(buf) - got, 1 << 30), self.offset + a * size + got)
+            if not piece:
+                now = os.fstat(self.fd).st_size
+                raise PrepareError(f"{self.path} shrank while this run read it ({now:,} bytes "
+                                   f"now, {self.offset + self.n * size:,} when it was opened): it "
+                                   f"was truncated or rewritten; prepare the data again")
+            buf[got:got + len(piece)] = piece
+            got += len(piece)
+        ids = np.frombuffer(buf, self.dtype)
+        if self.top is not None and k and int(ids.max()) > self.top:
+            i = int(np.argmax(ids > self.top))
+            raise PrepareError(f"{self.path} holds id {int(ids[i])} at index {a + i:,}, above the "
+                               f"largest id meta.json records ({self.top}): the file is damaged; "
+                               f"prepare the data again")
+        return ids
+
+    def __array__(self, dtype=None, copy=None):
+        ids = self[0:self.n]
+        return ids if dtype is None else ids.astype(dtype)
+
+
 class PreparedTokens:
-    """A prepared directory, memory-mapped: nothing of the corpus is read into RAM until a batch asks for it.
+    """A prepared directory: nothing of the corpus is read into RAM until a batch asks for it.
 
-    kind: "tokens" (pretraining) or "sft"; vocab_size: ids below it (the tokenizer's); tokenizer_hash: sha256 of
-    its tokenizer.json or "bytes"; meta: all of meta.json. Refuses (PrepareError) a directory without a complete
-    meta.json of this format, or whose files do not have the sizes it records."""
+    kind: "tokens" (pretraining) or "sft"; vocab_size: ids below it (the tokenizer's);
+    tokenizer_hash: sha256 of its tokenizer.json or "bytes"; meta: all of meta.json. Refuses
+    (PrepareError) a directory without a complete meta.json of this format, whose files do not have
+    the sizes it records, or (verify) not the digests: a file replaced by another one of the same
+    size, bit rot (sampled beyond DIGEST_WHOLE)."""
 
-    def __init__(self, path):
+    def __init__(self, path, verify=True):
         self.path = Path(path)
         self.meta = _read_meta(self.path)
         try:
+            meta, tok = self.meta, self.meta["tokenizer"]
+            self.kind, self.dtype = meta["kind"], np.dtype(meta["dtype"])
+            self.vocab_size, self.tokenizer_hash = tok["vocab_size"], tok["sha256"]
+            kinds = {"tokens": (".npy",), "sft": (".npy", ".mask.npy", ".examples.npy")}
+            want = sorted(f"{s}{x}" for s in SPLITS for x in kinds.get(self.kind, ()))
+            if self.kind not in kinds or sorted(meta["files"]) != want:
+                raise PrepareError(f"{self.path}/{META}: kind {self.kind!r} with files "
+                                   f"{sorted(meta['files'])} is not what prepare writes (it was "
+                                   f"edited); prepare the data again")
             for name, size in self.meta["files"].items():
                 f = self.path / name
                 if not f.is_file() or f.stat().st_size != size:
                     what = "missing" if not f.is_file() else "of another size than meta.json says"
                     raise PrepareError(f"{f} is {what}; the directory is damaged: prepare it again")
-            self.kind, self.dtype, tok = self.meta["kind"], np.dtype(self.meta["dtype"]), self.meta["tokenizer"]
-            self.vocab_size, self.tokenizer_hash = tok["vocab_size"], tok["sha256"]
+                sha = self.meta.get("sha256", {}).get(name)
+                if verify and sha is not None and digest(f)["sha256"] != sha:
+                    raise PrepareError(f"{f} is not the file prepare wrote (its sha256 differs "
+                                       f"from meta.json's): replaced or damaged since; prepare "
+                                       f"the data again")
         except (KeyError, TypeError, AttributeError) as e:
             raise PrepareError(f"{self.path}/{META} lacks {e}; prepare the data again") from None
 
-    def _array(self, name, n, dtype):
-        a = np.load(self.path / name, mmap_mode="r") if n else np.zeros((0,), dtype)
-        if a.dtype != dtype or len(a) != n:
-            raise PrepareError(f"{self.path / name} holds {a.dtype} {a.shape}, meta.json says {n} of {dtype}")
-        return a
+    def _array(self, name, n, dtype, top=None):
+        return TokenFile(self.path / name, n, dtype, top) if n else np.zeros((0,), dtype)
+
+    def fingerprint(self):
+        """{"bytes", "sha256"}: what a checkpoint keeps of this data (--resume compares it). The
+        digests of the token files -- the ids themselves, not when or from which paths they were
+        prepared (a directory from before digests were recorded: its meta.json but the time)."""
+        what = self.meta.get("sha256") or {k: v for k, v in self.meta.items() if k != "seconds"}
+        return {"bytes": sum(self.meta["files"].values()),
+                "sha256": hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()}
 
     def tokens(self, split="train"):
-        """The split's token ids: a read-only 1-D memory map of uint16 or uint32."""
-        return self._array(f"{split}.npy", self.meta["splits"][split]["tokens"], self.dtype)
+        """The split's token ids: a TokenFile of uint16 or uint32, every id read checked against
+        the split's largest."""
+        s = self.meta["splits"][split]
+        return self._array(f"{split}.npy", s["tokens"], self.dtype, s["max_id"])
 
     def supervised(self, split="train"):
-        """SFT: per token, whether it is supervised (a read-only memory map of bool)."""
+        """SFT: per token, whether it is supervised (a TokenFile of bool)."""
         self._want("sft", "supervised")
         return self._array(f"{split}.mask.npy", self.meta["splits"][split]["tokens"], np.dtype(bool))
 
@@ -500,7 +666,9 @@ class PreparedTokens:
 
     def _nonempty(self, split):
         if not self.meta["splits"][split]["tokens"]:
-            raise PrepareError(f"{self.path}: the {split} split is empty (val_fraction {self.meta['val_fraction']})")
+            raise PrepareError(f"{self.path}: the {split} split is empty (val_fraction "
+                               f"{self.meta['val_fraction']}), and a run evaluates on it; prepare "
+                               f"the data again with --val-fraction 0.1")
 
     def batches(self, split, batch_size, seq_len, seed=0):
         """data.Batches over the split's ids: random windows, exactly as over the same ids in memory."""
@@ -512,7 +680,11 @@ class PreparedTokens:
         """The split's SFT examples as data.load_sft_jsonl gives them: Examples, a sequence of (x, y)."""
         self._want("sft", "examples")
         self._nonempty(split)
-        index = self._array(f"{split}.examples.npy", self.meta["splits"][split]["examples"], np.dtype(np.int64))
+        n, f = self.meta["splits"][split]["examples"], self.path / f"{split}.examples.npy"
+        index = np.load(f) if n else np.zeros((0, 3), np.int64)   # O(examples): read whole, once
+        if index.dtype != np.int64 or index.shape != (n, 3):
+            raise PrepareError(f"{f} holds {index.dtype} {index.shape}, meta.json says ({n}, 3) "
+                               f"of int64")
         return Examples(self.tokens(split), self.supervised(split), index, seq_len, f"{self.path} {split}")
 
     def sft_batches(self, split, batch_size, seq_len, seed=0, pad_id=0):
@@ -541,7 +713,7 @@ class PreparedTokens:
 
 class Examples(Sequence):
     """(x, y) int32 of each SFT example with a supervised target within seq_len (data.example_xy), read from
-    the memory maps when asked for: the sequence data.load_sft_jsonl returns, for data.SFTBatches. The same
+    the files as asked for: the sequence data.load_sft_jsonl returns, for data.SFTBatches. The same
     warning for examples cut to seq_len, the same dropping of those left with no answer token."""
 
     def __init__(self, ids, supervised, index, seq_len, where):
@@ -572,7 +744,7 @@ def main(argv=None):
         sys.exit(code)
 
     p = argparse.ArgumentParser(prog="python -m megatrain_min.data prepare",
-                                description="Tokenize text or JSON lines once into memory-mapped token files.")
+                                description="Tokenize text or JSON lines once into token files.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, tokenized in this order")
     p.add_argument("--out", required=True, help="the directory to write (made; refused if it holds other data)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
@@ -584,6 +756,10 @@ def main(argv=None):
                    help="SFT records: the tokenizer's chat template (default when it has one) or the fixed format")
     p.add_argument("--force", action="store_true", help="replace --out when it holds an earlier preparation")
     p.error = fail                       # argparse's complaints: one line and exit code 2 too
+    # a stdout that cannot encode a path (PYTHONIOENCODING=ascii) escapes it, as train.py's does
+    # (cli.survive_closed_pipe; prepare runs without torch, which cli imports)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     a = p.parse_args(argv)
     try:
         meta = prepare(a.inputs, a.out, a.tokenizer, a.val_fraction, a.chat_format, a.force)

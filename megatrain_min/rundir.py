@@ -2,22 +2,28 @@
 
 What it is
     Run(args) owns --out (and --save-hf) for train.py:
-      check()     before anything is allocated: every place the run writes to is writable, an export never
-                  replaces what is not an earlier export, the disk holds a checkpoint (12 B/param) and the
-                  export; --resume reads the checkpoint's meta.json and refuses other settings
+      check()     before anything is allocated: no other run holds --out's lock, every place the run
+                  writes to is writable, an export never replaces what is not an earlier export, the
+                  disk holds a checkpoint (12 B/param) and the export; --resume reads the
+                  checkpoint's meta.json (its tokenizer files verified) and refuses other settings.
+                  The data's samplers are wrapped: a data file found damaged while training
+                  (prepare.TokenFile: truncated, bit rot) ends the run with one line naming it and
+                  the last checkpoint, exit 2
       claim()     the run lock (one run per --out; the kernel drops it even on SIGKILL), and a new run never
                   writes into a directory that holds another run's files
       record()    config.json (the resolved settings) written atomically; on --resume metrics.jsonl is cut to
                   the checkpoint's step by a new file renamed over it; then one flushed line per step (log)
       save()      a checkpoint (megatrain_min/checkpoint.py), its failures turned into exit codes
       signals     SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C: out at once
+                  (once that save is written, a second Ctrl-C changes nothing: the run is leaving)
     fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code (EXIT).
 Exit codes (README: Troubleshooting)
-    0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained, nothing lost;
-    3 training diverged (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output
-    could not be written (disk full, file too large, no permission), every earlier checkpoint whole; 5 under
-    torchrun, another rank failed or was killed (torchrun itself exits 1 and names it); 130 Ctrl-C before the
-    first step or a second one while training: out at once, no save.
+    0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained,
+    nothing lost (or a data file found damaged while training: Run.data_failed); 3 training diverged
+    (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output could not
+    be written (disk full, file too large, no permission), every earlier checkpoint whole; 5 under
+    torchrun, another rank failed or was killed (torchrun itself exits 1 and names it); 130 Ctrl-C
+    before the first step or a second one while training: out at once, no save.
 """
 import json
 import math
@@ -33,7 +39,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatrain_min import checkpoint, cli, hf
+from megatrain_min import checkpoint, cli, hf, prepare
 
 EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, rank_lost=5, interrupted=130)
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data",
@@ -145,6 +151,7 @@ class Run:
         self.hf_dir = Path(args.save_hf) if args.save_hf else None
         self.run_id, self.start_step, self.val_loss, self.skips = uuid.uuid4().hex[:12], 0, None, 0
         self.resume_from, self.metrics, self.stop, self.saved = None, None, [], []
+        self.stop_saved = None                         # the checkpoint a stop (a signal) saved
         self.fingerprint, self.hf_state = None, None   # of the data; of what --save-hf would replace
         self.lock = None                               # the run lock's open file (claim)
 
@@ -156,9 +163,14 @@ class Run:
         a, out, hf_dir = self.a, self.out, self.hf_dir
         state["quiet"] = False    # from here a rank may find what the others do not (its disk, its device)
         self.fingerprint = source.fingerprint
+        source.train, source.val = _Sampler(source.train, self), _Sampler(source.val, self)
         for flag, path in (("--out", out), ("--save-hf", hf_dir)):
             if path is not None:
                 check_path(path, flag)
+        holder = checkpoint.lock_holder(out) if self.rank == 0 else None
+        if holder is not None:      # a live run (the ranks of a killed launcher, say) writes there
+            fail(f"--out {out} is in use by another run (pid {holder}); wait for it to finish (or "
+                 f"stop it: kill -TERM {holder}), or pass another --out")
         out_base = writable(out, "--out")
         if a.resume:              # its meta.json now (cheap); its weights once the engine exists
             if a.engine != "stream":
@@ -200,20 +212,22 @@ class Run:
 
     def _resume(self, cfg, batches, init_dir):
         a, path = self.a, self.resume_from
-        ours, theirs = path / "tokenizer.json", init_dir / "tokenizer.json" if init_dir else None
-        if theirs is not None and ours.is_file() and theirs.is_file() and ours.read_bytes() != theirs.read_bytes():
-            fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its copy is {ours}); "
-                 f"resume with the model directory the run started from")
         try:
-            doc = checkpoint.read_meta(path)
-            checkpoint.check_model(path, doc, cfg)
+            doc = checkpoint.read_meta(path)    # its tokenizer files verified: its copy is intact
             ck = doc["meta"]
+            ours = path / "tokenizer.json"
+            theirs = init_dir / "tokenizer.json" if init_dir else None
+            if theirs is not None and ours.is_file() and theirs.is_file() and \
+                    ours.read_bytes() != theirs.read_bytes():
+                fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its "
+                     f"copy is {ours}); resume with the model directory the run started from")
             was = ck.get("data_fingerprint")          # the data: its content decides, not how it is spelled
             changed = [k for k in SAME_RUN if not same(k, ck["args"].get(k), vars(a)[k], was is not None)]
-            if changed:
+            if changed:    # before the model's check: a missing --init-from makes another model
                 was = ', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
                 fail(f"--resume: {path.name} was made with other settings ({was}); pass the same flags to "
                      f"continue bit-exactly")
+            checkpoint.check_model(path, doc, cfg)
             if was is not None and was != self.fingerprint:
                 fail(f"--resume: the data changed since {path.name} was saved ({a.data or 'the shipped corpus'}: "
                      f"{was['bytes']:,} bytes then, {self.fingerprint['bytes']:,} now"
@@ -248,9 +262,9 @@ class Run:
             try:
                 checkpoint.load(trainer, path)
             except checkpoint.CheckpointError as e:
-                before = [p for _, p in checkpoint.checkpoints(path.parent) if p.name < path.name]
-                fail(f"{e}" + (f"; the checkpoint before it may be intact: --resume {before[-1]}"
-                               if before and self.resume_from else ""))
+                before = checkpoint.before(path) if self.resume_from else None
+                fail(f"{e}" + (f"; the checkpoint before it may be intact: --resume {before}"
+                               if before else ""))
             if self.resume_from is None:   # --init-from: the weights only
                 trainer.wait()
                 trainer.opt.reset()
@@ -285,7 +299,8 @@ class Run:
         for p in held:  # under the lock: nobody else writes here now
             try:
                 owner = (json.loads(p.read_text()).get("run") if p.name == "config.json" else
-                         checkpoint.read_meta(p)["meta"].get("run") if p.name.startswith("ckpt-") else self.run_id)
+                         checkpoint.read_meta(p, tokenizer=False)["meta"].get("run")
+                         if p.name.startswith("ckpt-") else self.run_id)
             except (OSError, ValueError, AttributeError):
                 owner = "unknown"
             if not self.a.resume or owner != self.run_id:
@@ -339,6 +354,7 @@ class Run:
                 "data_fingerprint": self.fingerprint, **state}
         try:
             path = checkpoint.save(trainer, self.out, step, meta, keep=self.a.keep, tokenizer_from=tokenizer_from)
+            self.stop_saved = path if self.stop else None
         except checkpoint.NonFiniteError as e:
             fail(f"{e}; the last good checkpoint is {checkpoint.latest(self.out) or 'none'}. Try a lower --lr",
                  EXIT["diverged"])
@@ -364,6 +380,8 @@ class Run:
         """SIGTERM, SIGHUP or the first Ctrl-C: finish the step, save, exit (self.stop holds the signal); a
         second Ctrl-C interrupts at once."""
         def request_stop(signum, frame):
+            if self.stop_saved is not None:   # the stop's checkpoint is written: the run is leaving
+                return
             if self.stop and signum == signal.SIGINT:
                 print(f"error: interrupted twice: exiting now without a save; the last checkpoint is "
                       f"{checkpoint.latest(self.out) or 'none'}", file=sys.stderr)
@@ -394,6 +412,12 @@ class Run:
             return bool(self.stop)
         return any(s is not None for s in trainer.placement.gather_object(self.stop[0] if self.stop else None))
 
+    def data_failed(self, e):
+        """A data file found damaged while training (truncated, bit rot): one line, exit 2."""
+        last = checkpoint.latest(self.out) or "none"
+        fail(f"{e}; the run stops here, the last checkpoint is {last}: continue with --resume once "
+             f"the data is whole")
+
     def describe_checkpoints(self, n_params):
         """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM window."""
         stop = ("A SIGTERM or Ctrl-C to train.py stops the ranks with a save; a second Ctrl-C at once, unsaved"
@@ -401,3 +425,21 @@ class Run:
                 f"A SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them {shutdown_s()} s "
                 f"later ({SHUTDOWN_ENV} or --shutdown-timeout): the first save says how long one takes")
         return f"a checkpoint writes {12 * n_params / max(1, self.world // self.gpus) / 1e9:.1f} GB per node. {stop}"
+
+
+class _Sampler:
+    """A data sampler (data.Batches, data.SFTBatches) whose next() ends the run with one line
+    (Run.data_failed) when its file turns out damaged under the run (prepare.PrepareError:
+    truncated, an id beyond the largest); the rest (state_dict, its fields) is the sampler's own."""
+
+    def __init__(self, sampler, run):
+        self.sampler, self.run = sampler, run
+
+    def next(self):
+        try:
+            return self.sampler.next()
+        except prepare.PrepareError as e:
+            self.run.data_failed(e)
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)

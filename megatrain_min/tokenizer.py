@@ -11,6 +11,7 @@ What it is not
 Try it
     python -m megatrain_min.chat MODEL_DIR chat.jsonl     # a conversation through a model's tokenizer
 """
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -82,10 +83,21 @@ def config_ids(model_dir):
     return {k: conf[k] for k in CONFIG_IDS if k in conf} if isinstance(conf, dict) else {}
 
 
+def file_sha256(path):
+    """sha256 (hex) of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def copy_tokenizer_files(src, dst):
     """Copy src's tokenizer files (TOKENIZER_FILES and additional_chat_templates/) into the directory dst.
-    Returns {"files": [names copied], "config_ids": config_ids(src)}: what dst needs to be the same tokenizer
-    source as src (hf.save_hf writes the ids into its config.json, checkpoint.save into its meta.json)."""
+    Returns {"files": [names copied], "config_ids": config_ids(src), "sha256": {file: its sha256}}:
+    what dst needs to be the same tokenizer source as src (hf.save_hf writes the ids into its
+    config.json, checkpoint.save all of it into its meta.json, and checkpoint.check_tokenizer then
+    verifies the files)."""
     src, dst = Path(src), Path(dst)
     files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
     for f in files:
@@ -93,7 +105,9 @@ def copy_tokenizer_files(src, dst):
     if (src / "additional_chat_templates").is_dir():             # named chat templates beside the default
         shutil.copytree(src / "additional_chat_templates", dst / "additional_chat_templates")
         files.append("additional_chat_templates")
-    return {"files": files, "config_ids": config_ids(src)}
+    copies = [p for f in files for p in [dst / f, *sorted((dst / f).rglob("*"))] if p.is_file()]
+    shas = {str(p.relative_to(dst)): file_sha256(p) for p in copies}
+    return {"files": files, "config_ids": config_ids(src), "sha256": shas}
 
 
 def _valid(text):

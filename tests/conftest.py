@@ -139,8 +139,13 @@ for line in sys.stdin:
                     raise OSError(ctypes.get_errno(), "capset")
             signal.alarm(req["timeout"])                  # a hung run is killed
             os.environ.update(req["env"])
+            if "PYTHONIOENCODING" in req["env"]:          # as the interpreter sets its streams up at start
+                enc, _, errors = req["env"]["PYTHONIOENCODING"].partition(":")
+                for s in (sys.stdout, sys.stderr):
+                    s.reconfigure(encoding=enc or None, errors=errors or None)
             if req["module"]:                             # python -m module argv...
                 sys.argv = [req["module"], *req["argv"]]
+                sys.modules.pop(req["module"], None)      # run afresh as __main__, as python -m does
                 runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
             else:
                 sys.argv = [os.path.join(sys.argv[1], req["script"]), *req["argv"]]

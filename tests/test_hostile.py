@@ -7,13 +7,20 @@ generic exception from deep inside), silent (a wrong input accepted, or a wrong 
 existed before the run is gone or changed), other (say, exit 2 with several lines). The test asserts "clean";
 a failure message starts with "verdict=<what it was>", so
     python -m pytest tests/test_hostile.py -q | grep -o "verdict=[a-z ]*" | sort | uniq -c
-counts the rest. The CLI cases run train.py through conftest.TrainCLI (a fresh process per run, no torch import
-per run), each in its own directory, with files_under() of that directory taken before the run.
+counts the rest. The CLI cases run train.py (or `python -m megatrain_min.data prepare`, `python -m
+megatrain_min.hf export`) through conftest.TrainCLI (a fresh process per run, no torch import per run), each in
+its own directory, with files_under() of that directory taken before the run; a refusal must also leave the
+run's --out unmade. AT_ONCE runs two commands at the same moment into one output: one wins, the other is
+refused, nothing of the winner's is lost.
 """
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -23,7 +30,7 @@ import torch
 
 import model
 from conftest import engine, files_under, lost, make_bpe_tokenizer
-from megatrain_min import checkpoint, checks, hf
+from megatrain_min import checkpoint, checks, hf, launch, prepare
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
 
@@ -32,6 +39,9 @@ pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not sl
 TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", "0", "--eval-batches", "1"]
 CFG = model.PRESETS["toy"]
 EOS = "<|endoftext|>"
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' + '\\n' }}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+DATA, HF = "megatrain_min.data", "megatrain_min.hf"    # python -m DATA prepare ..., python -m HF export ...
 
 
 # ----------------------------------------------------------------------------- shared inputs, made once
@@ -60,6 +70,21 @@ def world(tmp_path_factory, cli):
     assert r.returncode == 0, r.stderr
     r = cli(*TINY, "--save-every", "1", "--init-from", w / "hf", "--data", "chat.jsonl", "--seq-len", "64",
             "--out", w / "sft", cwd=w)
+    assert r.returncode == 0, r.stderr
+    # round 3: prepared directories (bytes, the model's tokenizer, SFT in a chat template) and a run on one
+    (w / "lines.txt").write_text("What is two plus two? Four.\n" * 200)
+    d = w / "hfc-src"
+    d.mkdir()
+    tok = make_bpe_tokenizer(d, ["What is two plus two? Four. Yes or no? Yes."] * 4, 300,
+                             [EOS, "<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>", "chat_template": CHATML})
+    cfg = model.GPTConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128,
+                          max_seq_len=128)
+    hf.save_hf(cfg, model.init_weights(cfg), w / "hf-chat", dtype=torch.float32, tokenizer_from=d)
+    shutil.rmtree(d)
+    prepare.prepare([w / "lines.txt"], w / "prep")
+    prepare.prepare([w / "lines.txt"], w / "prep-hf", w / "hf")
+    prepare.prepare([w / "chat.jsonl"], w / "prep-sft", w / "hf-chat")
+    r = cli(*TINY, "--save-every", "1", "--data", "prep", "--out", w / "run-prep", cwd=w)
     assert r.returncode == 0, r.stderr
     return w
 
@@ -399,7 +424,227 @@ CLI = {
 }
 
 
-def verdict(r, before, code, words):
+# ---- round 3: prepare, --data DIR, tokenizers in checkpoints, export, the launcher, GPU flags on a CPU machine
+def _flip_id(f, value=999):
+    """Write token id `value` over the last id of the .npy token file f (sizes unchanged: bit rot)."""
+    raw = bytearray(f.read_bytes())
+    raw[-2:] = value.to_bytes(2, "little")
+    f.write_bytes(bytes(raw))
+
+
+def _prepared(name, fn=None):
+    """A copy of world's prepared directory `name` changed by fn(dir); train on it."""
+    def setup(t, w):
+        d = copy(w / name, t / name)
+        words = fn(d) if fn else []
+        return ["--data", d], 2, words, []
+    return setup
+
+
+def _same_size_other_ids(d):
+    ids = np.load(d / "train.npy")
+    npy(d / "train.npy", np.ascontiguousarray(ids[::-1]))     # another file, the same size and dtype
+    return ["train.npy", "sha256"]
+
+
+def _kind_edited(d):
+    edit_json(d / "meta.json", kind="sft")
+    return ["meta.json", "kind 'sft'"]
+
+
+def _prep(t, *args, inputs=None, words=(), code=2, **extra):
+    """python -m megatrain_min.data prepare INPUTS ARGS (default input: a copy of world's lines.txt)."""
+    if inputs is None:
+        inputs = [copy(Path(extra.pop("world")) / "lines.txt", t / "lines.txt")]
+    return ["prepare", *inputs, *args], code, list(words), [], dict(module=DATA, **extra)
+
+
+def _ckpt_with(fn, run="sft"):
+    """A copy of world's run `run`'s newest checkpoint, changed by fn(ck)."""
+    def made(t, w):
+        ck = copy(w / run / "ckpt-00000002", t / "ck")
+        fn(ck)
+        return ck
+    return made
+
+
+def _swap_two_tokens(ck):
+    """tokenizer.json of the same vocabulary size but another mapping: two tokens' ids swapped."""
+    doc = json.loads((ck / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (ck / "tokenizer.json").write_text(json.dumps(doc))
+
+
+def _init_from_ckpt(fn, words):
+    return lambda t, w: (["--init-from", _ckpt_with(fn)(t, w), "--data", w / "chat.jsonl", "--seq-len", "64"],
+                         2, words, [])
+
+
+def _export(fn, words, run="sft", out="exp"):
+    def setup(t, w):
+        ck = _ckpt_with(fn, run)(t, w)
+        return ["export", ck, t / out], 2, words, [], dict(module=HF, check=lambda r, t: not (t / out).exists())
+    return setup
+
+
+def _export_into_checkpoint(t, w):
+    run = copy(w / "run", t / "run")
+    ck = run / "ckpt-00000002"
+    return ["export", ck, ck / "hf"], 2, ["inside checkpoint", "--keep", "run-hf"], [], dict(module=HF)
+
+
+def _save_hf_into_checkpoint(t, w):
+    run = copy(w / "run", t / "run")
+    return ["--steps", "3", "--resume", "--out", run, "--save-hf", run / "ckpt-00000002" / "hf"], 2, \
+        ["--save-hf", "inside checkpoint"], []
+
+
+def _export_damaged(t, w):
+    run = copy(w / "run", t / "run")
+    unit = run / "ckpt-00000002" / "layer.1.bin"
+    raw = bytearray(unit.read_bytes())
+    raw[100] ^= 0xFF
+    unit.write_bytes(bytes(raw))
+    return ["export", run / "ckpt-00000002", t / "exp"], 2, ["layer.1.bin", "ckpt-00000001"], [], dict(module=HF)
+
+
+def _inode_kept(d, *files):
+    """check(r, t): directory d is the same directory as before (not replaced) and holds `files`."""
+    ino = d.stat().st_ino
+    return lambda r, t: d.stat().st_ino == ino and all((d / f).is_file() for f in files)
+
+
+def _empty_dir(t, name="empty"):
+    (t / name).mkdir()
+    return t / name
+
+
+def _mounted(t):
+    """A tmpfs mounted at t/mnt (root only; skipped where mounting is not allowed): (its path, unmount)."""
+    m = _empty_dir(t, "mnt")
+    if subprocess.run(["mount", "-t", "tmpfs", "none", str(m)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    return m, lambda: subprocess.run(["umount", "-l", str(m)], check=True)
+
+
+def _to_mount(kind):
+    def setup(t, w):
+        m, umount = _mounted(t)
+        done = _inode_kept(m, "meta.json" if kind == "prepare" else hf.EXPORT_MARKER)
+        if kind == "prepare":
+            return _prep(t, "--out", m, world=w, code=0, check=done, after=umount)
+        if kind == "export":
+            return ["export", w / "run" / "ckpt-00000002", m], 0, [], [], dict(module=HF, check=done, after=umount)
+        return ["--save-hf", m], 0, [], [], dict(check=done, after=umount)
+    return setup
+
+
+def _resume_lock_held(t, w):
+    """A run still holds --out's lock and has saved no checkpoint yet (the ranks of a launcher that was SIGKILLed,
+    say): --resume names the run that holds it, not "remove its config.json and metrics.jsonl"."""
+    (t / "o").mkdir()
+    (t / "o" / "config.json").write_text('{"run": "abc", "args": {}}\n')
+    (t / "o" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5, "lr": 0.001, "tokens_per_s": 100.0}\n')
+    held = checkpoint.lock(t / "o")
+    return ["--resume", "--out", t / "o"], 2, ["in use by another run", f"pid {os.getpid()}"], [], \
+        dict(after=held.close)
+
+
+def _resume_after_preparing_again(t, w):
+    """The run's data prepared again from the same text (another time, other sources' paths): the same ids."""
+    copy(w / "run-prep", t / "run-prep")
+    prepare.prepare([copy(w / "lines.txt", t / "text-again.txt")], t / "prep")
+    return ["--steps", "3", "--resume", "--out", t / "run-prep", "--data", "prep"], 0, [], [t / "run-prep"]
+
+
+def _resume_sft_ckpt_tokenizer_corrupt(t, w):
+    argv = _in_place("sft", "chat.jsonl", None)(t, w)
+    with open(t / "sft" / "ckpt-00000002" / "tokenizer.json", "a") as f:
+        f.write(" ")
+    return argv, 2, ["ckpt-00000002/tokenizer.json is not the file"], []
+
+
+def _resume_sft_without_init_from(t, w):
+    argv = _in_place("sft", "chat.jsonl", None)(t, w)
+    return argv[:-4] + ["--seq-len", "64"], 2, ["--init-from"], []
+
+
+CLI.update({
+    # lost
+    "export-into-its-own-checkpoint": _export_into_checkpoint,
+    "save-hf-into-a-checkpoint": _save_hf_into_checkpoint,
+    # tracebacks
+    "prepare-a-60-mb-line": lambda t, w: _prep(t, "--out", t / "p", "--tokenizer", w / "hf", inputs=[
+        (lambda f: f.write_bytes(b"x" * 60_000_000 + b"\n") and f)(t / "long.txt")], words=["long.txt", "8 MiB"],
+        check=lambda r, t: not (t / "p").exists() and not list(t.glob(".tmp-*"))),
+    "prepared-ids-bit-rot": _prepared("prep", lambda d: _flip_id(d / "train.npy") or ["train.npy", "prepare"]),
+    "sample-to-an-ascii-stdout": lambda t, w: (["--sample-tokens", "20", "--sample-prompt", "naïve café"], 0, [], [],
+                                               dict(env={"PYTHONIOENCODING": "ascii"},
+                                                    check=lambda r, t: "\\ufffd" in r.stdout)),
+    "prepare-to-an-ascii-stdout": lambda t, w: _prep(t, "--out", t / "données", world=w, code=0,
+                                                     env={"PYTHONIOENCODING": "ascii"},
+                                                     check=lambda r, t: (t / "données" / "meta.json").is_file()),
+    # silent
+    "chat-format-fixed-on-a-native-directory": lambda t, w: (
+        ["--init-from", w / "hf-chat", "--data", w / "prep-sft", "--seq-len", "64", "--chat-format", "fixed"], 2,
+        ["--chat-format fixed", "native"], []),
+    "init-from-ckpt-tokenizer-replaced": _init_from_ckpt(_swap_two_tokens, ["tokenizer.json", "sha256"]),
+    "init-from-ckpt-without-tokenizer-config": _init_from_ckpt(lambda ck: (ck / "tokenizer_config.json").unlink(),
+                                                               ["tokenizer_config.json is missing"]),
+    "export-corrupt-tokenizer-json": _export(lambda ck: (ck / "tokenizer.json").write_text('{"model": 17}'),
+                                             ["tokenizer.json"]),
+    "export-tokenizer-config-not-json": _export(lambda ck: (ck / "tokenizer_config.json").write_text("{not json"),
+                                                ["tokenizer_config.json"]),
+    "prepare-out-dot": lambda t, w: _prep(t, "--out", ".", world=w, code=0, cwd=_empty_dir(t, "here"),
+                                          check=_inode_kept(t / "here", "meta.json", "train.npy")),
+    "prepare-val-fraction-1e-9": lambda t, w: _prep(t, "--out", t / "p", "--val-fraction", "1e-9", world=w,
+                                                    words=["val split is empty", "--val-fraction"]),
+    "prepared-foreign-train-npy-same-size": _prepared("prep", _same_size_other_ids),
+    "max-context-on-a-training-run": lambda t, w: (["--max-context", "--save-every", "1"], 0, [], [], dict(
+        check=lambda r, t: "--max-context plans the run and trains nothing: --save-every is not used" in r.stderr
+        and "longest context" in r.stdout and not (t / "out").exists())),
+    # misleading
+    "prepare-out-a-mount-point": _to_mount("prepare"),
+    "export-to-a-mount-point": _to_mount("export"),
+    "save-hf-to-a-mount-point": _to_mount("save-hf"),
+    "prepare-out-an-empty-dir": lambda t, w: _prep(t, "--out", _empty_dir(t), world=w, code=0,
+                                                   check=_inode_kept(t / "empty", "meta.json")),
+    "export-to-dot": lambda t, w: (["export", w / "run" / "ckpt-00000002", "."], 0, [], [],
+                                   dict(module=HF, cwd=_empty_dir(t, "here"),
+                                        check=_inode_kept(t / "here", hf.EXPORT_MARKER, "config.json"))),
+    "save-hf-an-empty-dir": lambda t, w: (["--save-hf", _empty_dir(t)], 0, [], [],
+                                          dict(check=_inode_kept(t / "empty", hf.EXPORT_MARKER))),
+    "resume-while-another-run-holds-the-lock": _resume_lock_held,
+    "resume-after-preparing-the-same-data-again": _resume_after_preparing_again,
+    "resume-ckpt-tokenizer-corrupt": _resume_sft_ckpt_tokenizer_corrupt,
+    "prepare-one-line-corpus": lambda t, w: _prep(t, "--out", t / "p", inputs=[_file(t, "one.txt")],
+                                                  words=["one line", "break the text into lines"]),
+    "prepare-tokenizer-is-its-json-file": lambda t, w: _prep(t, "--out", t / "p", "--tokenizer",
+                                                             w / "hf" / "tokenizer.json", world=w,
+                                                             words=["is a file", f"--tokenizer {w / 'hf'}"]),
+    "prepare-tokenizer-a-run-directory": lambda t, w: _prep(t, "--out", t / "p", "--tokenizer", w / "sft", world=w,
+                                                            words=["training run", "ckpt-00000002"]),
+    "prepare-input-a-directory": lambda t, w: _prep(t, "--out", t / "p", inputs=[_empty_dir(t, "corpus")],
+                                                    words=["corpus is a directory"]),
+    "prepare-out-empty-string": lambda t, w: _prep(t, "--out", "", world=w, words=["--out is an empty path"]),
+    "prepared-with-a-tokenizer-without-init-from": _prepared("prep-hf", lambda d: ["--init-from"]),
+    "prepared-kind-edited": _prepared("prep", _kind_edited),
+    "resume-sft-without-init-from": _resume_sft_without_init_from,
+    "export-damaged-names-the-one-before": _export_damaged,
+    "nproc-per-node-a-million": lambda t, w: (["--nproc-per-node", "1000000"], 2, ["--nproc-per-node", "1,024"], []),
+    "plan-h200-with-device-cuda": lambda t, w: (["--plan", "--hardware", "h200", "--device", "cuda"], 0, [], [],
+                                                dict(check=lambda r, t: "verdict on h200" in r.stdout)),
+    "sample-prompt-not-utf8": lambda t, w: (["--sample-prompt", "ab\udcff"], 2, ["--sample-prompt", "0xff"], []),
+    "sample-prompt-not-utf8-sft": lambda t, w: (["--init-from", w / "hf", "--data", w / "chat.jsonl", "--seq-len", "64",
+                                                 "--sample-prompt", "\udcffhi"], 2, ["--sample-prompt", "UTF-8"], []),
+    "host-mem-out-of-range-in-whole-numbers": lambda t, w: (["--plan", "--host-mem", "10000001"], 2,
+                                                            ["--host-mem 10,000,001", "at most 10,000,000"], []),
+})
+
+
+def verdict(r, before, code, words, unmade=None):
     if lost(before):
         return "data lost"
     if "Traceback" in r.stderr:
@@ -409,6 +654,8 @@ def verdict(r, before, code, words):
     lines = r.stderr.strip().splitlines()
     if code and (len(lines) != 1 or not all(str(w) in lines[0] for w in words)):
         return "other"
+    if code and unmade is not None and unmade.exists():   # refused, yet it made its --out
+        return "other"
     return "clean"
 
 
@@ -416,16 +663,95 @@ def verdict(r, before, code, words):
 def test_cli(name, world, cli, tmp_path):
     argv, code, words, unwatched, *extra = CLI[name](tmp_path, world)
     extra = extra[0] if extra else {}
-    before = {p: b for p, b in files_under(tmp_path).items() if not any(p.is_relative_to(u) for u in unwatched)}
-    out = [] if "--out" in argv else ["--out", tmp_path / "out"]
-    r = cli(*TINY, *out, *argv, cwd=tmp_path, env=extra.get("env"))
-    v = verdict(r, before, code, words)
-    if v == "clean" and "check" in extra and not extra["check"](r, tmp_path):
-        v = "silent"
+    try:
+        before = {p: b for p, b in files_under(tmp_path).items() if not any(p.is_relative_to(u) for u in unwatched)}
+        out = [] if "--out" in argv or "module" in extra else ["--out", tmp_path / "out"]
+        r = cli(*([] if "module" in extra else TINY), *out, *argv, cwd=extra.get("cwd", tmp_path),
+                env=extra.get("env"), module=extra.get("module"))
+        v = verdict(r, before, code, words, tmp_path / "out" if out else None)
+        if v == "clean" and "check" in extra and not extra["check"](r, tmp_path):
+            v = "silent"
+    finally:
+        extra.get("after", lambda: None)()
     if v == "clean" and name == "resume-torn-metrics-line":   # and the log continues where the checkpoint was
         steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         v = "clean" if steps == [1, 2, 3] else "silent"
     assert v == "clean", f"verdict={v}: exit {r.returncode}\n{r.stderr[-2000:]}"
+
+
+# ----------------------------------------------------------------------------- two commands into one output at once
+def _export_whole(d):
+    """d holds one whole export: its marker lists exactly the files there, nothing staged is left anywhere."""
+    listed = json.loads((d / hf.EXPORT_MARKER).read_text())["files"]
+    return sorted(p.name for p in d.iterdir()) == sorted(listed + [hf.EXPORT_MARKER]) and \
+        not list(d.parent.glob(".tmp-*"))
+
+
+def _hold_while(run, t, pattern, out, timeout=30):
+    """SIGSTOP `run` once `pattern` appears in t (its staging directory; its first step), before it made `out`:
+    True when it is held so, False when it made out first (it is then left to finish)."""
+    deadline = time.time() + timeout
+    while not list(t.glob(pattern)) and not out.exists() and time.time() < deadline:
+        time.sleep(0.0005)
+    os.kill(run.pid, signal.SIGSTOP)
+    if list(t.glob(pattern)) and not out.exists():
+        return True
+    os.kill(run.pid, signal.SIGCONT)
+    return False
+
+
+def _two_prepares(t, w):
+    """Two prepares of different text into one --out (through a tokenizer: long enough to overlap)."""
+    for name, word in (("a.txt", "alpha"), ("b.txt", "beta")):
+        (t / name).write_text(f"What is {word} plus {word}? Four.\n" * 30000)
+    argv = [["prepare", t / n, "--out", t / "p", "--tokenizer", w / "hf"] for n in ("a.txt", "b.txt")]
+
+    def whole(t):
+        return prepare.PreparedTokens(t / "p").meta["sources"][0]["path"] in (str(t / "a.txt"), str(t / "b.txt"))
+    return argv, dict(module=DATA), whole
+
+
+AT_ONCE = {  # name: setup(tmp, world) -> ([argv of each], how to run them, whole(tmp): the output is one whole result)
+    "two-prepares-into-one-out": _two_prepares,
+    # an export takes milliseconds: the first is held (SIGSTOP) while it writes, and the second runs then
+    "two-exports-into-one-dir": lambda t, w: ([["export", w / "sft" / f"ckpt-0000000{k}", t / "exp"] for k in (1, 2)],
+                                              dict(module=HF, hold=(".tmp-exp-*", t / "exp")),
+                                              lambda t: _export_whole(t / "exp")),
+    # the first is held while it trains (both checked the new directory at their start), the second exports
+    "two-runs-save-hf-into-one-new-dir": lambda t, w: (
+        [[*TINY, "--steps", str(s), "--seed", str(k), "--out", t / f"o{k}", "--save-hf", t / "exp"]
+         for k, s in ((0, 20), (1, 2))], dict(hold=("o0/metrics.jsonl", t / "exp")),
+        lambda t: _export_whole(t / "exp")),
+}
+
+
+@pytest.mark.parametrize("name", AT_ONCE)
+def test_at_once(name, world, cli, tmp_path):
+    """Both start at the same moment: one wins (exit 0) and the other is refused (exit 2, one line) -- before it
+    writes, or at the end, having replaced nothing; the output is the winner's, whole. Both exiting 0 means one
+    result replaced the other: lost."""
+    argv, how, whole = AT_ONCE[name](tmp_path, world)
+    hold = how.pop("hold", None)
+    for attempt in range(3):
+        first = cli.start(*argv[0], cwd=tmp_path, **how)
+        if hold is None or _hold_while(first, tmp_path, *hold):
+            break
+        cli.wait(first)                                   # it finished before it could be held: again
+        shutil.rmtree(hold[1])
+    else:
+        pytest.fail("the first command finished before it could be held, three times")
+    second = cli.start(*argv[1], cwd=tmp_path, **how)
+    if hold is not None:                                  # the first waits, held, until the second is done
+        second = cli.wait(second)
+        os.kill(first.pid, signal.SIGCONT)
+    rs = [cli.wait(first), second if hold is not None else cli.wait(second)]
+    codes = sorted(r.returncode for r in rs)
+    refused = [r for r in rs if r.returncode]
+    v = ("traceback" if any("Traceback" in r.stderr for r in rs) else "data lost" if codes == [0, 0] else
+         "other" if codes != [0, 2] or len(refused[0].stderr.strip().splitlines()) != 1 else
+         "clean" if whole(tmp_path) else "data lost")
+    said = "\n".join(r.stderr[-600:] + r.stdout[-600:] for r in rs)
+    assert v == "clean", f"verdict={v}: exits {[r.returncode for r in rs]}\n{said}"
 
 
 # ----------------------------------------------------------------------------- the API cases
@@ -573,6 +899,72 @@ API = {  # name: (fn(tmp), expected exception type or None for "works", words th
     "data-permission-denied": (_data_unreadable, ValueError, ["permission denied"]),
     "rendezvous-nobody-comes": (_rendezvous_nobody_comes, ValueError, ["did not join", "torchrun"]),
 }
+
+
+# round 3
+def _bit_rot_found_by_a_batch(tmp):
+    """Bit rot beyond what the digests read (a file larger than DIGEST_WHOLE is sampled): a batch that reads
+    an id above the split's largest is refused, naming the file."""
+    (tmp / "t.txt").write_text("What is two plus two? Four.\n" * 200)
+    prepare.prepare([tmp / "t.txt"], tmp / "p")
+    ids = np.load(tmp / "p" / "train.npy")
+    npy(tmp / "p" / "train.npy", np.full_like(ids, 999))
+    prepare.PreparedTokens(tmp / "p", verify=False).batches("train", 2, 16).next()
+
+
+def _input_moved_midway(tmp):
+    """An input moved away while prepare reads it: bad input (one line, exit 2), not a write error (exit 4)."""
+    from unittest import mock
+    (tmp / "t.txt").write_text("What is two plus two? Four.\n" * 200)
+    add = prepare._Corpus.add
+
+    def moving(self, path, *a):      # the first piece is read: the file goes elsewhere
+        if path.exists():
+            path.rename(tmp / "moved.txt")
+        return add(self, path, *a)
+    with mock.patch.object(prepare._Corpus, "add", moving):
+        prepare.prepare([tmp / "t.txt"], tmp / "p")
+
+
+def _outcome(codes, passed, want):
+    def check(tmp):
+        got = launch.outcome(codes, passed)
+        assert got == want, got
+    return check
+
+
+def _second_ctrl_c_after_the_stop_save(tmp):
+    """A second Ctrl-C that comes after the stop's checkpoint is written changes nothing (no exit 130, 'unsaved');
+    before it, it still exits at once."""
+    import argparse
+    from megatrain_min import rundir
+    run = rundir.Run(argparse.Namespace(out=str(tmp / "o"), save_hf=None))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        run.catch_signals()
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)                          # the first: save at the end of the step
+        try:
+            handler(signal.SIGINT, None)                      # the second, before the save: out at once
+            raise AssertionError("a second Ctrl-C before the save did not exit")
+        except SystemExit as e:
+            assert e.code == 130
+        run.stop_saved = tmp / "o" / "ckpt-00000003"         # the stop's checkpoint is written
+        handler(signal.SIGINT, None)                          # ... then a second Ctrl-C: nothing
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+API.update({
+    "prepared-bit-rot-found-by-a-batch": (_bit_rot_found_by_a_batch, ValueError, ["train.npy", "above the largest"]),
+    "prepare-input-moved-midway": (_input_moved_midway, ValueError, ["t.txt", "moved or deleted"]),
+    "launcher-two-quick-ctrl-cs": (_outcome({0: 130, 1: -signal.SIGTERM}, [signal.SIGINT] * 2, (130, None)), None, []),
+    "launcher-damaged-sharded-resume": (_outcome({0: 2, 1: -signal.SIGTERM}, [], (2, None)), None, []),
+    "launcher-rank-killed-elsewhere": (_outcome({0: -signal.SIGTERM, 1: -signal.SIGKILL}, [], (
+        137, "rank 1 was killed (signal 9); the other ranks stopped")), None, []),
+    "second-ctrl-c-after-the-stop-save": (_second_ctrl_c_after_the_stop_save, None, []),
+})
 
 
 @pytest.mark.parametrize("name", API)

@@ -1,4 +1,4 @@
-"""megatrain_min/prepare.py: a corpus tokenized once into memory-mapped files, and read back.
+"""megatrain_min/prepare.py: a corpus tokenized once into token files, and read back.
 
 Oracles: the tokenizer's own encode() of each line (text) or document (.jsonl "text", + eos); data.py's in-memory
 path for SFT (load_sft_jsonl's (x, y) per example, example_tokens' masks, SFTBatches over its list); data.Batches
@@ -95,7 +95,7 @@ def test_text_ids_are_encode_of_each_line(tmp_path, tok_dirs, small_batches, sty
     assert ids_of(tmp_path / "out", "train") == train and ids_of(tmp_path / "out", "val") == val
     assert len(val) > 0 and len(train) > 3 * len(val) - 200       # about a quarter, in whole lines
     p = PreparedTokens(tmp_path / "out")
-    assert p.kind == "tokens" and p.dtype == np.uint16 and isinstance(p.tokens("train"), np.memmap)
+    assert p.kind == "tokens" and p.dtype == np.uint16 and isinstance(p.tokens("train"), prepare.TokenFile)
     assert meta["splits"]["train"]["tokens"] == len(train) and meta["splits"]["val"]["max_id"] == max(val)
     assert p.tokenizer_hash == ("bytes" if tok_dir is None else prepare.tokenizer_hash(tok_dir))
     assert [s["path"] for s in meta["sources"]] == [str(a.resolve()), str(b.resolve())]
@@ -223,7 +223,7 @@ def test_batches_equal_batches_over_the_same_ids_in_memory(tmp_path):
 
 @pytest.mark.slow
 def test_train_py_on_a_prepared_directory_trains_as_on_its_ids(tmp_path):
-    """python train.py --data DIR memory-maps the prepared ids: the same training losses as --data ids.npy holding
+    """python train.py --data DIR reads the prepared ids: the same training losses as --data ids.npy holding
     DIR's train split followed by a tail that train.py's own split takes for validation."""
     from conftest import train_py
     prepare.prepare([ROOT / "data" / "tinyshakespeare.txt"], tmp_path / "prep")
@@ -238,7 +238,7 @@ def test_train_py_on_a_prepared_directory_trains_as_on_its_ids(tmp_path):
         runs[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         said[name] = r.stdout
     assert runs["dir"] == runs["npy"] and len(runs["dir"]) == 3
-    assert f"prepared, {len(ids):,} train" in said["dir"] and "(memory-mapped)" in said["dir"]
+    assert f"prepared, {len(ids):,} train" in said["dir"] and "(read as batches ask)" in said["dir"]
 
 
 def test_check_model(tmp_path, tok_dirs):
@@ -375,12 +375,12 @@ def _refusal_setup(tmp):
     (tmp / "a-file").write_text("x")
     (tmp / "foreign").mkdir()
     (tmp / "foreign" / "keep.me").write_text("x")
-    prepare.prepare([tmp / "ok.txt"], tmp / "done")
+    prepare.prepare([tmp / "ok.txt"], tmp / "done", val_fraction=0)
 
 
 REFUSALS = {  # name: (arguments, words the one line must hold)
     "missing-input": (["nope.txt", "--out", "o"], "nope.txt does not exist"),
-    "input-is-a-directory": (["dir.txt", "--out", "o"], "dir.txt is not a file"),
+    "input-is-a-directory": (["dir.txt", "--out", "o"], "dir.txt is a directory; pass the files in it"),
     "suffix": (["corpus.csv", "--out", "o"], "expected a .txt (text) or .jsonl"),
     "empty": (["empty.txt", "--out", "o"], "empty.txt is empty"),
     "not-utf8": (["latin1.txt", "--out", "o"], "latin1.txt:2: not UTF-8 text (byte 0xef at offset 5)"),
