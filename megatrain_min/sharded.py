@@ -86,6 +86,13 @@ def row_pieces(lo, hi, d):
     return out
 
 
+# The two collectives of a layer visit, by their public names: torch >= 2.13 calls them all_gather_single and
+# reduce_scatter_single and deprecates the names torch 2.11 has (all_gather_into_tensor, reduce_scatter_tensor),
+# the same calls with the same arguments: the newer name where it exists, else the older (tests/test_torch_api.py).
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class ShardedLanes(stream.Lanes):
     """stream.Lanes plus comm, the lane the collectives are issued on. procs: ranks on this host (torchrun's
     LOCAL_WORLD_SIZE), which share its cores among their optimizer threads."""
@@ -147,12 +154,12 @@ class Shards:
 
     def gather(self, out, shard):
         """all_gather: out = the N ranks' shards, in rank order. Each rank receives the N-1 it does not hold."""
-        dist.all_gather_into_tensor(out, shard, group=self.group)
+        ALL_GATHER(out, shard, group=self.group)
         self.traffic["gathered"] += out.nbytes * (self.world - 1) // self.world
 
     def scatter(self, shard, full):
         """reduce_scatter: shard = rank r's part of the sum over the ranks of `full`. Each rank sends N-1 parts."""
-        dist.reduce_scatter_tensor(shard, full, group=self.group)
+        REDUCE_SCATTER(shard, full, group=self.group)
         self.traffic["scattered"] += full.nbytes * (self.world - 1) // self.world
 
     def all_reduce(self, t, op=dist.ReduceOp.SUM):

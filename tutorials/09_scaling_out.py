@@ -91,8 +91,8 @@ for lay in model.units(CFG):
 def visit(rank, world, init, out):
     try:
         torch.set_num_threads(1)
-        # torch 2.13 deprecates these two names for *_single versions that torch 2.11 does not have:
-        # the project supports 2.11 and newer, so it calls these
+        # torch 2.13 deprecates these two names for *_single versions that torch 2.11 does not have;
+        # sharded.py calls the newer names where they exist (sharded.ALL_GATHER, REDUCE_SCATTER)
         warnings.filterwarnings("ignore", ".*is deprecated. Please use", FutureWarning)
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
         lay = model.units(CFG)[1]                                     # layer 0 (unit 1)
