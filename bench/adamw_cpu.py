@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     total = 2e5 if args.smoke else args.params or 4 * l3_bytes() / 18     # >= 4x the L3 at 18 B/param
-    unit = int(args.unit or min(LAYER_7B, total / 2))
+    unit = int(args.unit or min(LAYER_7B, max(total / 2, 2 * optim.TILE)))   # >= 2 tiles: one pass differs
     n_units = max(2, math.ceil(total / unit))
     N, n_triad = n_units * unit, max(unit, l3_bytes())                    # the triad: 3 arrays of >= the L3
     need = N * (18 + 16) + n_triad * 12          # the store + shadow, torch's copy, the triad's arrays

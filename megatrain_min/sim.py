@@ -51,7 +51,7 @@ def timeline_main(a, cfg, p):
                **engine_kw(a, p, p["dtype"]))
     r = tw.result_of(cfg, a.batch_size * a.seq_len)
     r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
-             host_speed=a.host_speed, host_issue_s=tw.issue)
+             host_speed=a.host_speed, host_issue_s=tw.issue, resident_units=p["resident_units"])
     if a.trace:
         tw.trace(a.trace)
     if a.json:
@@ -59,7 +59,8 @@ def timeline_main(a, cfg, p):
         return 0
     pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items() if v)  # noqa: E731
     print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} tokens, "
-          f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}")
+          f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}, "
+          f"{p['resident_units']} of {len(model.units(cfg))} units resident on the GPU")
     print(f"  step {r['step_time_s']:.3g} s (plan.py: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
           f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
     print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {tw.issue * 1e6:.1f} us each, --host-speed "
