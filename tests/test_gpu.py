@@ -140,7 +140,7 @@ def test_lanes_worker_and_pinned_bytes_on_the_trainers_device(monkeypatch, clip)
     assert all(g.is_pinned() for g in t.opt.grad if g is not None) and all(s.is_pinned() for s in t.opt.shadow)
     assert not t.opt.m[0].is_pinned() and not t.opt.master[0].is_pinned()     # Adam's state never crosses
     p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, offload_activations=True,
-                  grad_slabs=3)
+                  grad_slabs=3, resident_units=0)
     got = sum(rt.registered.values())
     print(f"page-locked {got:,} B in {len(rt.registered)} buffers, plan {p['pinned_bytes']:,} B")
     assert 0 <= got - p["pinned_bytes"] <= len(rt.registered) * mmap.PAGESIZE
