@@ -442,9 +442,8 @@ class Lanes:
         torch.set_num_threads(self.threads[0])                 # a setting of the calling thread
         self.worker = optim.worker(self.threads[1], device)
 
-    # host waits: for `event`, for every lane; free device bytes (None: host's); optimizer thread
+    # host waits: for `event`, for every lane; the optimizer thread
     def host_wait(self, event): return event.synchronize() if event is not None else None
     def synchronize(self): return torch.cuda.synchronize(self.device) if self.cuda else None
-    def free_memory(self): return torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
     def submit(self, fn, *args): return self.worker.submit(fn, *args)   # a Future
     pool = None   # where the gradient slabs wait: optim's queue (sim.SimLanes: a recorded one)

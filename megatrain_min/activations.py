@@ -4,8 +4,8 @@ What it is
     The forward keeps every layer's input -- the boundary activations, L x (B, T, d) -- for the backward's
     recompute. stream.OnDevice keeps them on the device. HostRing sends each one to pinned host memory as it
     is made and brings it back just before its layer's backward, through RING device slots: the device holds
-    two layers' worth, whatever the depth. Auto decides once, at the first step, between the two by the
-    planner's rule (memory.offload_needed). The engine is handed one of them (stream.Trainer(activations=)).
+    two layers' worth, whatever the depth. The planner decides which (memory.offload_needed); the engine is
+    handed the store (stream.Trainer(activations=)).
 The ring, on the lanes
     forward   compute copies layer i's inputs into ring slot i % 2 once that slot's last D2H is done
               (free), then D2H copies the slot to host row i (ready -> D2H, then free again)
@@ -17,9 +17,6 @@ Try it
     python train.py --offload-activations on --steps 20
 """
 import torch
-
-import stream
-from megatrain_min import memory
 
 RING = 2   # device slots the boundary activations pass through on their way to and from the host
 
@@ -76,38 +73,3 @@ class HostRing:
     def buffers(self):
         return {f"ring[{r}]": slot for r, slot in enumerate(self.ring or [])}
 
-
-class Auto:
-    """HostRing when the boundary activations would not fit in the device's free memory beside one
-    layer's working set (memory.offload_needed, the planner's rule), else stream.OnDevice: decided once,
-    at the first step (the CPU never offloads: its "device" is host memory). offloaded: the decision."""
-
-    def __init__(self):
-        self.store = None
-
-    @property
-    def offloaded(self):
-        return None if self.store is None else self.store.offloaded
-
-    def prepare(self, trainer, n_layers, shape):
-        if self.store is None:
-            free, (B, T, d) = trainer.lanes.free_memory(), shape
-            working = memory.step_device_bytes(
-                trainer.cfg, B * T, trainer.M, trainer.dtype, trainer.residual_dtype, trainer.chunk,
-                trainer.wslot[0].numel(), seq_len=T, tile_tokens=getattr(trainer.layer, "tile_tokens", 0))
-            acts = n_layers * B * T * d * trainer.residual_dtype.itemsize
-            offload = free is not None and memory.offload_needed(acts, sum(working.values()), free)
-            self.store = HostRing() if offload else stream.OnDevice()
-        self.store.prepare(trainer, n_layers, shape)
-
-    def keep(self, i, x):
-        self.store.keep(i, x)
-
-    def take(self, i):
-        return self.store.take(i)
-
-    def release(self, i):
-        self.store.release(i)
-
-    def buffers(self):
-        return getattr(self.store, "buffers", dict)()

@@ -9,8 +9,7 @@ What it is
     boundary activations to host memory. Estimates from the ops, checked against autograd in
     tests/test_plan.py; flash / efficient SDPA kernels assumed (no T x T scores).
 Used by
-    megatrain_min/plan.py (the plan, its fit check and suggestions) and megatrain_min/activations.py (Auto:
-    the offload decided at the first step, as the planner decides it).
+    megatrain_min/plan.py (the plan, its fit check and suggestions).
 """
 
 
@@ -79,5 +78,5 @@ def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_t
 
 def offload_needed(activation_bytes, working_bytes, free_bytes):
     """Offload the boundary activations to host memory when, with one layer's working set beside them, they
-    would not fit in the free device memory (the planner and activations.Auto decide by it)."""
+    would not fit in the free device memory (the planner decides by it)."""
     return activation_bytes + working_bytes > free_bytes

@@ -788,11 +788,10 @@ def from_flags(a, cfg, hardware=None, guarded=True, real=False, **change):
     return plan(cfg, hardware or a.hardware, **{**kw, **change})
 
 
-def objects(offload=None, guarded=False, tile_tokens=0):
-    """What the engine is handed: the boundary activations' store (offload True: activations.HostRing, False:
-    on the device, None: activations.Auto decides at the first step), a guard.Guard, the layer (tiling.Tiled
-    or the model itself)."""
-    store = activations.Auto() if offload is None else activations.HostRing() if offload else None
+def objects(offload=False, guarded=False, tile_tokens=0):
+    """What the engine is handed: the boundary activations' store (offload: activations.HostRing, else on the
+    device), a guard.Guard, the layer (tiling.Tiled or the model itself)."""
+    store = activations.HostRing() if offload else None
     return dict(activations=store, guard=Guard() if guarded else None,
                 layer=Tiled(tile_tokens) if tile_tokens else model)
 

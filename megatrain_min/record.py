@@ -135,16 +135,15 @@ class SimPool:
 
 class SimLanes:
     """stream.Lanes with identities: what the engine asks of the hardware, recorded. pinned(n, dtype): a host
-    buffer asked for pinned (the recorder makes it unpinned and remembers). free_memory: the device the engine
-    plans for (None: like the CPU, no automatic activation offload)."""
+    buffer asked for pinned (the recorder makes it unpinned and remembers)."""
     cuda = True
 
     @staticmethod
     def pinned(n, dtype):
         return torch.zeros(n, dtype=dtype, pin_memory=True)
 
-    def __init__(self, rec, device_bytes=None):
-        self.rec, self.device_bytes = rec, device_bytes
+    def __init__(self, rec):
+        self.rec = rec
         self.h2d, self.comp, self.d2h = SimLane(rec, "h2d"), SimLane(rec, "compute"), SimLane(rec, "d2h")
         self.comm = SimLane(rec, "comm")   # sharded.ShardedTrainer's collectives (stream.Trainer has none)
         self.pool = SimPool(rec)           # the gradient slabs (optim.HostAdamW.lend)
@@ -155,11 +154,6 @@ class SimLanes:
 
     def synchronize(self):
         self.rec.emit("synchronize", thread=self.rec.thread, src=self.rec.source())
-
-    def free_memory(self):
-        if self.device_bytes is None:
-            return None
-        return self.device_bytes - sum(s.nbytes for s in self.rec.live.values() if s.where == "device")
 
     def submit(self, fn, *args):
         return self.rec.submit(fn, args)
@@ -393,7 +387,7 @@ class ZeroWeights(Mapping):
         return len(self.shapes)
 
 
-def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False, device_bytes=None,
+def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False,
         batch=(4, 16), between=None, offload_activations=False, skip_nonfinite=False, tile_tokens=0, **trainer_kw):
     """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on random batches
     of batch=(B, T); between(trainer) runs after every step but the last (e.g. an evaluate()). Returns the
@@ -406,7 +400,7 @@ def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs
     with mode, rec:
         weights = ZeroWeights(cfg) if fake else model.init_weights(cfg, 0)
         kw = {**planner.objects(offload_activations, skip_nonfinite, tile_tokens), **trainer_kw}   # given ones win
-        t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec, device_bytes), **kw)
+        t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec), **kw)
         rec.trainer = t
         for k in range(steps):
             rec.step(k)

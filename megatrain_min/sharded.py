@@ -411,12 +411,3 @@ def init_from_env(device=None):
         dist.init_process_group("gloo", **kw)
     return dev
 
-
-def agree(error):
-    """The first error message of any rank (prefixed by its rank), or None when every rank had none: a
-    collective, so that every rank stops together where one of them found something wrong."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return error
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, error)
-    return next((e if r == 0 else f"rank {r}: {e}" for r, e in enumerate(found) if e is not None), None)

@@ -136,6 +136,9 @@ def test_gpu_memory_does_not_grow_with_depth():
 
 
 def test_checkpoints_offloaded_only_when_they_do_not_fit():
+    """The rule (memory.offload_needed): offload when the boundary activations and one layer's working set
+    together exceed the free device memory."""
+    assert memory.offload_needed(10, 5, 14) and not memory.offload_needed(10, 4, 14)
     assert not P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4)["offload_activations"]
     p = P.plan(model.PRESETS["120b"], "h100", mode="lean", batch_size=4)
     assert p["offload_activations"] and p["fits_gpu"]

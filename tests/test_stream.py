@@ -293,25 +293,6 @@ def test_optimizer_thread_failure_is_raised_not_hung(clip, monkeypatch):
         signal.alarm(0)
 
 
-def test_offload_is_decided_once(monkeypatch):
-    """activations.Auto decides at the first step from the device's free memory, then keeps its decision: the
-    caching allocator's reserve lowers the free figure after step 1, which must not flip it."""
-    from megatrain_min import activations, memory
-    assert memory.offload_needed(10, 5, 14) and not memory.offload_needed(10, 4, 14)
-    cfg = model.PRESETS["toy"]
-    for first, offloaded in ((10**12, False), (1, True)):   # plenty at the first step, or nothing
-        free = iter([first] + [10**12 - first + 1] * 10)     # ... and the other way after
-        lanes = stream.Lanes(torch.device("cpu"))
-        monkeypatch.setattr(lanes, "free_memory", lambda: next(free))
-        auto = activations.Auto()
-        t = engine(cfg, model.init_weights(cfg, 0), device="cpu", lanes=lanes, activations=auto, **HP)
-        assert t.activations.offloaded is None
-        gen = torch.Generator().manual_seed(0)
-        for _ in range(3):
-            t.step(*random_batch(cfg, 2, 16, gen))
-            assert t.activations.offloaded is offloaded
-
-
 def test_pinned_buffers_are_made_once_and_grow_only_to_the_largest_shape():
     """The per-step host buffers (targets, embedding rows, dy, offloaded boundary activations, the loss) are
     allocated once and reused, a smaller shape as a view of the same pages: no page-locking (cudaHostRegister,

@@ -158,8 +158,8 @@ print(clean.summary())
 
 # %%
 class ForgetfulLanes(record.SimLanes):
-    def __init__(self, rec, device_bytes=None):
-        super().__init__(rec, device_bytes)
+    def __init__(self, rec):
+        super().__init__(rec)
         self.h2d.wait = lambda event: None           # the h2d stream waits for nothing
 
 
