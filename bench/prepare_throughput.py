@@ -1,4 +1,4 @@
-"""bench/prepare_throughput.py -- `python -m megatrain_min.data prepare` against the tokenizers package's own
+"""bench/prepare_throughput.py -- `python -m megatrain_min.prepare` against the tokenizers package's own
 Tokenizer.encode_batch on the same text: wall time, MB/s, tokens/s and peak RSS of each, side by side.
 
 The corpus is generated (text-like: words of a 50,000-word vocabulary drawn with a Zipf law, 3-24 words a line,
@@ -148,14 +148,14 @@ def main():
                                       str(prepare.BATCH_BYTES), a.baseline], env)
             base, base_s = json.loads(out), min(base_s, s)
             print(f"round {r + 1}: baseline {s:.1f} s", end="", flush=True)
-            s, ours_rss, _ = child([sys.executable, "-m", "megatrain_min.data", "prepare", str(corpus), "--out",
+            s, ours_rss, _ = child([sys.executable, "-m", "megatrain_min.prepare", str(corpus), "--out",
                                     str(tmp / "prepared"), "--tokenizer", str(tmp / "tok")], env)
             meta = json.loads((tmp / "prepared" / "meta.json").read_text())
             ours_tok, ours_s = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"], min(ours_s, s)
             print(f", prepare {s:.1f} s", flush=True)
             shutil.rmtree(tmp / "prepared")
     rows = [(f"Tokenizer.{a.baseline} (baseline)", base_s, base["tokens"], base_rss),
-            ("python -m megatrain_min.data prepare", ours_s, ours_tok, ours_rss)]
+            ("python -m megatrain_min.prepare", ours_s, ours_tok, ours_rss)]
     print("| run | wall s | MB/s | M tokens/s | tokens | peak RSS GB |")
     print("|---|---|---|---|---|---|")
     for name, s, n, rss in rows:

@@ -175,7 +175,7 @@ def add_run(p):
       help="train on N local ranks (GPUs, or CPU processes): every input checked here first, then the ranks "
            "started through torch.distributed's launcher, as torchrun --standalone (default: %(default)s)")
     a("--data", default=None, help="a .txt (bytes), a .npy token array, an SFT .jsonl, or a directory made by "
-                                   "python -m megatrain_min.data prepare (default: data/tinyshakespeare.txt)")
+                                   "python -m megatrain_min.prepare (default: data/tinyshakespeare.txt)")
     a("--out", default="out", help="output directory for metrics, config and checkpoints (default: %(default)s)")
     a("--engine", default="stream", choices=["stream", "reference"],
       help="layer streaming, or plain PyTorch (default: %(default)s)")

@@ -10,7 +10,7 @@ What it is
                    naming the prepare command (a whole-file encode needs the corpus several times in RAM)
       FILE.npy     token ids (uint16, uint32, int64), memory-mapped
       FILE.jsonl   SFT examples, loss on the answers only (data.py: the formats)
-      DIR          made by `python -m megatrain_min.data prepare` (prepare.py): its files' digests
+      DIR          made by `python -m megatrain_min.prepare` (prepare.py): its files' digests
                    verified, read as batches ask (every id checked), its tokenizer, chat format and
                    vocabulary checked against the model's and the flags
     Any other input (a .npz, a .json array, a binary file, a FIFO, a directory prepare did not make) is
@@ -31,7 +31,7 @@ from megatrain_min.checks import check_token_ids
 RAW_LIMIT = 512 << 20        # bytes of .txt or .jsonl read whole; beyond: the prepare command
 REFUSED = {".npz": "a NumPy archive (.npz) holds several arrays; save the token ids alone with np.save as .npy",
            ".json": "SFT data is JSON lines (.jsonl): one example per line; convert with jq -c '.[]' FILE > FILE.jsonl",
-           ".parquet": "convert it to .jsonl or .txt, or tokenize it with python -m megatrain_min.data prepare",
+           ".parquet": "convert it to .jsonl or .txt, or tokenize it with python -m megatrain_min.prepare",
            ".gz": "decompress it first", ".zip": "unpack it first", ".pt": "save the token ids with np.save as .npy",
            ".safetensors": "that is a model's weights; pass the model with --init-from"}
 
@@ -62,11 +62,11 @@ def _check_path(path):
     """ValueError unless path is a regular file of an accepted kind or a prepared directory."""
     if not path.exists():
         raise ValueError(f"data file {path} does not exist; pass --data with a .txt, .npy or .jsonl file, or a "
-                         f"directory made by python -m megatrain_min.data prepare")
+                         f"directory made by python -m megatrain_min.prepare")
     if path.is_dir():
         if not (path / prepare.META).is_file():
             raise ValueError(f"--data {path} is a directory without {prepare.META}: not one made by python -m "
-                             f"megatrain_min.data prepare (or that preparation did not finish); pass a file, or "
+                             f"megatrain_min.prepare (or that preparation did not finish); pass a file, or "
                              f"prepare the directory")
         return
     if not stat.S_ISREG(path.stat().st_mode):
@@ -78,7 +78,7 @@ def _check_path(path):
     if suffix != ".npy":   # text, read whole
         if path.stat().st_size > RAW_LIMIT:
             raise ValueError(f"--data {path} is {path.stat().st_size / 1e9:.1f} GB; text this large is tokenized "
-                             f"once into token files: python -m megatrain_min.data prepare {path} "
+                             f"once into token files: python -m megatrain_min.prepare {path} "
                              f"--out DIR [--tokenizer MODEL_DIR], then --data DIR")
     if not os.access(path, os.R_OK):
         raise ValueError(f"--data {path} is not readable by this user (permission denied)")

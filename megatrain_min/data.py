@@ -5,22 +5,20 @@ What it is
     shipped corpus (data/tinyshakespeare.txt, public domain), pre-tokenized .npy arrays (uint16,
     uint32 or int64, memory-mapped so a corpus larger than RAM works), a train/val split, and a seeded
     random batch sampler whose position can be saved and restored.
-    The SFT section at the end: a model directory's tokenizer.json and chat template (HFTokenizer), chat or
-    prompt/completion .jsonl files with the loss on the answers only, and a padded batch sampler.
-    Conversations are rendered in the model's own chat_template by chat.py (chat_tokens), or in a fixed
-    format when the directory has none.
-    A corpus tokenized once into token files: prepare.py (`python -m megatrain_min.data prepare`).
+    The SFT section at the end: chat or prompt/completion .jsonl files with the loss on the answers
+    only, and a padded batch sampler. Conversations are rendered in the model's own chat_template by
+    chat.py (chat_tokens), or in a fixed format when the directory has none.
+    A model directory's tokenizer.json and chat template: tokenizer.py (HFTokenizer). A corpus tokenized once
+    into token files: prepare.py (`python -m megatrain_min.prepare`). What --data names, opened: corpus.py.
 What it is not
     No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
     package), no multi-process loading: a pretraining batch is B random windows of T+1 tokens, which
     costs microseconds.
 Try it
     python -m megatrain_min.data      # prints corpus size and one decoded batch
-    python -m megatrain_min.data prepare corpus.txt --out tokens/ [--tokenizer MODEL_DIR]   # see prepare.py
     python -m pytest tests/test_data_sft.py
 """
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -118,7 +116,7 @@ IGNORE = -100   # = model.IGNORE (data.py imports nothing of the model)
 
 
 class ByteTokenizer:
-    """encode/decode above with HFTokenizer's surface. No eos or bos: a turn ends with a newline instead.
+    """encode/decode above with tokenizer.HFTokenizer's surface. No eos or bos: a turn ends with a newline instead.
     No chat template: conversations take the fixed format."""
     vocab_size, eos_id, bos_id, chat_template = 256, None, None, None
 
@@ -259,11 +257,7 @@ class SFTBatches:
         self.pos = state["pos"]
 
 
-# ============================================================================= what train.py trains on
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["prepare"]:          # the prepare command lives in its own file
-        from megatrain_min import prepare
-        sys.exit(prepare.main(sys.argv[2:]))
     toks = load_tokens(DEFAULT_DATA)
     tr, va = split(toks)
     print(f"{DEFAULT_DATA.name}: {len(toks):,} bytes -> train {len(tr):,}, val {len(va):,}")

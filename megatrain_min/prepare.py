@@ -1,7 +1,7 @@
 """prepare.py -- a corpus tokenized once, into token files that a run opens in no time.
 
 What it is
-    python -m megatrain_min.data prepare INPUT... --out DIR [--tokenizer MODEL_DIR]
+    python -m megatrain_min.prepare INPUT... --out DIR [--tokenizer MODEL_DIR]
                                          [--val-fraction 0.1]
     streams text (.txt) or JSON lines (.jsonl) through a tokenizer (MODEL_DIR's tokenizer.json -- a
     Hugging Face model directory or one of our checkpoints that carries it -- else bytes) into DIR:
@@ -62,7 +62,7 @@ Reference
     tools/preprocess_data.py (documents with an index, an end-of-document token); transformers'
     run_clm.py.
 Try it
-    python -m megatrain_min.data prepare data/tinyshakespeare.txt --out /tmp/shakespeare   # ~1 s
+    python -m megatrain_min.prepare data/tinyshakespeare.txt --out /tmp/shakespeare   # ~1 s
     python -m pytest tests/test_prepare.py
     python bench/prepare_throughput.py    # against Tokenizer.encode_batch, with peak RSS of each
 """
@@ -163,7 +163,7 @@ def _read_meta(path):
         meta = json.loads((path / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise PrepareError(f"{path} is not a prepared directory (no {META}; a prepare that did not finish leaves "
-                           f"none): run `python -m megatrain_min.data prepare ... --out {path}`") from None
+                           f"none): run `python -m megatrain_min.prepare ... --out {path}`") from None
     except (OSError, ValueError) as e:
         raise PrepareError(f"{path}/{META} cannot be read ({e}); prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -737,13 +737,13 @@ class Examples(Sequence):
 
 # ----------------------------------------------------------------------------- the command
 def main(argv=None):
-    """`python -m megatrain_min.data prepare ...`: exit 0 done (or up to date), 2 bad input (one line; nothing
+    """`python -m megatrain_min.prepare ...`: exit 0 done (or up to date), 2 bad input (one line; nothing
     written), 4 an output could not be written (nothing at --out replaced), 130 interrupted (nothing written)."""
     def fail(msg, code=2):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(code)
 
-    p = argparse.ArgumentParser(prog="python -m megatrain_min.data prepare",
+    p = argparse.ArgumentParser(prog="python -m megatrain_min.prepare",
                                 description="Tokenize text or JSON lines once into token files.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, tokenized in this order")
     p.add_argument("--out", required=True, help="the directory to write (made; refused if it holds other data)")

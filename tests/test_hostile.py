@@ -7,7 +7,7 @@ generic exception from deep inside), silent (a wrong input accepted, or a wrong 
 existed before the run is gone or changed), other (say, exit 2 with several lines). The test asserts "clean";
 a failure message starts with "verdict=<what it was>", so
     python -m pytest tests/test_hostile.py -q | grep -o "verdict=[a-z ]*" | sort | uniq -c
-counts the rest. The CLI cases run train.py (or `python -m megatrain_min.data prepare`, `python -m
+counts the rest. The CLI cases run train.py (or `python -m megatrain_min.prepare`, `python -m
 megatrain_min.hf export`) through conftest.TrainCLI (a fresh process per run, no torch import per run), each in
 its own directory, with files_under() of that directory taken before the run; a refusal must also leave the
 run's --out unmade. AT_ONCE runs two commands at the same moment into one output: one wins, the other is
@@ -41,7 +41,7 @@ CFG = model.PRESETS["toy"]
 EOS = "<|endoftext|>"
 CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' + '\\n' }}"
           "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-DATA, HF = "megatrain_min.data", "megatrain_min.hf"    # python -m DATA prepare ..., python -m HF export ...
+PREPARE, HF = "megatrain_min.prepare", "megatrain_min.hf"    # python -m PREPARE ..., python -m HF export ...
 
 
 # ----------------------------------------------------------------------------- shared inputs, made once
@@ -453,10 +453,10 @@ def _kind_edited(d):
 
 
 def _prep(t, *args, inputs=None, words=(), code=2, **extra):
-    """python -m megatrain_min.data prepare INPUTS ARGS (default input: a copy of world's lines.txt)."""
+    """python -m megatrain_min.prepare INPUTS ARGS (default input: a copy of world's lines.txt)."""
     if inputs is None:
         inputs = [copy(Path(extra.pop("world")) / "lines.txt", t / "lines.txt")]
-    return ["prepare", *inputs, *args], code, list(words), [], dict(module=DATA, **extra)
+    return [*inputs, *args], code, list(words), [], dict(module=PREPARE, **extra)
 
 
 def _ckpt_with(fn, run="sft"):
@@ -704,11 +704,11 @@ def _two_prepares(t, w):
     """Two prepares of different text into one --out (through a tokenizer: long enough to overlap)."""
     for name, word in (("a.txt", "alpha"), ("b.txt", "beta")):
         (t / name).write_text(f"What is {word} plus {word}? Four.\n" * 30000)
-    argv = [["prepare", t / n, "--out", t / "p", "--tokenizer", w / "hf"] for n in ("a.txt", "b.txt")]
+    argv = [[t / n, "--out", t / "p", "--tokenizer", w / "hf"] for n in ("a.txt", "b.txt")]
 
     def whole(t):
         return prepare.PreparedTokens(t / "p").meta["sources"][0]["path"] in (str(t / "a.txt"), str(t / "b.txt"))
-    return argv, dict(module=DATA), whole
+    return argv, dict(module=PREPARE), whole
 
 
 AT_ONCE = {  # name: setup(tmp, world) -> ([argv of each], how to run them, whole(tmp): the output is one whole result)

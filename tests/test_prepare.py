@@ -4,7 +4,7 @@ Oracles: the tokenizer's own encode() of each line (text) or document (.jsonl "t
 path for SFT (load_sft_jsonl's (x, y) per example, example_tokens' masks, SFTBatches over its list); data.Batches
 over the same ids held in memory; the split rule recomputed here from byte offsets. Tiny BPE tokenizers are
 trained here (conftest.make_bpe_tokenizer); BATCH_BYTES is cut to a few bytes so that a corpus of a few KB crosses
-many batch edges. Refusals run the command as a user does (`python -m megatrain_min.data prepare`, a subprocess):
+many batch edges. Refusals run the command as a user does (`python -m megatrain_min.prepare`, a subprocess):
 exit code 2 and one line, nothing written.
 """
 import json
@@ -345,7 +345,7 @@ def test_rerun_rules(tmp_path):
 
 # ----------------------------------------------------------------------------- the command, as a user runs it
 def run(*args, cwd=ROOT, **kw):
-    return subprocess.run([sys.executable, "-m", "megatrain_min.data", "prepare", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "megatrain_min.prepare", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
 
 
