@@ -43,18 +43,19 @@ import model
 import optim
 
 GRAD_SLABS = 3   # pinned fp32 slabs for gradients (no clipping): two rotate, a tied head holds one
+MICRO_BATCHES, GRAD_CLIP = 1, 0.0   # the engine's defaults (optim.py: the optimizer's): no clipping
 Batch = namedtuple("Batch", "tokens targets n_tok rope")   # tokens where the table is; targets: GPU
 
 
 class Trainer:
     def __init__(self, cfg, weights, device=None, dtype=None, lr=optim.LR, betas=optim.BETAS,
-                 eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=0.0, micro_batches=1,
-                 mode="fast", residual_dtype=None, chunk_tokens=None, grad_slabs=GRAD_SLABS,
-                 layer=model, activations=None, placement=None, guard=None, lanes=None,
-                 resident_units=0):
+                 eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=GRAD_CLIP,
+                 micro_batches=MICRO_BATCHES, mode="fast", residual_dtype=None, chunk_tokens=None,
+                 grad_slabs=GRAD_SLABS, layer=model, activations=None, placement=None, guard=None,
+                 lanes=None, resident_units=0):
         """cfg: model.GPTConfig; weights: {key: tensor}, read unit by unit. Unchecked: the checked
-        front door is megatrain_min.checks.Trainer. mode "fast" streams a bf16 shadow, "lean" the
-        fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm.
+        front door is megatrain_min.checks.CheckedTrainer. mode "fast" streams a bf16 shadow, "lean"
+        the fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm.
         resident_units: how many of self.order stay on the GPU (all: resident training)."""
         self.cfg, self.M, self.lr, self.grad_clip = cfg, micro_batches, lr, grad_clip
         self.dev = optim.resolve_device(device)     # cuda:N: the lanes and the worker use it too
@@ -72,7 +73,7 @@ class Trainer:
 
         # ---- host store: each unit's master, m, v (+ gradients when deferred, + the shadow)
         self.units = model.units(cfg)               # [embed], layer.0 .. layer.{L-1}, head
-        self.layers = [u for u, lay in enumerate(self.units) if lay.name.startswith("layer.")]
+        self.layer_units = [u for u, lay in enumerate(self.units) if lay.name.startswith("layer.")]
         self.head = len(self.units) - 1
         self.embed = self.head if cfg.tie_embeddings else 0    # see "the embedding" below
         self.order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]
@@ -88,7 +89,7 @@ class Trainer:
         self.pending, self.failed = {}, []          # unit -> Future of its update; exceptions
 
         # ---- GPU: 2 weight slots (ping-pong), 2 fp32 grad slots, made on their first user's lane
-        lay, head = self.units[self.layers[0]], self.units[self.head]
+        lay, head = self.units[self.layer_units[0]], self.units[self.head]
         n_slot = max(self.placement.slot_numel(lay), self.placement.slot_numel(head))
         with self.comp():
             self.wslot = [torch.empty(n_slot, dtype=self.dtype, device=self.dev) for _ in range(2)]
@@ -153,10 +154,10 @@ class Trainer:
     def _forward(self, b, keep):
         """Embedding + layers, no graph, a micro-batch at a time. x: M x (B/M, T, d), compute."""
         self.in_slot = {}                             # last step's slots hold stale weights
-        self._prefetch(self.layers[0], busy_slot=1)    # into slot 0
+        self._prefetch(self.layer_units[0], busy_slot=1)   # into slot 0
         self._ready(self.embed)                        # the rows come from the updated embedding
         x = self.embed_rows(b)
-        for i, u in enumerate(self.layers):
+        for i, u in enumerate(self.layer_units):
             s = self.in_slot[u]
             self.comp.wait(self.slot_loaded[s])
             if keep:                                   # boundary activations: layer i's input
@@ -164,13 +165,13 @@ class Trainer:
             w = self.wviews[s]["layer"]                # views into weight slot s, compute dtype
             x = [self.layer.block(self.cfg, x_j, w, b.rope) for x_j in x]    # (B/M, T, d) each
             self.slot_free[s] = self.comp.record()
-            self._prefetch(self.layers[i + 1] if i + 1 < len(self.layers) else self.head, s)
+            self._prefetch((self.layer_units + [self.head])[i + 1], s)   # the next unit
         return x
 
     def _head(self, x, b, backward):
         """Norm + LM head + loss in token chunks (backward: gradient in grad slot 0): dy, event."""
         cfg, s = self.cfg, self.in_slot[self.head]
-        self._prefetch(self.layers[-1], s)             # in a slot already: the last layer stays
+        self._prefetch(self.layer_units[-1], s)        # in a slot already: the last layer stays
         self.comp.wait(self.slot_loaded[s])
         w, gs = self.wviews[s]["head"], self._grad_slot(self.head, 0) if backward else None
         loss, dy = torch.zeros((), dtype=torch.float32, device=self.dev), []
@@ -188,12 +189,12 @@ class Trainer:
 
     def _backward(self, dy, b):
         """Layers L-1..0: recompute with grad, micro-batches accumulated in fp32, drain each."""
-        L = len(self.layers)
+        L = len(self.layer_units)
         for i in reversed(range(L)):
-            s = self.in_slot[u := self.layers[i]]
+            s = self.in_slot[u := self.layer_units[i]]
             xs = self.activations.take(i)              # on compute, ready (the next on its way)
             if i > 0:
-                self._prefetch(self.layers[i - 1], s)
+                self._prefetch(self.layer_units[i - 1], s)
             self.comp.wait(self.slot_loaded[s])
             gs = self._grad_slot(u, L - i)
             w, acc = self.wviews[s]["layer"], self.gviews[gs]["layer"]
@@ -216,7 +217,7 @@ class Trainer:
             if T not in self.rope:                              # on compute: its only reader
                 self.rope = {T: model.rope_cache(self.cfg, T, self.dev, self.residual_dtype)}
         if train:  # where the boundary activations go, made ready before the step's first op
-            self.activations.prepare(self, len(self.layers), (B, T, self.cfg.d_model))
+            self.activations.prepare(self, len(self.layer_units), (B, T, self.cfg.d_model))
         self.batch = Batch(tokens, tgt, n_tok, self.rope[T])
         return self.batch
 

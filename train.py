@@ -43,9 +43,10 @@ import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import checkpoint, cli, corpus, hf, launch, rundir, sample, sharded
-from megatrain_min import plan as planner
-from megatrain_min.checks import Trainer, check_config, check_device
+from megatrain_min import checkpoint, cli, corpus, engine, hf, launch, plan, rundir, sample, sharded
+from megatrain_min.checks import CheckedTrainer, check_config, check_device
+from megatrain_min.cli import DTYPE_NAMES, DTYPES
+from megatrain_min.plan import fit, hardware, report
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
 from megatrain_min.rundir import EXIT, fail
@@ -101,7 +102,7 @@ try:  # torchrun: this rank's GPU, made current before anything touches CUDA (el
         device = sharded.rank_device(args.device) if WORLD > 1 else check_device(args.device, here)
 except ValueError as e:
     fail(str(e) if LAUNCH else f"--device: {e}")
-dtype = planner.DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
+dtype = DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
                                       "default on CPU: bf16 matmuls are slow there")
 if args.seq_len > cfg.max_seq_len and plan_only:  # planning is arithmetic: any length
@@ -124,27 +125,27 @@ try:
     if plan_only:   # for --hardware; nothing is allocated
         local = args.hardware == "local"
         ranks = dict(gpus=GPUS, nodes=WORLD // GPUS) if WORLD > 1 else {}   # torchrun: the run's
-        pl = planner.from_flags(args, cfg, name=args.config, device=device, **ranks,
-                                dtype=args.dtype or (planner.DTYPE_NAMES[dtype] if local else None))
-        longest, pl = planner.max_context(pl) if args.max_context else (None, pl)
+        pl = plan.from_flags(args, cfg, name=args.config, device=device, **ranks,
+                             dtype=args.dtype or (DTYPE_NAMES[dtype] if local else None))
+        longest, pl = fit.max_context(pl) if args.max_context else (None, pl)
         if args.max_context and not longest:
             fail(f"--max-context: not even {args.batch_size} x 1024 tokens fit {args.config} on "
                  f"--hardware {args.hardware}; --plan without --max-context shows why")
-        print(planner.plan_json(pl) if args.json else planner.format_plan(pl))
+        print(report.plan_json(pl) if args.json else report.format_plan(pl))
         if args.max_context and not args.json:
-            print(planner.describe_max_context(pl, longest, cfg.max_seq_len))
+            print(report.describe_max_context(pl, longest, cfg.max_seq_len))
         sys.exit(0)
-    pl = planner.from_flags(args, cfg, "local", name=args.config, device=device, real=True,
-                            gpus=GPUS, nodes=WORLD // GPUS, dtype=planner.DTYPE_NAMES[dtype])
+    pl = plan.from_flags(args, cfg, "local", name=args.config, device=device, real=True,
+                         gpus=GPUS, nodes=WORLD // GPUS, dtype=DTYPE_NAMES[dtype])
     if args.engine == "stream":  # refuse before anything is allocated
-        planner.check(pl)
+        fit.check(pl)
 except ValueError as e:  # does not fit (and what would), an unknown --hardware
     fail(str(e))
 print(f"config {args.config}: {n_params:,} params | {json.dumps(cfg.to_dict())}")
 print(f"device {device} | compute dtype {str(dtype)[6:]} ({why}), {args.residual_dtype} residual | "
       f"engine {args.engine} | {tokens_per_step:,} tokens/step in {args.micro_batches} "
       f"micro-batch(es)")
-print(planner.describe_run(pl, WORLD, GPUS))
+print(report.describe_run(pl, WORLD, GPUS))
 
 # --- data -----------------------------------------------------------------------------------------
 try:   # a model that is not a byte model reads text through its own tokenizer
@@ -175,8 +176,8 @@ weights = init_weights if init_weights is not None else LazyInit(cfg, seed=args.
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
 try:  # a tensor of --init-from that is not finite, say: one line naming it
     if args.engine == "stream":  # under torchrun rank r of N holds its shard of every unit
-        engine = sharded.ShardedTrainer if WORLD > 1 else Trainer
-        trainer = engine(cfg, weights, device=device, **hyper, **planner.engine_kw(pl))
+        Engine = sharded.ShardedTrainer if WORLD > 1 else CheckedTrainer   # stream.Trainer, checked
+        trainer = Engine(cfg, weights, device=device, **hyper, **engine.arguments(pl))
     else:
         trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper,
                                    grad_clip=args.grad_clip, micro_batches=args.micro_batches)
@@ -204,7 +205,7 @@ def save(step_done):
 run.catch_signals()    # SIGTERM, SIGHUP, a first Ctrl-C: finish the step, save, exit 0
 run.record({"args": vars(args), "model": cfg.to_dict(), "params": n_params, "device": str(device),
             "dtype": str(dtype), "world_size": WORLD})      # config.json; metrics.jsonl opened
-peak = planner.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
+peak = hardware.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
 peak = peak and peak * WORLD                             # every rank's GPU (the tokens are global)
 guard, t_start = trainer.guard, time.time()
 bar = tqdm(range(run.start_step, args.steps), desc="train", dynamic_ncols=True,
@@ -229,7 +230,7 @@ for step in bar:
         trainer.wait()  # updates run as gradients land: a unit's verdict is known once done
     dt = time.time() - t0
     rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-           "model_tflops": planner.model_tflops(cfg, tokens_per_step, dt)}  # 6 N per token
+           "model_tflops": hardware.model_tflops(cfg, tokens_per_step, dt)}  # 6 N per token
     if peak:
         rec["mfu"] = rec["model_tflops"] / peak
     if moved is not None:   # torchrun: what rank 0 moved over PCIe (h2d, d2h) and between the GPUs
@@ -276,7 +277,7 @@ if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 
         if args.engine == "stream" else trainer.weights()
     try:
         if RANK == 0:
-            hf.save_hf(cfg, final, run.hf_dir, dtype=planner.DTYPES[args.save_hf_dtype],
+            hf.save_hf(cfg, final, run.hf_dir, dtype=DTYPES[args.save_hf_dtype],
                        tokenizer_from=init_dir, replaces=run.hf_state)   # what it held then
     except hf.HFError as e:  # the directory changed during the run
         fail(f"--save-hf: {e}; the run's checkpoint is {checkpoint.latest(run.out) or 'none'}")

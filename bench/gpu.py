@@ -38,9 +38,11 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
+from megatrain_min import engine  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.plan import hardware  # noqa: E402
 from megatrain_min.reference import ReferenceTrainer  # noqa: E402
-from megatrain_min.checks import Trainer  # noqa: E402
+from megatrain_min.checks import CheckedTrainer  # noqa: E402
 from model import default_dtype  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -56,7 +58,7 @@ SMOKE = dict(wide=model.GPTConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head
              d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, tokens=256)
 DEFS = dict(
     step_s="median of timed steps (torch.cuda.synchronize before and after each) after warm-up steps",
-    N="parameters that multiply: every matrix but the embedding gather (= plan.flops_per_token / 6)",
+    N="parameters that multiply: every matrix but the embedding gather (= plan.hardware.flops_per_token / 6)",
     model_tflops="6 N tokens / step_s (no recompute, no attention scores: useful work only)",
     hw_tflops="(8 N_layers + 6 N_head) tokens / step_s: the layers' recompute counted, attention scores not",
     megatrain_tflops="6 x all parameters (embedding included) x tokens / step_s: MegaTrain's formula",
@@ -290,8 +292,8 @@ def fsdp2_trainer(cfg, weights, M, fused=True):
 def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_clip=0.0):
     """The engine on cfg at B x T tokens in M micro-batches, `resident` units on the GPU (the first the forward
     needs), grad_clip as given: its timing (and the trainer, keep=True)."""
-    t = Trainer(cfg, SameLayers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
-                **planner.objects(offload))
+    t = CheckedTrainer(cfg, SameLayers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
+                **engine.parts(offload))
     b = batch(cfg, B, T)
     r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
     r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload, resident_units=resident,
@@ -414,7 +416,7 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     a 5.1B model, all of them). Each with the planner's prediction on this machine's profile beside it."""
     base = S["wide"]
     B, T, M = tokens_for(base, S)
-    avail = planner.host_available_bytes()
+    avail = hardware.host_available_bytes()
     few = lambda cfg: len(model.units(cfg)) // 10  # noqa: E731  the streaming regime: <= 10% resident
     kw = lambda clip, k: dict(batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, resident_units=k)  # noqa
     fits = lambda L, clip=0.0: planner.plan(dataclasses.replace(base, n_layer=L), "local", **kw(  # noqa: E731
@@ -483,7 +485,7 @@ def meta(args):
                 torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                 host=socket.gethostname(), cpus=os.cpu_count(),
                 command=" ".join([sys.executable, "bench/gpu.py", *sys.argv[1:]]),
-                smoke=args.smoke, host_available_gb=planner.host_available_bytes() / GB)
+                smoke=args.smoke, host_available_gb=hardware.host_available_bytes() / GB)
 
 
 def summary(res):

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatrain_min.hf import load_hf, save_hf  # noqa: E402
-from megatrain_min.checks import Trainer  # noqa: E402
+from megatrain_min.checks import CheckedTrainer  # noqa: E402
 from megatrain_min.lazy_init import LazyInit  # noqa: E402
 from model import NORM, PRESETS, units  # noqa: E402
 
@@ -59,7 +59,7 @@ def measure(n_layer, store, tmp):
     cfg, weights = load_hf(d)
     watch = _Watch(weights)
     if store == "trainer":
-        Trainer(cfg, watch, device="cpu")
+        CheckedTrainer(cfg, watch, device="cpu")
     else:
         bufs = [torch.zeros(u.numel) for u in units(cfg)]
         watch.base = _rss()[0]

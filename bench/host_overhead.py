@@ -6,7 +6,7 @@ side in one run, rounds interleaved, one OpenMP thread (tiny tensors; no spin-wa
   before   stream.py as of the issue's reference commit (427dd33), loaded from git history;
   after    stream.py now.
 Reported: host microseconds per layer visit (2 visits per layer per step) at M = 1 and 4, and the ratio.
-Also --calibrate: the per-op issue cost that the twin and the planner use (plan.HOST_OP_S), from the same run, on
+Also --calibrate: the per-op issue cost that the twin and the planner use (plan.hardware.HOST_OP_S), from the same run, on
 the CPU backend or (--device cuda) with CUDA eager ops, which add cudaLaunchKernel and autograd's device thread;
 --json FILE writes the fit (bench/gpu_run.sh does this on a GPU).
 
@@ -73,7 +73,7 @@ class OpCount:
 def calibrate(rounds, steps, device="cpu"):
     """Host seconds per step = c_py x (ops issued from Python) + c_autograd x (ops autograd's engine runs) + c0,
     least squares over deep tiny models (compute ~ 0) at several depths and micro-batch counts; and the one cost
-    per op (c_op, with c0) that plan.HOST_OP_S holds. The ops are counted on the CPU by megatrain_min.record's
+    per op (c_op, with c0) that plan.hardware.HOST_OP_S holds. The ops are counted on the CPU by megatrain_min.record's
     recorder (the same op stream runs on `device`); the time per step is taken on `device`."""
     import dataclasses
     import numpy as np
@@ -94,7 +94,7 @@ def calibrate(rounds, steps, device="cpu"):
           f"worst fit error {max(abs(fit - times) / times):.1%}")
     one = np.array([(n_py + n_ag, 1.0) for n_py, n_ag, _ in rows])
     (c_op, c1), *_ = np.linalg.lstsq(one, np.array(times), rcond=None)
-    print(f"one cost per op (plan.HOST_OP_S): {c_op * 1e6:.2f} us, c0 = {c1 * 1e3:.2f} ms per step")
+    print(f"one cost per op (plan.hardware.HOST_OP_S): {c_op * 1e6:.2f} us, c0 = {c1 * 1e3:.2f} ms per step")
     return dict(device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu", torch=torch.__version__,
                 host_op_s=float(c_op), c0_s=float(c1), c_py_s=float(c_py), c_autograd_s=float(c_ag),
                 worst_fit_error=float(max(abs(fit - times) / times)),
@@ -105,7 +105,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--calibrate", action="store_true", help="fit the per-op issue cost plan.HOST_OP_S holds")
+    ap.add_argument("--calibrate", action="store_true", help="fit the per-op issue cost plan.hardware.HOST_OP_S holds")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where --calibrate times the steps")
     ap.add_argument("--json", default=None, help="with --calibrate: write the fit to this file")
     a = ap.parse_args()

@@ -5,7 +5,7 @@ What it is
     (d 64, d_ff 2048, 2 layers, byte vocabulary: the (T, d_ff) tensors dominate the untiled layer) and runs one
     training step of one sequence on the CPU, where the engine's "device" buffers live in host memory too. It
     reports the process's peak RSS (VmHWM), the RSS before the step, their difference (the step's own memory), the
-    planner's device bytes for the same run (plan.py, local hardware: on the CPU the device buffers are host
+    planner's device bytes for the same run (megatrain_min/plan, local hardware: on the CPU the device buffers are host
     memory) and the step's time.
     The child runs with MALLOC_MMAP_THRESHOLD_=131072: glibc then maps every allocation of 128 KB or more and
     unmaps it on free, so RSS follows the live tensors instead of glibc's arena high-water mark.
@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
+from megatrain_min import engine  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 
 NARROW = dict(vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, d_model=64, d_ff=2048)
@@ -43,9 +44,9 @@ def rss():
 
 def child(T, tile):
     """One step at (T, tile) in this process; prints one JSON line."""
-    from megatrain_min.checks import Trainer
+    from megatrain_min.checks import CheckedTrainer
     cfg = model.GPTConfig(max_seq_len=T, **NARROW)
-    t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu", **planner.objects(False, False, tile))
+    t = CheckedTrainer(cfg, model.init_weights(cfg, 0), device="cpu", **engine.parts(tile_tokens=tile))
     gen = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
     before = rss()[0]

@@ -6,8 +6,8 @@
 
 --measured DIR: DIR holds bench/gpu.py's results.json (the run of ../shared/gpu/2026-11-27-h200 is committed as
 bench/results/2026-11-27-nvidia-h200). The twin (the real engine replayed at full size, megatrain_min/twin.py) and
-the planner (plan.py's analytic schedule) predict each measured stream case -- the wide case at its two token
-counts and the peers' stream run -- on plan.HARDWARE["h200"] (made from that measurement; the host memory the run
+the planner (megatrain_min/plan/timing.py's analytic schedule) predict each measured stream case -- the wide case at its two token
+counts and the peers' stream run -- on plan.hardware.HARDWARE["h200"] (made from that measurement; the host memory the run
 saw) with the engine as it was measured: no resident units, the shadow refreshed in a second pass over the unit
 (optim.TILE = the whole unit). Exit status 1 when either model is more than 10% off a measured step. Then the
 same models predict the engine as it is now (one host pass, resident units) on that H200: the issue-33 targets.
@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import optim  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.plan import hardware  # noqa: E402
 from megatrain_min import record, twin  # noqa: E402
 
 ROWS = [(n, hw, mode, 0.0, 4) for n in ("100b", "120b") for hw in ("h200", "gh200") for mode in ("fast", "lean")] + \
@@ -55,14 +56,14 @@ def predict(cfg, hw, B, M, twin_too=True, **kw):
 
 def measured(d):
     res = json.loads((d / "results.json").read_text())
-    hw = dict(planner.HARDWARE["h200"], host_mem_gb=res["meta"]["host_available_gb"], name="h200 (measured)")
+    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=res["meta"]["host_available_gb"], name="h200 (measured)")
     wide, peers = res["cases"]["wide"], res["cases"]["peers"]
     cases = [("wide @ min tokens", wide["at_min_tokens"], wide["at_min_tokens"]["tokens"] // SEQ),
              ("wide @ 2x tokens", wide["at_2x_tokens"], wide["at_min_tokens"]["tokens"] // SEQ),
              ("peers: stream", peers["stream"], peers["stream"]["tokens"] // SEQ)]
     lines = [f"# twin and planner vs the measured run {d.name} ({datetime.date.today()}, "
              f"`python bench/twin_vs_plan.py --measured {d.relative_to(ROOT) if d.is_relative_to(ROOT) else d}`)",
-             "", f"Profile: plan.HARDWARE['h200'] (made from this run), host memory {hw['host_mem_gb']:.0f} GB; the engine "
+             "", f"Profile: plan.hardware.HARDWARE['h200'] (made from this run), host memory {hw['host_mem_gb']:.0f} GB; the engine "
              "as measured: no resident units, the shadow in a second pass (optim.TILE = whole unit), grad clip 0, "
              "3 gradient slabs.", "",
              "| case | layers | tokens | M | measured s | twin s | twin/measured | planner s | planner/measured |",
@@ -150,7 +151,7 @@ def predictions(hw, res, wide):
 def full_depth(quick):
     rows = [r for r in ROWS if r[0] == "7b"] if quick else ROWS
     lines = [f"# twin vs planner, full depth ({datetime.date.today()}, `python bench/twin_vs_plan.py`)", "",
-             "Both are predictions (plan.py's HARDWARE profiles); 4 x 4096 tokens per step, 1 micro-batch, 1536 GB of "
+             "Both are predictions (plan.hardware.HARDWARE's profiles); 4 x 4096 tokens per step, 1 micro-batch, 1536 GB of "
              "host RAM for the 100b/120b rows, the planner's resident units.", "",
              "| model | GPU | mode | clip | plan s/step | twin s/step | twin/plan | plan bottleneck | twin bottleneck "
              "| twin peak GPU GB | replay wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]

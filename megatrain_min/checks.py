@@ -5,7 +5,7 @@ What it is
     anything is allocated: a config (check_config), a weights mapping and its tensors (check_weights,
     check_tensor, check_finite), a batch (check_batch, check_token_ids), a device (check_device), the
     optimizer's hyper-parameters (check_hyper) and the engine's options (check_options). One predicate says
-    what a number may be (real). And the checked front door: Trainer is stream.Trainer with every entry point
+    what a number may be (real). And the checked front door: CheckedTrainer is stream.Trainer with every entry point
     checked (its weights checked as the engine reads them, so a lazy 70B mapping is read once);
     sharded.ShardedTrainer and reference.ReferenceTrainer use the same functions. train.py checks its flags
     with them and turns the message into one line on stderr and exit code 2.
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 import model
+import optim
 import stream
 
 
@@ -190,11 +191,12 @@ def check_batch(cfg, tokens, targets):
 
 
 def check_device(device, present=True):
-    """torch.device of `device` ("cpu", "cuda", "cuda:i"; None = cuda when available), or ValueError naming it
-    when the engines cannot run there: not a device torch knows, not cpu/cuda, or (present: it must
-    be here, not only planned for) a GPU this machine lacks."""
+    """torch.device of `device` ("cpu", "cuda", "cuda:i"; None: the engine's default, optim.resolve_device:
+    the current CUDA device when there is one, else the CPU), or ValueError naming it when the engines
+    cannot run there: not a device torch knows, not cpu/cuda, or (present: it must be here, not only
+    planned for) a GPU this machine lacks."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return optim.resolve_device()
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -264,9 +266,25 @@ def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=Non
                          f"first), got {resident_units!r}")
 
 
+def check_split(batch_size, micro_batches, ranks=1, names=("batch size", "micro_batches")):
+    """The one home of the rule that a step's batch splits evenly: over `ranks` ranks, then each rank's
+    share into micro_batches micro-batches. ValueError naming both otherwise; names: what the caller
+    calls them (the engine's arguments, the planner's words, train.py's flags)."""
+    b, m = names
+    if not all(integer(n) and n >= 1 for n in (batch_size, micro_batches)):
+        raise ValueError(f"{b} and {m} must be positive integers, got {batch_size!r} and "
+                         f"{micro_batches!r}")
+    if batch_size % (ranks * micro_batches) == 0:
+        return
+    if ranks == 1:
+        raise ValueError(f"{b} {batch_size} is not divisible by {m} {micro_batches}")
+    raise ValueError(f"{b} {batch_size} is not divisible by {ranks} ranks x {m} {micro_batches} (each "
+                     f"rank computes {b} / {ranks} sequences in {m} micro-batches)")
+
+
 class Checked:
     """A trainer whose every entry point checks what it is given before the engine sees it: mix it in first
-    (class Trainer(Checked, stream.Trainer), sharded.ShardedTrainer)."""
+    (CheckedTrainer, sharded.ShardedTrainer)."""
 
     def __init__(self, cfg, weights, device=None, **kw):
         check_config(cfg)
@@ -283,14 +301,15 @@ class Checked:
         return super().evaluate(tokens, targets)
 
     def check_batch(self, tokens, targets):
+        """A batch of the config (check_batch) that splits over the ranks (sharded: self.world), each
+        rank's share into self.M micro-batches (check_split)."""
         check_batch(self.cfg, tokens, targets)
-        if tokens.shape[0] % self.M:
-            raise ValueError(f"batch size {tokens.shape[0]} is not divisible by micro_batches={self.M}")
+        check_split(tokens.shape[0], self.M, getattr(self, "world", 1))
 
     def set_lr(self, lr):
         check_hyper(lr=lr)
         super().set_lr(lr)
 
 
-class Trainer(Checked, stream.Trainer):
+class CheckedTrainer(Checked, stream.Trainer):
     """stream.Trainer, every argument, batch and learning rate checked first: the one to build by hand."""

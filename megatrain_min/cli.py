@@ -7,7 +7,7 @@ What it is
       hardware  what to plan for: --hardware, --host-mem, --host-bw, --gpus, --nodes
       run       train.py's own: steps, schedule, data, outputs, checkpoints, --init-from, --plan
     python train.py, python -m megatrain_min.plan and python -m megatrain_min.sim take the same flags with the
-    same defaults; plan.from_flags turns them into a plan, plan.engine_kw a plan into the engine's arguments.
+    same defaults; plan.from_flags turns them into a plan, engine.arguments a plan into the engine's arguments.
     check(a) says in one line what is wrong with flags that cannot be right (FlagError), before anything runs.
 What it is not
     Not a configuration system: a preset from model.PRESETS plus flags, nothing read from files.
@@ -19,19 +19,30 @@ import os
 import sys
 import warnings
 
+import torch
+
 import model
 import optim
-from megatrain_min.checks import HyperParameterError, check_hyper
+import stream
+from megatrain_min.checks import HyperParameterError, check_hyper, check_split
 
-# The defaults of the shared flags. lr: the toy preset's (train.py's default model); the library's (optim.LR)
-# suits large models.
-DEFAULTS = dict(config="toy", batch_size=32, seq_len=128, micro_batches=1, grad_clip=1.0, mode="fast",
-                dtype=None, residual_dtype="fp32", offload_activations="auto", chunk_tokens=0,
-                tile_tokens=None, resident_units=None, hardware="local", gpus=1, nodes=1, lr=3e-3,
-                weight_decay=optim.WEIGHT_DECAY,
-                keep=2)
+# Every default, one home. The library's are the engine's own (what a bare stream.Trainer(cfg, weights)
+# does): optim's LR, BETAS, EPS, WEIGHT_DECAY, stream's MICRO_BATCHES and GRAD_CLIP, the device
+# optim.resolve_device picks for None. The flags take them (LIBRARY), but where train.py's recipe for its
+# default model, the toy, differs (RECIPE, each with its reason). batch_size and seq_len have no library
+# default -- the engine takes the batch it is given -- so DEFAULTS is their one home (plan() takes its
+# batch from here too).
+LIBRARY = dict(micro_batches=stream.MICRO_BATCHES, grad_clip=stream.GRAD_CLIP, lr=optim.LR,
+               weight_decay=optim.WEIGHT_DECAY, device=None)
+RECIPE = dict(lr=3e-3,         # the toy's rate; the library's (optim.LR) suits large models
+              grad_clip=1.0)   # a script's run clips, as nanoGPT's does; the library clips if asked
+DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mode="fast", dtype=None,
+                residual_dtype="fp32", offload_activations="auto", chunk_tokens=0, tile_tokens=None,
+                resident_units=None, hardware="local", gpus=1, nodes=1, keep=2)
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # --dtype, --residual-dtype, --save-hf-dtype
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # The largest values a flag can take: beyond them it is a typo, and the planner's searches and schedule
 # replay would run for a long time on numbers no machine has.
 MOST = dict(batch_size=1 << 24, seq_len=1 << 30, micro_batches=1 << 24, gpus=1 << 10, nodes=1 << 14,
@@ -148,7 +159,7 @@ def add_step(p):
 def add_hardware(p, default=DEFAULTS["hardware"]):
     """What to plan for (the planner, the stream checker's twin; train.py: --plan)."""
     p.add_argument("--hardware", default=default,
-                   help="plan for: local (this machine) or a profile of plan.HARDWARE (python -m megatrain_min.plan "
+                   help="plan for: local (this machine) or a profile of plan.hardware.HARDWARE (python -m megatrain_min.plan "
                         "--hardware all lists them) (default: %(default)s)")
     p.add_argument("--host-mem", type=float, default=None, help="host RAM in GB (default: the hardware's)")
     p.add_argument("--host-bw", type=float, default=None,
@@ -170,7 +181,7 @@ def add_run(p):
     a("--weight-decay", type=float, default=DEFAULTS["weight_decay"],
       help="AdamW decay on tensors with >= 2 dims (default: %(default)s)")
     a("--seed", type=int, default=0, help="seed for init and batches (default: %(default)s)")
-    a("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    a("--device", default=DEFAULTS["device"], help="cuda or cpu (default: cuda if available)")
     a("--nproc-per-node", type=int, default=1,
       help="train on N local ranks (GPUs, or CPU processes): every input checked here first, then the ranks "
            "started through torch.distributed's launcher, as torchrun --standalone (default: %(default)s)")
@@ -233,12 +244,10 @@ def check(a, world=1):
         if v is not None and not least <= v <= most:
             raise FlagError(f"--{flag.replace('_', '-')} {_num(v)} is out of range: at most "
                             f"{_num(most)}" + (f" and at least {_num(least)}" if least else ""))
-    if a.batch_size % a.micro_batches:
-        raise FlagError(f"--batch-size {a.batch_size} is not divisible by --micro-batches {a.micro_batches}")
-    if world > 1 and a.batch_size % (world * a.micro_batches):
-        raise FlagError(f"--batch-size {a.batch_size} is not divisible by {world} ranks x --micro-batches "
-                        f"{a.micro_batches} (each rank computes --batch-size / {world} sequences in "
-                        f"--micro-batches micro-batches)")
+    try:
+        check_split(a.batch_size, a.micro_batches, world, names=("--batch-size", "--micro-batches"))
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     if a.tile_tokens is not None and a.tile_tokens < 0:
         raise FlagError(f"--tile-tokens must be >= 0 (0 = untiled), got {a.tile_tokens}")
     if getattr(a, "resident_units", None) is not None and a.resident_units < 0:

@@ -8,7 +8,7 @@ What it is
     elementwise_bytes(cfg, ...) runs one layer visit and the loss head at two small sizes under FakeTensorMode
     and returns the bytes that the FLOP-free ops move (norms, casts, RoPE, residual adds, SwiGLU's product, the
     softmax of the loss, the fp32 gradient accumulation) per token and per call -- the part of a visit bound by
-    HBM bandwidth, which plan.py adds to the matmuls' FLOPs so that its schedule and the twin cost a visit alike.
+    HBM bandwidth, which the planner (plan/timing.py) adds to the matmuls' FLOPs so that its schedule and the twin cost a visit alike.
 What it is not
     Not a kernel model: an op costs max(FLOPs / achievable FLOP/s, bytes / bandwidth), fused kernels not assumed.
 """
@@ -119,12 +119,12 @@ class _Count(TorchDispatchMode):
 
 def elementwise_bytes(cfg, dtype=torch.bfloat16, residual_dtype=torch.float32):
     """{"fwd", "bwd", "head"} -> (bytes per token, bytes per call, ops per call): what the FLOP-free ops move and
-    how many aten ops the host issues (plan.py's host term), for a layer's forward,
+    how many aten ops the host issues (the planner's host term), for a layer's forward,
     of its recompute + backward (model.block_grad: one call per micro-batch, whose fp32 gradient accumulation is
     the per-call part), and of the loss head forward + backward (model.head_grad; a call per loss chunk), as the
     engine runs them (bf16 autocast on the residual dtype). Measured at two sizes under FakeTensorMode: per token
     they do not depend on T (attention's own work is FLOPs), nor on max_seq_len, which is left out of the cache's key:
-    plan.max_context plans one config at many lengths, each with its own max_seq_len, and measures once."""
+    plan.fit.max_context plans one config at many lengths, each with its own max_seq_len, and measures once."""
     return _measured(json.dumps(dict(cfg.to_dict(), max_seq_len=None), sort_keys=True), dtype, residual_dtype)
 
 

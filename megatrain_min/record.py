@@ -32,13 +32,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
 import stream
-from megatrain_min import cost
-from megatrain_min import plan as planner
+from megatrain_min import cost, engine
 
 aten = torch.ops.aten
 LANES = ("h2d", "compute", "d2h", "comm", "default")   # CUDA streams (default: the legacy default stream; comm:
 #                                                        the collectives of megatrain_min/sharded.py)
 THREADS = ("main", "worker")                       # host threads
+BATCH = (4, 16)   # (B, T) of a checked run unless told: the real engine on a CPU, every op recorded
 ROOT = Path(__file__).resolve().parent.parent
 OURS = {str(ROOT / f) for f in ("stream.py", "model.py", "optim.py", "megatrain_min/sharded.py",   # source lines:
                                  "megatrain_min/activations.py", "megatrain_min/tiling.py")}        # ours
@@ -388,10 +388,10 @@ class ZeroWeights(Mapping):
 
 
 def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False,
-        batch=(4, 16), between=None, offload_activations=False, skip_nonfinite=False, tile_tokens=0, **trainer_kw):
+        batch=BATCH, between=None, offload_activations=False, skip_nonfinite=False, tile_tokens=0, **trainer_kw):
     """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on random batches
     of batch=(B, T); between(trainer) runs after every step but the last (e.g. an evaluate()). Returns the
-    trainer. offload_activations, skip_nonfinite, tile_tokens: the objects the engine is handed (planner.objects);
+    trainer. offload_activations, skip_nonfinite, tile_tokens: the objects the engine is handed (engine.parts);
     dtype and residual_dtype: torch dtypes; everything else as stream.Trainer takes it."""
     rec = Recorder(consumers, fake=fake, sources=sources, costs=costs)
     mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -399,7 +399,7 @@ def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs
     gen = torch.Generator().manual_seed(0)
     with mode, rec:
         weights = ZeroWeights(cfg) if fake else model.init_weights(cfg, 0)
-        kw = {**planner.objects(offload_activations, skip_nonfinite, tile_tokens), **trainer_kw}   # given ones win
+        kw = {**engine.parts(offload_activations, skip_nonfinite, tile_tokens), **trainer_kw}   # given ones win
         t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec), **kw)
         rec.trainer = t
         for k in range(steps):

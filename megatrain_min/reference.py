@@ -14,13 +14,18 @@ import torch
 
 import model
 import optim
+import stream
 from megatrain_min.checks import check_batch, check_device, check_finite, check_hyper, check_tensor, check_weights
 
 
 class ReferenceTrainer:
-    def __init__(self, cfg, weights, device="cpu", dtype=torch.float32, lr=optim.LR, betas=optim.BETAS,
-                 eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=0.0, micro_batches=1):
-        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip, micro_batches=micro_batches)
+    def __init__(self, cfg, weights, device=None, dtype=torch.float32, lr=optim.LR, betas=optim.BETAS,
+                 eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=stream.GRAD_CLIP,
+                 micro_batches=stream.MICRO_BATCHES):
+        """stream.Trainer's arguments and defaults (device None: optim.resolve_device's choice), but
+        dtype: the autocast dtype (default fp32: none)."""
+        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
+                    micro_batches=micro_batches)
         check_weights(cfg, weights, tensors=False)     # the keys; each tensor is checked as it is copied
         self.cfg, self.dev, self.dtype = cfg, check_device(device), dtype
         self.grad_clip, self.M = grad_clip, micro_batches

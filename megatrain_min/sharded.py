@@ -146,10 +146,7 @@ class Shards:
             opt.refresh_shadow(u)
 
     def local_batch(self, x):
-        B = x.shape[0]
-        if B % self.world:
-            raise ValueError(f"batch size {B} is not divisible by {self.world} ranks")
-        b = B // self.world
+        b = x.shape[0] // self.world    # checks.check_split: it divides
         return x[self.rank * b:(self.rank + 1) * b]   # rank r: sequences [r B/N, (r+1) B/N) of the global batch
 
     def gather(self, out, shard):
@@ -195,7 +192,7 @@ class Shards:
 class ShardedTrainer(checks.Checked, stream.Trainer):
     def __init__(self, cfg, weights, group=None, device=None, lanes=None, **kw):
         """stream.Trainer's arguments (weights: the whole model, read unit by unit, each rank keeping its
-        shard; checked as checks.Trainer checks them), plus group: the run's torch.distributed process group
+        shard; checked as checks.CheckedTrainer checks them), plus group: the run's torch.distributed process group
         (default: the whole world, initialised). micro_batches are per rank: the step's batch is split over the
         ranks, then each rank's share into micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
         if kw.get("resident_units"):
@@ -223,13 +220,6 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
     @property
     def traffic(self):
         return self.placement.traffic
-
-    def check_batch(self, tokens, targets):
-        """The global batch, checked; it splits over the ranks, each rank's share into its micro-batches."""
-        super().check_batch(tokens, targets)
-        if tokens.shape[0] % (self.world * self.M):
-            raise ValueError(f"batch size {tokens.shape[0]} is not divisible by {self.world} ranks x "
-                             f"micro_batches={self.M}")
 
     def shard_numel(self, u):
         return self.placement.shard(self.units[u])

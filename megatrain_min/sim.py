@@ -21,25 +21,18 @@ import json
 import sys
 
 import model
-from megatrain_min import cli, race, record, twin
-from megatrain_min import plan as planner
+from megatrain_min import cli, engine, plan, race, record, twin
 from megatrain_min.checks import check_config
+from megatrain_min.cli import DTYPES
 
 GB = 1e9
 
 
-def engine_kw(a, p, dtype):
-    """stream.Trainer's arguments for the flags and their plan p, with the objects as record.run makes them."""
-    return dict(dtype=planner.DTYPES[dtype], residual_dtype=planner.DTYPES[a.residual_dtype],
-                grad_clip=a.grad_clip, micro_batches=a.micro_batches, mode=a.mode, grad_slabs=p["grad_slabs"] or 1,
-                skip_nonfinite=bool(a.skip_nonfinite), chunk_tokens=a.chunk_tokens or None,
-                offload_activations=p["offload_activations"], tile_tokens=p["tile_tokens"],
-                resident_units=p["resident_units"])
-
-
 def check_main(a, cfg, p):
-    checker = race.Checker()   # the streaming schedule unless --resident-units asks for units on the GPU
-    kw = dict(engine_kw(a, p, a.dtype or "fp32"), resident_units=a.resident_units or 0)
+    """The engine on checked lanes for the plan's settings, in fp32 unless --dtype says otherwise (bf16
+    matmuls are slow on a CPU), streaming every unit unless --resident-units asks."""
+    checker = race.Checker()
+    kw = dict(engine.arguments(p), dtype=DTYPES[a.dtype or "fp32"], resident_units=a.resident_units or 0)
     record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
     print(checker.summary())
     return 1 if checker.races else 0
@@ -48,7 +41,7 @@ def check_main(a, cfg, p):
 def timeline_main(a, cfg, p):
     hw, tw = p["hardware"], twin.Twin(p["hardware"], host_speed=a.host_speed)
     record.run(cfg, [tw], a.steps or 3, fake=True, sources=False, costs=True, batch=(a.batch_size, a.seq_len),
-               **engine_kw(a, p, p["dtype"]))
+               **engine.arguments(p))
     r = tw.result_of(cfg, a.batch_size * a.seq_len)
     r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
              host_speed=a.host_speed, host_issue_s=tw.issue, resident_units=p["resident_units"])
@@ -61,12 +54,12 @@ def timeline_main(a, cfg, p):
     print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} tokens, "
           f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}, "
           f"{p['resident_units']} of {len(model.units(cfg))} units resident on the GPU")
-    print(f"  step {r['step_time_s']:.3g} s (plan.py: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
+    print(f"  step {r['step_time_s']:.3g} s (planner: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
           f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
     print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {tw.issue * 1e6:.1f} us each, --host-speed "
-          f"{a.host_speed:g} x the CPU plan.HOST_OP_S was measured on)")
-    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (plan.py: {p['bottleneck']})")
-    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (plan.py: {p['gpu_bytes'] / GB:.1f} GB)")
+          f"{a.host_speed:g} x the CPU hardware.HOST_OP_S was measured on)")
+    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (planner: {p['bottleneck']})")
+    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (planner: {p['gpu_bytes'] / GB:.1f} GB)")
     if a.trace:
         print(f"  trace: {a.trace} (open in https://ui.perfetto.dev)")
     return 0
@@ -85,7 +78,7 @@ def main(argv=None):
                        help="the non-finite guard (train.py: on) (default: %(default)s)")
         c.add_argument("--steps", type=int, default=0, help="engine steps to run (default: check 2, timeline 3)")
         if name == "check":
-            c.set_defaults(batch_size=4, seq_len=16)
+            c.set_defaults(batch_size=record.BATCH[0], seq_len=record.BATCH[1])
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object")
             c.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the simulated steps")
@@ -99,7 +92,7 @@ def main(argv=None):
     try:
         cli.check(a)
         cfg = check_config(cli.config_of(a))
-        p = planner.from_flags(a, cfg, dtype=a.dtype or "bf16", guarded=bool(a.skip_nonfinite),
+        p = plan.from_flags(a, cfg, dtype=a.dtype or "bf16", guarded=bool(a.skip_nonfinite),
                                host_speed=getattr(a, "host_speed", 1.0))
         return (check_main if a.command == "check" else timeline_main)(a, cfg, p)
     except ValueError as e:

@@ -8,7 +8,7 @@ What it is
       compute    an op takes max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth) (roofline; attention at the
                  causal half of its matmuls, as flash kernels do);
       copies     H2D and D2H at the profile's link bandwidth per direction, concurrently;
-      host       the main thread issues every op in program order (plan.HOST_OP_S each, / --host-speed) and
+      host       the main thread issues every op in program order (hardware.HOST_OP_S each, / --host-speed) and
                  blocks where the engine blocks (host waits, a future's result, a gradient slab); its own host
                  work (the embedding gather) runs at DRAM bandwidth; the optimizer thread's AdamW too.
     Memory: a device allocation is live from its issue until the GPU passes its free -- at once for its own lane,
@@ -18,7 +18,7 @@ What it is
     Chrome/Perfetto trace. Everything is a prediction.
 What it is not
     Not a GPU simulator: no kernel launch latency beyond the host issue cost, no contention between DMA and
-    AdamW for DRAM, no L2 effects. plan.py models the same schedule analytically; tests/test_twin.py holds the
+    AdamW for DRAM, no L2 effects. plan/timing.py models the same schedule analytically; tests/test_twin.py holds the
     two to 10% of each other on the big presets.
 Try it
     python -m megatrain_min.sim timeline --config 7b --hardware h100 --batch-size 4 --seq-len 4096
@@ -31,7 +31,7 @@ import json
 
 import torch
 
-from megatrain_min import plan as planner
+from megatrain_min.plan import hardware
 
 
 GB = 1e9
@@ -49,7 +49,7 @@ class Span:
 
 
 class Twin:
-    def __init__(self, hw, host_speed=1.0, host_op_s=planner.HOST_OP_S):
+    def __init__(self, hw, host_speed=1.0, host_op_s=hardware.HOST_OP_S):
         self.hw, self.issue = hw, host_op_s / host_speed
         self.hbm, self.host_bw = hw["hbm_gbs"] * GB, hw["host_bw_gbs"] * GB
         self.link = {"h2d": hw["h2d_gbs"] * GB, "d2h": hw["d2h_gbs"] * GB}
@@ -155,7 +155,7 @@ class Twin:
         elif op.kind == "dd":
             dur = 2 * written / self.hbm
         elif op.name == "aten._fused_adamw_.default":  # a resident unit's AdamW on the GPU
-            dur = op.nbytes / (self.hbm * planner.GPU_ADAM_FRAC)
+            dur = op.nbytes / (self.hbm * hardware.GPU_ADAM_FRAC)
         else:
             dur = max(op.flops / self.flops[torch.bfloat16 if op.low_precision else torch.float32],
                       op.nbytes / self.hbm)
@@ -186,7 +186,7 @@ class Twin:
             level += delta
             peak = max(peak, level)
         return dict(prediction=True, step_time_s=step, tokens_per_s=tokens / step,
-                    model_tflops=planner.flops_per_token(cfg) * tokens / step / 1e12,
+                    model_tflops=hardware.flops_per_token(cfg) * tokens / step / 1e12,
                     overlap=busy["compute"] / step, busy={k: busy[k] / step for k in ACTORS},
                     critical_path={k: crit[k] / total for k in ACTORS},
                     bottleneck=max(ACTORS, key=lambda k: crit[k]), peak_gpu_bytes=peak)

@@ -24,12 +24,13 @@ SPECIAL = model.GPTConfig(vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, d_mod
 
 
 def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, checked=True, **kw):
-    """A trainer on `weights`, handed the objects that plain settings make (plan.objects: activations.HostRing,
-    guard.Guard, tiling.Tiled): checks.Trainer, every argument checked, or stream.Trainer itself (checked=False)."""
+    """A trainer on `weights`, handed the objects that plain settings make (engine.parts: activations.HostRing,
+    guard.Guard, tiling.Tiled): checks.CheckedTrainer, every argument checked, or stream.Trainer itself (checked=False)."""
     import stream
-    from megatrain_min import checks, plan
-    cls = checks.Trainer if checked else stream.Trainer
-    return cls(cfg, weights, **{**plan.objects(offload_activations, skip_nonfinite, tile_tokens), **kw})
+    from megatrain_min import checks
+    from megatrain_min.engine import parts
+    cls = checks.CheckedTrainer if checked else stream.Trainer
+    return cls(cfg, weights, **{**parts(offload_activations, skip_nonfinite, tile_tokens), **kw})
 
 
 def random_batch(cfg, B, T, gen, ignore_frac=0.2):
@@ -112,7 +113,7 @@ ZYGOTE = r"""
 import json, os, resource, runpy, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
 import numpy, torch, tqdm, model, optim, stream  # noqa: the imports train.py would pay for on every run
-from megatrain_min import checkpoint, data, hf, plan, reference  # noqa
+from megatrain_min import checkpoint, data, engine, hf, plan, reference  # noqa
 import torch._dynamo, torch._subclasses.fake_tensor  # noqa: the planner's FakeTensorMode imports them (~1.7 s)
 import jinja2, safetensors, tokenizers  # noqa: fine-tuning data and exports
 for line in sys.stdin:

@@ -17,7 +17,7 @@ import torch
 import model
 from conftest import SPECIAL, engine, losses_agree, random_batch, update_rel
 from megatrain_min import data, plan
-from megatrain_min.checks import Trainer
+from megatrain_min.checks import CheckedTrainer
 from megatrain_min.reference import ReferenceTrainer
 from stream import Lane, Lanes
 
@@ -60,7 +60,7 @@ def test_async_equals_synchronised_bit_for_bit(clip, offload, resident):
 def test_cuda_fp32_equals_reference(cfg, resident):
     gen = torch.Generator().manual_seed(1)
     w0 = model.init_weights(cfg, 0)
-    ours = Trainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0,
+    ours = CheckedTrainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0,
                    resident_units=resident, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0, **HP)
     losses_agree(ours, ref, cfg, gen, steps=5, B=4, T=32, rtol=1e-5)
@@ -72,7 +72,7 @@ def test_bf16_tracks_fp32_reference_on_the_corpus():
     train, _ = data.split(data.load_tokens(data.DEFAULT_DATA))
     w0 = model.init_weights(cfg, 0)
     runs = {}
-    for name, trainer in (("bf16-stream", Trainer(cfg, w0, device="cuda", dtype=torch.bfloat16, grad_clip=1.0, lr=3e-3)),
+    for name, trainer in (("bf16-stream", CheckedTrainer(cfg, w0, device="cuda", dtype=torch.bfloat16, grad_clip=1.0, lr=3e-3)),
                           ("fp32-reference", ReferenceTrainer(cfg, w0, device="cuda", grad_clip=1.0, lr=3e-3))):
         batches = data.Batches(train, 32, 128, seed=0)
         losses = [trainer.step(*batches.next()) for _ in range(200)]

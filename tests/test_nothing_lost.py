@@ -455,7 +455,8 @@ def _batch(T=16, top=256):
 
 
 ENGINES = {"stream": lambda w=None, **kw: engine(CFG, w if w is not None else _w(), device=kw.pop("device", "cpu"), **kw),
-           "reference": lambda w=None, **kw: ReferenceTrainer(CFG, w if w is not None else _w(), **kw)}
+           "reference": lambda w=None, **kw: ReferenceTrainer(CFG, w if w is not None else _w(),
+                                                              device=kw.pop("device", "cpu"), **kw)}
 API = {  # API cases: call(engine), exception, words of the one-line message
     "init-weights-of-a-name": (lambda e: model.init_weights("toy"), TypeError, ["cfg", "GPTConfig"]),
     "missing-weight": (lambda e: ENGINES[e](_w(norm=None)), ValueError, [model.NORM]),
@@ -490,7 +491,7 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
     torch.optim.AdamW does. The streaming engine equals the reference (torch.optim.AdamW) on it."""
     w0 = model.init_weights(CFG)
     hp = dict(lr=1e-2, weight_decay=0.1, grad_clip=clip)
-    ours, ref = engine(CFG, w0, device="cpu", skip_nonfinite=True, **hp), ReferenceTrainer(CFG, w0, **hp)
+    ours, ref = engine(CFG, w0, device="cpu", skip_nonfinite=True, **hp), ReferenceTrainer(CFG, w0, device="cpu", **hp)
     tok, tgt = _batch()
     for t in (ours, ref):
         t.step(tok, tgt)

@@ -12,8 +12,9 @@ import torch
 
 import model
 from conftest import SPECIAL
-from megatrain_min import activations, memory
+from megatrain_min import activations
 from megatrain_min import plan as P
+from megatrain_min.plan import fit, hardware, memory, report
 
 
 def hand_params(c):
@@ -32,7 +33,7 @@ PUBLISHED = {"1b": 1_235_814_400, "7b": 6_738_415_616, "14b": 14_770_033_664,  #
 @pytest.mark.parametrize("name", list(model.PRESETS))
 def test_param_counts_match_hand_formula(name):
     cfg = model.PRESETS[name]
-    p = P.plan(cfg, "h200")
+    p = P.plan(cfg, "h200", batch_size=8)
     assert p["params"] == model.n_params(cfg) == hand_params(cfg)
     if name in PUBLISHED:
         assert p["params"] == PUBLISHED[name]
@@ -42,8 +43,8 @@ def test_param_counts_match_hand_formula(name):
 def test_param_count_equals_init_weights(cfg):
     w = model.init_weights(cfg, seed=0)
     n = sum(t.numel() for t in w.values())
-    print(f"init_weights: {n:,} elements, plan: {P.plan(cfg, 'h100')['params']:,}")
-    assert n == P.plan(cfg, "h100")["params"] == hand_params(cfg)
+    print(f"init_weights: {n:,} elements, plan: {P.plan(cfg, 'h100', batch_size=8)['params']:,}")
+    assert n == P.plan(cfg, "h100", batch_size=8)["params"] == hand_params(cfg)
 
 
 @pytest.mark.parametrize("mode,dtype,clip,per_param", [
@@ -52,7 +53,7 @@ def test_param_count_equals_init_weights(cfg):
 def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     cfg = model.PRESETS["7b"]
     N = model.n_params(cfg)
-    p = P.plan(cfg, "h100", mode=mode, dtype=dtype, grad_clip=clip, resident_units=0)   # every unit streamed
+    p = P.plan(cfg, "h100", batch_size=8, mode=mode, dtype=dtype, grad_clip=clip, resident_units=0)   # every unit streamed
     assert p["host_bytes_per_param"] == per_param               # the store: exact, whole bytes
     assert p["host"]["fp32 master"] == p["host"]["Adam m (fp32)"] == p["host"]["Adam v (fp32)"] == 4 * N
     assert p["host"].get("bf16 shadow (streamed)", 0) == (2 * N if mode == "fast" and dtype == "bf16" else 0)
@@ -69,32 +70,32 @@ def test_120b_lean_fits_h200_with_1536_gb():
     t0 = time.perf_counter()
     p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)
     dt = time.perf_counter() - t0
-    print(P.format_plan(p), f"\nplanned in {dt * 1e3:.1f} ms")
+    print(report.format_plan(p), f"\nplanned in {dt * 1e3:.1f} ms")
     assert p["fits"] and p["fits_host"] and p["fits_gpu"] and not p["offload_activations"]
     assert p["host_bytes_per_param"] == 12 and p["host_bytes"] / p["params"] >= 12
     assert p["host_bytes"] <= 1536e9 and p["mode"] == "lean"
-    table = P.format_plan(p)
+    table = report.format_plan(p)
     assert "fp32 master" in table and "Adam m" in table and "FITS" in table
-    P.check(p)                                                   # fits: no error
+    fit.check(p)                                                   # fits: no error
     # 8 x 4096 tokens: the fp32 residual checkpoints (122 GB) leave the GPU for the host, past 1.5 TB; the plan
     # names the nearest setting that fits, and a bf16 residual fits too
     big = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=8)
     assert big["offload_activations"] and not big["fits_host"]
-    assert "nearest setting that fits: --batch-size 4" in P.format_plan(big)
+    assert "nearest setting that fits: --batch-size 4" in report.format_plan(big)
     assert P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=8,
                   residual_dtype="bf16")["fits"]
     # with global-norm clipping every fp32 gradient is kept too: 16 B/param, more than 1.5 TB
     clipped = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4, grad_clip=1.0)
     assert not clipped["fits"] and clipped["host_bytes_per_param"] == 16
     with pytest.raises(P.PlanError, match="--grad-clip 0"):
-        P.check(clipped)
+        fit.check(clipped)
 
 
 def test_70b_in_23_gb_refuses_in_one_line():
-    p = P.plan(model.PRESETS["70b"], "local", host_mem_gb=23)
+    p = P.plan(model.PRESETS["70b"], "local", batch_size=8, host_mem_gb=23)
     assert not p["fits_host"] and not p["fits"]
     with pytest.raises(P.PlanError) as e:
-        P.check(p)
+        fit.check(p)
     msg = str(e.value)
     print(msg)
     assert isinstance(e.value, ValueError) and "\n" not in msg
@@ -114,23 +115,23 @@ def test_check_plans_a_bounded_number_of_settings(monkeypatch):
                     calls.clear()
                     p = P.plan(model.PRESETS[name], hw, mode=mode, host_mem_gb=1536, grad_clip=True, batch_size=batch)
                     try:
-                        P.check(p)
+                        fit.check(p)
                     except P.PlanError:
                         pass
                     assert len(calls) <= 60, (name, hw, mode, batch, len(calls))
 
 
 def test_gpu_too_small_suggests_a_setting_that_fits():
-    p = P.plan(model.PRESETS["32b"], "rtx4090", host_mem_gb=1536)
+    p = P.plan(model.PRESETS["32b"], "rtx4090", batch_size=8, host_mem_gb=1536)
     assert p["fits_host"] and not p["fits_gpu"]
     with pytest.raises(P.PlanError, match=r"GPU memory.*Try --(chunk-tokens|micro-batches|batch-size|offload)") as e:
-        P.check(p)
+        fit.check(p)
     print(e.value)
 
 
 def test_gpu_memory_does_not_grow_with_depth():
     # 70b and 100b share the layer; with checkpoints offloaded the GPU holds the same buffers
-    a, b = (P.plan(model.PRESETS[n], "h200", offload_activations=True) for n in ("70b", "100b"))
+    a, b = (P.plan(model.PRESETS[n], "h200", batch_size=8, offload_activations=True) for n in ("70b", "100b"))
     assert a["gpu_bytes"] == b["gpu_bytes"]
     assert b["host_bytes"] > a["host_bytes"]
 
@@ -197,17 +198,18 @@ def test_bottleneck_follows_tokens_per_step():
 def test_min_tokens_is_design_formula():
     # docs/design.md, section 'The arithmetic': 500 TFLOP/s achieved, bf16 weights, 55 GB/s -> about 9k tokens
     # per step
-    hw = dict(P.HARDWARE["h100"], name="x", bf16_tflops=500, frac=1.0)
-    p = P.plan(model.PRESETS["7b"], hw)
+    hw = dict(hardware.HARDWARE["h100"], name="x", bf16_tflops=500, frac=1.0)
+    p = P.plan(model.PRESETS["7b"], hw, batch_size=8)
     assert p["min_tokens"]["h2d"] == pytest.approx(500e12 * 2 / (2 * 55e9))
 
 
-@pytest.mark.parametrize("hw", list(P.HARDWARE))
+@pytest.mark.parametrize("hw", list(hardware.HARDWARE))
 def test_prediction_within_physical_limits(hw):
     for name in ("1b", "70b", "120b"):
         for mode in ("fast", "lean"):
-            p = P.plan(model.PRESETS[name], hw, mode=mode, micro_batches=4, grad_clip=1.0)
-            assert 0 < p["model_tflops"] <= P.HARDWARE[hw]["bf16_tflops"] * P.HARDWARE[hw]["frac"]
+            p = P.plan(model.PRESETS[name], hw, batch_size=8, mode=mode, micro_batches=4,
+                       grad_clip=1.0)
+            assert 0 < p["model_tflops"] <= hardware.HARDWARE[hw]["bf16_tflops"] * hardware.HARDWARE[hw]["frac"]
             assert max(p["utilization"].values()) <= 1 + 1e-9
             # the bottleneck is the lane with the most time on the critical path, which spans the whole step
             assert sum(p["critical_path"].values()) == pytest.approx(1.0)
@@ -218,9 +220,9 @@ def test_prediction_within_physical_limits(hw):
 
 def test_with_free_transfers_the_step_is_its_compute():
     """Free copies, free AdamW and an instant host (host_speed): nothing is left but the compute."""
-    hw = dict(P.HARDWARE["h100"], name="x", h2d_gbs=1e9, d2h_gbs=1e9, host_bw_gbs=1e9, hbm_gbs=1e9)
+    hw = dict(hardware.HARDWARE["h100"], name="x", h2d_gbs=1e9, d2h_gbs=1e9, host_bw_gbs=1e9, hbm_gbs=1e9)
     for clip in (False, True):
-        p = P.plan(model.PRESETS["7b"], hw, grad_clip=clip, host_speed=1e9)
+        p = P.plan(model.PRESETS["7b"], hw, batch_size=8, grad_clip=clip, host_speed=1e9)
         t = p["visit_s"]
         assert p["step_time_s"] == pytest.approx(32 * (t["fwd"] + t["bwd"]) + t["head"], rel=1e-4)
 
@@ -229,13 +231,13 @@ def test_cpu_run_and_json():
     p = P.plan(model.PRESETS["toy"], "local", batch_size=32, seq_len=128, host_mem_gb=23)
     if p["hardware"]["gpu"] == "cpu":
         assert p["dtype"] == "fp32" and p["fits_gpu"] and p["host"]["device buffers (below)"] == p["gpu_bytes"]
-    obj = json.loads(P.plan_json(p))
+    obj = json.loads(report.plan_json(p))
     for k in ("params", "host_bytes", "gpu_bytes", "fits", "step_time_s", "tokens_per_s", "model_tflops",
               "bottleneck", "mode"):
         assert k in obj
     assert obj["fits"] is True and obj["params"] == 869_504
     with pytest.raises(P.PlanError, match="unknown --hardware"):
-        P.plan(model.PRESETS["toy"], "tpu")
+        P.plan(model.PRESETS["toy"], "tpu", batch_size=8)
 
 
 # ----------------------------------------------------------------------------- long context
@@ -249,8 +251,8 @@ def test_7b_at_512k_tokens_fits_a_gh200_with_480_gb():
     sequence's attention are O(T); one tile of the MLP is not."""
     T, d = 524288, 4096
     p = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=T, batch_size=1, grad_clip=1.0)
-    print(P.format_plan(p))
-    assert p["fits"] and p["tile_tokens"] == P.TILE_TOKENS and p["offload_activations"]
+    print(report.format_plan(p))
+    assert p["fits"] and p["tile_tokens"] == memory.TILE_TOKENS and p["offload_activations"]
     gpu = p["gpu"]
     assert gpu["residual x and its grad dy"] == 2 * T * d * 4                     # fp32
     assert gpu[f"boundary activations: device ring of {activations.RING}"] == activations.RING * T * d * 4
@@ -264,17 +266,17 @@ def test_7b_at_512k_tokens_fits_a_gh200_with_480_gb():
     assert not untiled["fits_gpu"]
     with pytest.raises(P.PlanError, match=r"longest context that fits at --batch-size 1 is --seq-len \d+\. "
                                           r"Try --tile-tokens 8192") as e:
-        P.check(untiled)
+        fit.check(untiled)
     print(e.value)
 
 
 def test_max_context_is_the_edge_of_fitting():
     p = P.plan(LONG7B, "gh200", host_mem_gb=480, seq_len=4096, batch_size=1, grad_clip=1.0)
-    n, q = P.max_context(p)
+    n, q = fit.max_context(p)
     print(f"7b on gh200 (480 GB): longest context {n:,} tokens, GPU {q['gpu_bytes'] / 1e9:.1f} GB")
     assert n >= 524288 and n % 1024 == 0 and q["fits"] and q["seq_len"] == n
     assert not P.replan(p, seq_len=n + 1024)["fits"]
-    assert P.max_context(P.plan(model.PRESETS["70b"], "gh200", batch_size=1))[0] == 0    # 70b: host too small
+    assert fit.max_context(P.plan(model.PRESETS["70b"], "gh200", batch_size=1))[0] == 0    # 70b: host too small
 
 
 def test_tile_is_chosen_only_when_the_untiled_layer_does_not_fit_comfortably():
@@ -283,14 +285,14 @@ def test_tile_is_chosen_only_when_the_untiled_layer_does_not_fit_comfortably():
     assert P.plan(model.PRESETS["7b"], "h100", batch_size=8, seq_len=4096)["tile_tokens"] == 0
     assert P.plan(model.PRESETS["120b"], "h200", mode="lean", batch_size=4, seq_len=4096)["tile_tokens"] == 0
     long = P.plan(LONG7B, "h100", batch_size=1, seq_len=196608)
-    assert long["tile_tokens"] == P.TILE_TOKENS
+    assert long["tile_tokens"] == memory.TILE_TOKENS
     assert P.plan(LONG7B, "h100", batch_size=1, seq_len=196608, tile_tokens=0)["gpu_bytes"] > \
-        P.TILE_HEADROOM * 80e9 > long["gpu_bytes"]
+        memory.TILE_HEADROOM * 80e9 > long["gpu_bytes"]
     assert P.plan(LONG7B, "h100", batch_size=1, seq_len=196608, tile_tokens=512)["tile_tokens"] == 512
 
 
 def test_host_lane_names_the_host_where_it_is_the_bottleneck():
-    """Issuing ops costs the host plan.HOST_OP_S each: a small model's step is host-bound, a big one's is not, and
+    """Issuing ops costs the host hardware.HOST_OP_S each: a small model's step is host-bound, a big one's is not, and
     a faster host (host_speed) moves the bottleneck off it."""
     toy = P.plan(model.PRESETS["toy"], "h100", batch_size=32, seq_len=128)
     assert toy["bottleneck"] == "host" and toy["utilization"]["host"] > 0.9
@@ -303,12 +305,12 @@ def test_host_lane_names_the_host_where_it_is_the_bottleneck():
 def test_mfu_only_against_a_known_peak():
     """train.py's mfu: a profiled GPU has a peak, this CPU's numbers are guesses and give none; model_tflops is
     the planner's 6 N per token."""
-    assert P.peak_tflops(P.HARDWARE["h100"], "bf16") == P.HARDWARE["h100"]["bf16_tflops"]
-    assert P.peak_tflops(P.local_hardware(), "fp32") is None          # the CI machine has no GPU
+    assert hardware.peak_tflops(hardware.HARDWARE["h100"], "bf16") == hardware.HARDWARE["h100"]["bf16_tflops"]
+    assert hardware.peak_tflops(hardware.local(), "fp32") is None          # the CI machine has no GPU
     cfg = model.PRESETS["toy"]
-    assert P.model_tflops(cfg, 1000, 2.0) == P.flops_per_token(cfg) * 500 / 1e12
+    assert hardware.model_tflops(cfg, 1000, 2.0) == hardware.flops_per_token(cfg) * 500 / 1e12
     p = P.plan(model.PRESETS["7b"], "h100", batch_size=4, seq_len=4096)
-    assert p["mfu"] == pytest.approx(p["model_tflops"] / P.HARDWARE["h100"][p["dtype"] + "_tflops"])
+    assert p["mfu"] == pytest.approx(p["model_tflops"] / hardware.HARDWARE["h100"][p["dtype"] + "_tflops"])
 
 
 def test_120b_clipped_names_grad_clip_0_as_the_way_out():
@@ -316,9 +318,9 @@ def test_120b_clipped_names_grad_clip_0_as_the_way_out():
     the nearest setting that fits, --grad-clip 0 (1.46 TB), in the table and in --json's "fix"."""
     p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4, grad_clip=1.0)
     assert not p["fits_host"] and p["fits_gpu"]
-    assert P.suggest(p) == "--grad-clip 0"
-    assert "nearest setting that fits: --grad-clip 0" in P.format_plan(p)
-    assert json.loads(P.plan_json(p))["fix"] == "--grad-clip 0"
+    assert fit.suggest(p) == "--grad-clip 0"
+    assert "nearest setting that fits: --grad-clip 0" in report.format_plan(p)
+    assert json.loads(report.plan_json(p))["fix"] == "--grad-clip 0"
     assert P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)["fits"]
 
 
@@ -340,8 +342,8 @@ def test_sharded_plan_divides_the_store_by_nodes_and_pcie_by_gpus():
         assert p["world"] == ranks and p["tokens_per_step"] == ranks * 4 * 4096
         assert p["visit_s"]["load"] == pytest.approx(one["visit_s"]["load"] / ranks)
         assert p["visit_s"]["grad"] == pytest.approx(one["visit_s"]["grad"] / ranks)
-        assert p["visit_s"]["all_gather"] == pytest.approx(lay * (ranks - 1) / ranks * 2 / (bw * P.GB))
-        assert p["visit_s"]["reduce_scatter"] == pytest.approx(lay * (ranks - 1) / ranks * 4 / (bw * P.GB))
+        assert p["visit_s"]["all_gather"] == pytest.approx(lay * (ranks - 1) / ranks * 2 / (bw * hardware.GB))
+        assert p["visit_s"]["reduce_scatter"] == pytest.approx(lay * (ranks - 1) / ranks * 4 / (bw * hardware.GB))
         assert p["visit_s"]["fwd"] == pytest.approx(one["visit_s"]["fwd"])                # 4 sequences per GPU
         key = next(k for k in one["gpu"] if k.startswith("recompute"))
         assert p["gpu"][key] == one["gpu"][key]
@@ -355,18 +357,18 @@ def test_sharded_plan_divides_the_store_by_nodes_and_pcie_by_gpus():
 
 def test_sharded_plan_with_a_slow_interconnect_is_bound_by_it():
     """The collectives are in the schedule: over 1 GB/s between nodes, the comm lane is the bottleneck."""
-    hw = dict(P.HARDWARE["h100"], name="slow", ib_gbs=1)
+    hw = dict(hardware.HARDWARE["h100"], name="slow", ib_gbs=1)
     p = P.plan(model.PRESETS["7b"], hw, batch_size=16, seq_len=4096, grad_clip=0.0, gpus=8, nodes=2)
     fast = P.plan(model.PRESETS["7b"], "h100", batch_size=16, seq_len=4096, grad_clip=0.0, gpus=8, nodes=2)
     assert p["bottleneck"] == "comm" and p["step_time_s"] > 5 * fast["step_time_s"]
-    assert "InfiniBand at 1 GB/s" in P.format_plan(p) and "host memory per node" in P.format_plan(p)
+    assert "InfiniBand at 1 GB/s" in report.format_plan(p) and "host memory per node" in report.format_plan(p)
 
 
 def test_sharded_plan_refuses_a_batch_the_gpus_cannot_split():
-    with pytest.raises(P.PlanError, match="multiple of 16 GPUs x micro-batches 2"):
+    with pytest.raises(P.PlanError, match="not divisible by 16 ranks x micro_batches 2"):
         P.plan(model.PRESETS["7b"], "h100", batch_size=16, micro_batches=2, gpus=8, nodes=2)
     with pytest.raises(P.PlanError, match="integers >= 1"):
-        P.plan(model.PRESETS["7b"], "h100", gpus=0)
+        P.plan(model.PRESETS["7b"], "h100", batch_size=8, gpus=0)
 
 
 def test_local_hardware_asks_only_the_run_s_device(monkeypatch):
@@ -376,10 +378,10 @@ def test_local_hardware_asks_only_the_run_s_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: asked.append(("name", str(d))) or "NVIDIA H100 80GB")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(("free", str(d))) or (70e9, 80e9))
-    hw = P.local_hardware(torch.device("cuda", 2))
+    hw = hardware.local(torch.device("cuda", 2))
     assert asked == [("name", "cuda:2"), ("free", "cuda:2")] and hw["gpu_mem_gb"] == 70 and hw["profiled"]
     asked.clear()
-    assert P.local_hardware("cpu")["gpu"] == "cpu" and asked == []
+    assert hardware.local("cpu")["gpu"] == "cpu" and asked == []
 
 
 def test_resident_units_fill_the_gpu_memory_the_step_leaves():
@@ -394,7 +396,7 @@ def test_resident_units_fill_the_gpu_memory_the_step_leaves():
     resident = 16 * sum(units[u].numel for u in order[:k])
     assert 0 < k < len(units) and auto["resident_asked"] is None and three["resident_units"] == 3
     assert auto["gpu"][f"resident units: {k} of {len(units)}, 16 B/param"] == resident
-    room = P.RESIDENT_HEADROOM * auto["gpu_limit_bytes"] - (auto["gpu_bytes"] - resident)
+    room = memory.RESIDENT_HEADROOM * auto["gpu_limit_bytes"] - (auto["gpu_bytes"] - resident)
     assert resident <= room < resident + 16 * units[order[k]].numel    # the next unit would not fit
     per_param_host = lambda p: sum(v for key, v in p["host"].items() if key.startswith(("fp32 master", "Adam", "bf16")))
     assert per_param_host(none) - per_param_host(auto) == 14 * sum(units[u].numel for u in order[:k])  # 4+4+4+2

@@ -294,7 +294,8 @@ def _export_rank():
 def test_an_export_gathers_the_weights_on_rank_0_alone():
     """... and a batch the ranks cannot split into their micro-batches is refused before any work."""
     (w0, every0, refused), (w1, every1, _) = ranks.spawn(_export_rank, 2)[0]
-    assert refused == "batch size 4 is not divisible by 2 ranks x micro_batches=4"
+    assert refused == ("batch size 4 is not divisible by 2 ranks x micro_batches 4 (each rank computes batch size / "
+                       "2 sequences in micro_batches micro-batches)")
     keys = sorted(model.init_weights(UNTIED, 0))
     assert sorted(w0) == keys == every0 == every1 and w1 == {}
     assert all(tuple(w0[k]) == tuple(v.shape) for k, v in model.init_weights(UNTIED, 0).items())

@@ -33,7 +33,7 @@ def test_stream_equals_reference(cfg, M, clip, offload):
     gen = torch.Generator().manual_seed(7)
     w0 = model.init_weights(cfg, seed=0)
     ours = engine(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, offload_activations=offload, **HP)
-    ref = ReferenceTrainer(cfg, w0, grad_clip=clip, micro_batches=M, **HP)
+    ref = ReferenceTrainer(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, **HP)
     worst = 0.0
     for step in range(5):
         tok, tgt = random_batch(cfg, 4, 24, gen)
@@ -59,7 +59,7 @@ def test_resident_units_equal_reference(cfg, resident, clip, offload):
     w0 = model.init_weights(cfg, seed=0)
     ours = engine(cfg, w0, device="cpu", grad_clip=clip, micro_batches=2, offload_activations=offload,
                   resident_units=resident, **HP)
-    ref = ReferenceTrainer(cfg, w0, grad_clip=clip, micro_batches=2, **HP)
+    ref = ReferenceTrainer(cfg, w0, device="cpu", grad_clip=clip, micro_batches=2, **HP)
     want = ours.order[:resident]
     assert sorted(ours.opt.resident) == sorted(want) and want[0] == ours.embed
     assert all(ours.opt.shadow is None or ours.opt.shadow[u] is None for u in want)
@@ -242,7 +242,7 @@ def test_bf16_engine_equals_autocast_reference(M, clip, resident):
     w0 = model.init_weights(NARROW, 0)
     ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M,
                   resident_units=resident, **HP)
-    ref = ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
+    ref = ReferenceTrainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
     worst, rel = two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=1e-3)
     print(f"bf16 engine vs autocast reference: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
     assert rel <= 1e-2
@@ -257,7 +257,7 @@ def test_bf16_residual_option_is_explicit_and_drifts_further():
     for name, t in (("fp32-residual", engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, **HP)),
                     ("bf16-residual", engine(NARROW, w0, device="cpu", dtype=torch.bfloat16,
                                               residual_dtype=torch.bfloat16, **HP)),
-                    ("autocast-ref", ReferenceTrainer(NARROW, w0, dtype=torch.bfloat16, **HP))):
+                    ("autocast-ref", ReferenceTrainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, **HP))):
         gen = torch.Generator().manual_seed(0)
         [t.step(*random_batch(NARROW, 4, 32, gen)) for _ in range(2)]
         runs[name] = t.weights()
@@ -376,7 +376,7 @@ def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch
     kw = dict(dtype=torch.float32, grad_clip=clip, micro_batches=M, **HP)
     gen = torch.Generator().manual_seed(5)
     batches = [random_batch(cfg, B, T, gen) for _ in range(3)]
-    ref = ReferenceTrainer(cfg, w0, **kw)                  # before the doubles: torch.optim asks CUDA things
+    ref = ReferenceTrainer(cfg, w0, device="cpu", **kw)                  # before the doubles: torch.optim asks CUDA things
     expected = [ref.step(*b) for b in batches]
     p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, dtype="fp32", grad_clip=clip,
                   offload_activations=offload, grad_slabs=3, resident_units=resident)
@@ -428,7 +428,7 @@ def test_tiled_engine_equals_reference_at_2048_tokens():
     tokens in 2 micro-batches, loss <= 1e-5, updates <= 1e-3."""
     w0 = model.init_weights(LONG, seed=0)
     ours = engine(LONG, w0, device="cpu", micro_batches=2, offload_activations=True, tile_tokens=700, **HP)
-    ref = ReferenceTrainer(LONG, w0, micro_batches=2, **HP)
+    ref = ReferenceTrainer(LONG, w0, device="cpu", micro_batches=2, **HP)
     worst, rel = two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=1e-5)
     print(f"tiled engine vs reference at T=2048: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
     assert rel <= 1e-3

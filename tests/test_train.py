@@ -14,7 +14,7 @@ import torch
 import model
 from conftest import ROOT, runner, train_py, wait_for_training
 from megatrain_min import checkpoint
-from megatrain_min import plan as planner
+from megatrain_min.plan import hardware
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -94,7 +94,7 @@ def check_model_tflops(recs, config):
     cfg = model.GPTConfig(**config["model"])
     w = model.init_weights(cfg, 0)
     mult = sum(t.numel() for k, t in w.items() if t.dim() == 2 and ("embed_tokens" not in k or cfg.tie_embeddings))
-    assert 6 * mult == planner.flops_per_token(cfg)
+    assert 6 * mult == hardware.flops_per_token(cfg)
     for r in recs:
         assert r["model_tflops"] == pytest.approx(6 * mult * r["tokens_per_s"] / 1e12, rel=1e-12)
         assert "mfu" not in r

@@ -1,4 +1,4 @@
-"""The timeline twin (megatrain_min/twin.py) against hand arithmetic and against the planner (plan.py).
+"""The timeline twin (megatrain_min/twin.py) against hand arithmetic and against the planner (megatrain_min/plan).
 
 - The replay itself: a 3-layer forward with unit costs, fed to Twin by hand, gives the schedule worked out here.
 - Twin and planner agree on the step time within 10% and name the same bottleneck, on the presets' layer shapes
@@ -18,6 +18,7 @@ import torch
 import model
 from conftest import ROOT, train_py
 from megatrain_min import plan as planner
+from megatrain_min.plan import hardware
 from megatrain_min import record, twin
 from megatrain_min.record import SimEvent
 
@@ -84,7 +85,7 @@ def test_1b_at_2048_tokens_twin_and_planner_name_the_same_bottleneck():
     assert r["busy"]["host"] > 0.05                    # the host lane is there and busy
 
 
-def replay(cfg, hardware, steps=3, trainer_cls=None, B=2, T=1024, host_op_s=planner.HOST_OP_S, **kw):
+def replay(cfg, hardware, steps=3, trainer_cls=None, B=2, T=1024, host_op_s=hardware.HOST_OP_S, **kw):
     a = dict(grad_clip=0.0, mode="fast", micro_batches=1, skip_nonfinite=True)   # as train.py runs the engine
     a.update(kw)
     p = planner.plan(cfg, hardware, batch_size=B, seq_len=T, micro_batches=a["micro_batches"], mode=a["mode"],

@@ -186,7 +186,7 @@ print(f"stream.Trainer: grad norm {t.grad_norm:.6f} vs autograd {ref_norm:.6f} (
       f"clipped gradient store vs autograd x {coef:.4f}: max rel diff {engine_worst:.1e}")
 
 ours = Trainer(cfg, weights, device="cpu", lr=1e-3)
-ref = ReferenceTrainer(cfg, weights, lr=1e-3)
+ref = ReferenceTrainer(cfg, weights, device="cpu", lr=1e-3)
 gen = torch.Generator().manual_seed(1)
 loss_worst = 0.0
 for step in range(3):

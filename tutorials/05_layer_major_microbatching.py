@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.plan import hardware  # noqa: E402
 from stream import Trainer  # noqa: E402
 
 # %% [markdown]
@@ -122,7 +123,7 @@ print("docs/design.md's example, 500 TFLOP/s, bf16, 55 GB/s:",
       f"T >= {min_tokens(500e12, 55e9, 55e9, 200e9)['h2d']:,.0f} tokens per step")
 ours = {}
 for name in ("h100", "gh200"):
-    hw = planner.HARDWARE[name]
+    hw = hardware.HARDWARE[name]
     F = hw["bf16_tflops"] * 1e12 * hw["frac"]                         # the achievable FLOP/s it assumes
     ours[name] = min_tokens(F, hw["h2d_gbs"] * 1e9, hw["d2h_gbs"] * 1e9, hw["host_bw_gbs"] * 1e9)
     print(f"{name:>6}: F = {F / 1e12:.0f} TFLOP/s, H2D {hw['h2d_gbs']} GB/s, DRAM {hw['host_bw_gbs']} GB/s -> "

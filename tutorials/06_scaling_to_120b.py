@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from megatrain_min import cost  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.plan import fit, hardware, memory, report  # noqa: E402
 from stream import Trainer  # noqa: E402
 
 # %% [markdown]
@@ -50,7 +51,7 @@ def bytes_per_param(mode, clip):
     return 4 + 8 + (2 if mode == "fast" else 0) + (4 if clip else 0)
 
 
-HOST = 1536e9 * planner.HOST_USABLE                 # 1.5 TB, minus what the OS keeps (the planner's share)
+HOST = 1536e9 * memory.HOST_USABLE                 # 1.5 TB, minus what the OS keeps (the planner's share)
 N100, N120 = model.n_params(model.PRESETS["100b"]), model.n_params(model.PRESETS["120b"])
 print(f"100b = {N100 / 1e9:.1f}B params, 120b = {N120 / 1e9:.1f}B params; usable host RAM {HOST / 1e12:.2f} TB")
 print(f"{'mode':<6}{'clip':<6}{'B/param':>8}{'100b':>9}{'120b':>9}{'largest model in 1.5 TB':>26}")
@@ -105,7 +106,7 @@ print(f"      boundary activations at {tokens:,} tokens: {C120.n_layer} x {token
 # profile (datasheet peaks, an assumed 60% of peak, measured-class link bandwidths).
 
 # %%
-H200 = planner.HARDWARE["h200"]
+H200 = hardware.HARDWARE["h200"]
 T = 4 * 4096
 F = H200["bf16_tflops"] * 1e12 * H200["frac"]                    # achievable FLOP/s
 h2d, d2h, hbm, dram = (H200[k] * 1e9 for k in ("h2d_gbs", "d2h_gbs", "hbm_gbs", "host_bw_gbs"))
@@ -164,7 +165,7 @@ planned = {key: sum(v for k, v in p120["host"].items() if k.startswith(prefix)) 
            zip(by_hand, ("fp32 master", "fp32 grad slabs", "pinned buffers", "runtime"))}
 planned["fp32 master + Adam m, v"] += sum(v for k, v in p120["host"].items()
                                           if k.startswith("Adam"))
-print(f"  {'':36}{'by hand':>18}{'plan.py':>18}")
+print(f"  {'':36}{'by hand':>18}{'planner':>18}")
 for k in by_hand:
     print(f"  {k:<36}{by_hand[k]:>18,}{planned[k]:>18,}")
 for k, v in tokens_by_hand.items():
@@ -184,9 +185,9 @@ for k, v in tokens_by_hand.items():
 # %%
 p_gh = rows["120b", "gh200", "lean"]
 try:
-    planner.check(p_gh)
+    fit.check(p_gh)
 except planner.PlanError as e:
-    print("planner.check:", e)
+    print("fit.check:", e)
 p_gh16 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, host_mem_gb=1536,
                       resident_units=0,
                       residual_dtype="bf16")
@@ -196,7 +197,7 @@ print(f"120b lean on gh200, bf16 residual: {'FITS' if p_gh16['fits'] else 'no'},
       f"to hide)")
 p_480 = planner.plan(C120, "gh200", batch_size=4, seq_len=4096, mode="lean", grad_clip=0, residual_dtype="bf16",
                      resident_units=0)
-print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB of LPDDR5X: "
+print(f"... but a stock GH200 has {hardware.HARDWARE['gh200']['host_mem_gb']} GB of LPDDR5X: "
       f"{'FITS' if p_480['fits'] else 'does not fit'}")
 
 # %% [markdown]
@@ -209,7 +210,7 @@ print(f"... but a stock GH200 has {planner.HARDWARE['gh200']['host_mem_gb']} GB 
 # ...` with the same flags) shows:
 
 # %%
-print(planner.format_plan(p120))
+print(report.format_plan(p120))
 
 # %% [markdown]
 # And the price of clipping at this scale: +4 B/param of gradient store, and the updates wait for the
@@ -237,7 +238,7 @@ N = model.n_params(toy)
 store = {}
 for mode in ("fast", "lean"):
     for clip_on in (True, False):
-        p = planner.plan(toy, "h200", mode=mode, dtype="bf16", grad_clip=1.0 if clip_on else 0.0, resident_units=0)
+        p = planner.plan(toy, "h200", batch_size=8, mode=mode, dtype="bf16", grad_clip=1.0 if clip_on else 0.0, resident_units=0)
         t = Trainer(toy, w0, device="cpu", dtype=torch.bfloat16, mode=mode, grad_clip=1.0 if clip_on else 0.0,
                     grad_slabs=p["grad_slabs"])
         slabs_engine = t.opt.pool.qsize()       # the slabs waiting to be lent (none is, between steps)
@@ -272,5 +273,5 @@ for (mode, clip_on), (engine, plan_bytes) in store.items():
     assert engine == plan_bytes, (mode, clip_on, engine, plan_bytes)
     assert slabs_engine == slabs_plan
 print(f"OK  bytes/param as derived; 120b lean on h200 + 1.5 TB fits ({p120['host_bytes'] / 1e12:.2f} TB, "
-      f"{p120['tokens_per_s']:,.0f} tokens/s predicted), fast does not; the plan by hand == plan.py; "
+      f"{p120['tokens_per_s']:,.0f} tokens/s predicted), fast does not; the plan by hand == the planner's; "
       f"plan == engine store in all 4 modes")

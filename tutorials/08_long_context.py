@@ -28,8 +28,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from megatrain_min import memory, tiling  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min import tiling  # noqa: E402
+from megatrain_min.plan import fit, memory, report  # noqa: E402
 
 GB = 1e9
 
@@ -48,7 +49,7 @@ print(f"7b, T = {T:,}, bf16:")
 print(f"  q, k or v        (T, d)    {T * C7.d_model * 2 / GB:6.1f} GB each")
 print(f"  MLP intermediate (T, d_ff) {T * C7.d_ff * 2 / GB:6.1f} GB each, and the untiled layer saves ~6 of them")
 print(f"  attention scores (h, T, T) {C7.n_head * T * T * 2 / GB:8,.0f} GB -- never made by flash attention")
-untiled = memory.block_activation_bytes(C7, T, 2, 4)   # the planner's formula (megatrain_min/memory.py)
+untiled = memory.block_activation_bytes(C7, T, 2, 4)   # the planner's formula (megatrain_min/plan/memory.py)
 print(f"  the untiled layer's backward: ~{untiled / GB:.0f} GB of activations; a GH200 has 96 GB")
 
 # %% [markdown]
@@ -146,7 +147,7 @@ for tile in (0, 256):
 # %% [markdown]
 # ## 3. What each technique buys
 #
-# The planner (`megatrain_min/plan.py`) counts what the engine holds on the GPU at long T: the residual
+# The planner (`megatrain_min/plan/memory.py`) counts what the engine holds on the GPU at long T: the residual
 # x and its gradient dy (fp32 by default), the whole sequence's attention tensors (q, k, v, the
 # output, their gradients, the flash backward's fp32 workspace: all O(T)), one tile's token-local
 # activations, the loss chunk, the RoPE tables, and the boundary activations -- offloaded to pinned host
@@ -162,17 +163,17 @@ def gh200(**change):
 
 
 base = gh200()
-longest = {"all of them": planner.max_context(base)[0],
-           "no tiling (--tile-tokens 0)": planner.max_context(gh200(tile_tokens=0))[0],
-           "no activation offload": planner.max_context(gh200(offload_activations=False))[0],
-           "no chunked loss (one chunk of T)": planner.max_context(gh200(chunk_tokens=1 << 30))[0]}
+longest = {"all of them": fit.max_context(base)[0],
+           "no tiling (--tile-tokens 0)": fit.max_context(gh200(tile_tokens=0))[0],
+           "no activation offload": fit.max_context(gh200(offload_activations=False))[0],
+           "no chunked loss (one chunk of T)": fit.max_context(gh200(chunk_tokens=1 << 30))[0]}
 # flash attention off: the math kernel keeps (h, T, T) scores; softmax output and its gradient, bf16, ~2 x 2 B
 math_T = int((96 * GB / (C7.n_head * 2 * 2)) ** 0.5)
 longest["no flash attention (math kernel, by hand)"] = math_T
-longest["+ bf16 residual (--residual-dtype bf16)"] = planner.max_context(gh200(residual_dtype="bf16"))[0]
+longest["+ bf16 residual (--residual-dtype bf16)"] = fit.max_context(gh200(residual_dtype="bf16"))[0]
 for k, v in longest.items():
     print(f"  {k:<48} {v:>9,} tokens")
-print(planner.format_plan(base))
+print(report.format_plan(base))
 
 # %% [markdown]
 # Read it from the bottom of the plan up: at 512k the fp32 boundary activations of 32 layers are 275 GB -- only the
@@ -193,7 +194,7 @@ table = {}
 for name in ("1b", "7b", "14b", "32b"):
     for hw in ("h100", "h200", "gh200"):
         p = planner.plan(model.PRESETS[name], hw, batch_size=1, seq_len=4096, grad_clip=1.0)
-        table[name, hw] = planner.max_context(p)[0]
+        table[name, hw] = fit.max_context(p)[0]
 print(f"{'':>5}" + "".join(f"{hw:>10}" for hw in ("h100", "h200", "gh200")))
 for name in ("1b", "7b", "14b", "32b"):
     print(f"{name:>5}" + "".join(f"{table[name, hw] / 1024:>9,.0f}k" if table[name, hw] else f"{'-':>10}"

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.plan import hardware  # noqa: E402
 from megatrain_min import race, record, twin  # noqa: E402
 
 # %% [markdown]
@@ -184,13 +185,13 @@ print("\n".join(broken.summary().splitlines()[:9]))
 #
 # The same recorder runs the engine under FakeTensorMode: tensors have shapes and dtypes but no data, so a 7B
 # layer costs nothing to "allocate". `twin.Twin` replays the op stream on a hardware profile from
-# `megatrain_min.plan.HARDWARE`: each lane in issue order, each op at the roofline (FLOPs at the achievable
+# `megatrain_min.plan.hardware.HARDWARE`: each lane in issue order, each op at the roofline (FLOPs at the achievable
 # FLOP/s, bytes at the HBM bandwidth), copies at the link bandwidth, the host issuing every op, the optimizer
 # thread's AdamW at DRAM speed. Four of the 32 layers, at 4 x 4096 and 8 x 4096 tokens per step:
 
 # %%
 C7 = dataclasses.replace(model.PRESETS["7b"], n_layer=4)
-H100 = planner.HARDWARE["h100"]
+H100 = hardware.HARDWARE["h100"]
 
 
 def predicted(B, T=4096):
@@ -221,7 +222,7 @@ def render(tw, width=96):
 timelines = {}                                      # B -> (twin, its result, the plan): make_figures.py draws them
 for B in (4, 8):
     tw, r, p = timelines[B] = predicted(B)
-    print(f"\n{B} x 4096 tokens: step {r['step_time_s'] * 1e3:.0f} ms (plan.py: {p['step_time_s'] * 1e3:.0f} ms), "
+    print(f"\n{B} x 4096 tokens: step {r['step_time_s'] * 1e3:.0f} ms (planner: {p['step_time_s'] * 1e3:.0f} ms), "
           f"GPU busy {r['overlap']:.0%}, bottleneck {r['bottleneck']}, peak GPU memory "
           f"{r['peak_gpu_bytes'] / 1e9:.1f} GB")
     print(render(tw))
@@ -236,7 +237,7 @@ for B in (4, 8):
 # * **8 x 4096** -- twice the tokens per layer visit: every copy hides under a longer compute, the compute row
 #   is nearly solid, and each update finishes while the GPU is still working on lower layers.
 #
-# The planner (`plan.py`) models the same schedule analytically; the two are independent and agree to a few
+# The planner (`megatrain_min/plan/timing.py`) models the same schedule analytically; the two are independent and agree to a few
 # tenths of a percent (`bench/twin_vs_plan.py`). All 32 layers of the 7B model, from the planner:
 
 # %%

@@ -195,7 +195,7 @@ print(f"AdamW: 28 B x {P:,} parameters in {med['AdamW (_fused_adamw_)'] * 1e3:.1
 
 # %% [markdown]
 # About 100 GB/s from the optimizer thread's 14 OpenMP threads: half the 200 GB/s that the
-# planner's h200 profile assumes for AdamW (`megatrain_min/plan.py`, `host_bw_gbs`), one reason
+# planner's h200 profile assumes for AdamW (`megatrain_min/plan/hardware.py`, `host_bw_gbs`), one reason
 # its 1.62 s became 2.29 s. And while AdamW streams, the backward's weight copies slow from 55 to
 # ~35 GB/s (section 3): both draw on the host's memory. The CPU does not get faster by asking;
 # what the schedule can change is how much it is asked to do, and when.
@@ -243,12 +243,12 @@ print(f"a layer's backward grows with the tokens, its update does not: they brea
 #
 # ## 6. What the models say one host pass and resident units change
 #
-# `plan.HARDWARE["h200"]` is made from this run: the achieved compute rate (frac 0.56 of the bf16
+# `hardware.HARDWARE["h200"]` is made from this run: the achieved compute rate (frac 0.56 of the bf16
 # peak: the forward, backward and head above), the measured links, AdamW's 101 GB/s and the host's
 # 300 MB last-level cache. On it, `bench/twin_vs_plan.py --measured` replays this very step with the
 # engine as it was measured -- no resident units, the shadow written in a second pass -- through
 # both models: the twin (the real engine's op stream, `megatrain_min/twin.py`) and the planner (an
-# analytic schedule, `megatrain_min/plan.py`); both land within 5% of the measured step
+# analytic schedule, `megatrain_min/plan/timing.py`); both land within 5% of the measured step
 # (`bench/results/2026-11-27-nvidia-h200/twin_vs_plan.md`). The planner is instant, so this lesson
 # asks it what the engine as it is now would do on the same GPU and host -- predictions, until a GPU
 # measures them (`bench/gpu_run.sh`):
@@ -262,11 +262,12 @@ def twin_says(x):
     import model
     import optim
     from megatrain_min import plan
+    from megatrain_min.plan import hardware
     c = x["config"]
     cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096,
                           d_ff=11008, max_seq_len=4096)
     host = json.loads((RUN / "results.json").read_text())["meta"]["host_available_gb"]
-    hw = dict(plan.HARDWARE["h200"], host_mem_gb=host)          # the run's host memory, not 1.5 TB
+    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=host)          # the run's host memory, not 1.5 TB
     n = len(model.units(cfg))
 
     def step(resident, mode="fast", two_passes=False):

@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 import model  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.plan import hardware, memory  # noqa: E402
 
 OUT = HERE / "figures"
 OUT.mkdir(exist_ok=True)
@@ -60,7 +61,7 @@ def timeline():
                                facecolors=COLORS[s_.actor])
         ax.set_yticks(range(len(lanes)), lanes[::-1])
         ax.set_xlim(0, (t1 - t0) * 1e3)
-        ax.set_title(f"{B} x 4096 tokens per step: {r['step_time_s'] * 1e3:.0f} ms (plan.py "
+        ax.set_title(f"{B} x 4096 tokens per step: {r['step_time_s'] * 1e3:.0f} ms (planner "
                      f"{p['step_time_s'] * 1e3:.0f} ms), GPU busy {r['overlap']:.0%}, bound by "
                      f"{r['bottleneck']}", fontsize=10, loc="left")
     axes[-1].set_xlabel("ms: one step of 4 Llama-2-7B layers replayed on the h100 profile "
@@ -111,7 +112,7 @@ def memory():
             left += b / 1e12
         ax.text(max(left, 1.5) + 0.02, y, f"{left:.2f} TB, {p['host_bytes_per_param']:.0f} B/param",
                 va="center", fontsize=8)
-    usable = 1536e9 * planner.HOST_USABLE / 1e12
+    usable = 1536e9 * memory.HOST_USABLE / 1e12
     ax.axvline(usable, color="k", ls="--", lw=1)
     ax.text(usable, -0.55, " 1.5 TB host (97% usable)", fontsize=8, va="bottom")
     ax.set_yticks(range(4), ["fast + clip", "fast", "lean + clip", "lean"])
@@ -140,7 +141,7 @@ def measured_step(x):
 
 
 def twin_step(x):
-    """The same step as the twin predicts it on this run's profile (plan.HARDWARE["h200"], made from
+    """The same step as the twin predicts it on this run's profile (plan.hardware.HARDWARE["h200"], made from
     it), the engine as measured (nothing resident, the shadow in a second pass): the real engine's op
     stream at full size replayed (megatrain_min/twin.py; ~20 s), as [(lane, start, end, kind)]."""
     import optim
@@ -162,7 +163,7 @@ def twin_step(x):
                 "backward" if op.autograd else "forward"
             for s_ in self.spans[n:]:
                 s_.kind = kind
-    tw, tile = Tagged(dict(planner.HARDWARE["h200"], host_mem_gb=host)), optim.TILE
+    tw, tile = Tagged(dict(hardware.HARDWARE["h200"], host_mem_gb=host)), optim.TILE
     optim.TILE = 1 << 40                 # the engine as measured: the shadow in a second pass
     try:
         record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(c["tokens"] // 4096, 4096),
@@ -226,7 +227,7 @@ def measured():
     if twin is not None:
         end = max(b for _, _, b, _ in twin)
         panels.append((twin, f"the same step as the twin predicts it on the profile made from this run "
-                       f"(plan.HARDWARE['h200']): {end:.2f} s", ()))
+                       f"(plan.hardware.HARDWARE['h200']): {end:.2f} s", ()))
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.0 * len(panels) + 0.6),
                              constrained_layout=True, squeeze=False)
     for ax, (spans, title, notes) in zip(axes[:, 0], panels):

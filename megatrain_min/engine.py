@@ -1,0 +1,40 @@
+"""engine.py -- what the engine is handed for a run: a plan turned into stream.Trainer's arguments.
+
+What it is
+    parts(offload, guarded, tile_tokens): the objects that plain settings mean -- where the boundary
+    activations live (activations.HostRing, or None: stream.OnDevice), the non-finite guard
+    (guard.Guard), the layer's functions (tiling.Tiled, or the model itself). arguments(p): every
+    keyword of stream.Trainer that a plan decides -- the dtypes, the memory mode, micro-batches,
+    clipping, the loss chunk, the gradient slabs, the resident units, and the parts. train.py, the
+    stream checker and the twin (megatrain_min/sim.py) build the engine with them; the optimizer's
+    hyper-parameters (lr, weight decay) come from the caller.
+What it is not
+    No decisions: the plan (megatrain_min/plan) made them; this only spells them as the engine takes
+    them.
+Try it
+    python -c "from megatrain_min import engine; print(engine.parts(offload=True, tile_tokens=32))"
+"""
+import model
+import stream
+from megatrain_min.activations import HostRing
+from megatrain_min.cli import DTYPES
+from megatrain_min.guard import Guard
+from megatrain_min.tiling import Tiled
+
+
+def parts(offload=False, guarded=False, tile_tokens=0):
+    """What the engine is handed: the boundary activations' store (offload: activations.HostRing, else
+    on the device), a guard.Guard (guarded), the layer (tiling.Tiled(tile_tokens), or the model)."""
+    return dict(activations=HostRing() if offload else None, guard=Guard() if guarded else None,
+                layer=Tiled(tile_tokens) if tile_tokens else model)
+
+
+def arguments(p):
+    """stream.Trainer's keyword arguments for plan p (megatrain_min.plan.plan): everything but the
+    optimizer's hyper-parameters. Without deferred updates the slabs are the plan's; with them the
+    engine keeps a gradient store and its slab count is unused (stream.GRAD_SLABS)."""
+    return dict(dtype=DTYPES[p["dtype"]], residual_dtype=DTYPES[p["residual_dtype"]],
+                mode=p["mode"], micro_batches=p["micro_batches"], grad_clip=p["grad_clip"],
+                chunk_tokens=p["chunk_tokens"], grad_slabs=p["grad_slabs"] or stream.GRAD_SLABS,
+                resident_units=p["resident_units"],
+                **parts(p["offload_activations"], p["skip_nonfinite"], p["tile_tokens"]))

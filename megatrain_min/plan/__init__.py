@@ -1,0 +1,173 @@
+"""megatrain_min/plan -- will it fit, and how fast will it go? The memory and throughput plan of a run.
+
+What it is
+    plan(cfg, hardware, batch_size, ...) works from the config's arithmetic alone (model.units() sizes
+    every unit without allocating it), so `--config 120b --plan` answers in milliseconds. It is composed
+    of named steps, one file each:
+      setting.py    the run in numbers: what the caller fixed, checked, and what follows from it
+      hardware.py   the GPU and host planned for: HARDWARE's profiles, or this machine (local)
+      memory.py     host and GPU bytes by component: the tile, the boundary activations on the device
+                    or offloaded, the units resident on the GPU, the store, what is page-locked
+      timing.py     each layer visit's seconds, and stream.py's schedule replayed on its lanes for three
+                    steps: step time, tokens/s, the bottleneck, the tokens per step that hide transfers
+    Around the plan: fit.py (check: a plan that does not fit as one line, with the nearest setting that
+    fits; max_context), report.py (the plan as a table, as JSON, as train.py's one line), and the command
+    line (__main__.py). megatrain_min/engine.py turns a plan into the engine's arguments.
+What it is not
+    Not a profiler: bandwidths and the achievable fraction of peak are the assumptions in HARDWARE until
+    bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
+    loader, back-pressure of the grad slabs, the transient extra fp32 copy init_weights makes.
+Reference
+    docs/design.md, sections 'Memory modes' and 'The arithmetic'; stream.py and optim.py for what is
+    allocated where; MegaTrain (arXiv 2604.05091: 120B on one H200 with 1.5 TB of host memory).
+Try it
+    python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 \\
+        --grad-clip 0 --batch-size 4 --seq-len 4096
+    python -m megatrain_min.plan --config 70b --hardware all --batch-size 8 --seq-len 4096   # each
+    python -m megatrain_min.plan --config 70b --hardware h100 --gpus 8 --nodes 2 --host-mem 2000 \\
+        --batch-size 64 --seq-len 4096
+    python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # long context
+    python -m pytest tests/test_plan.py
+"""
+import dataclasses
+
+import model
+import stream
+from megatrain_min import cli
+from megatrain_min.cli import DEFAULTS, DTYPE_NAMES
+from megatrain_min.plan import hardware, memory, timing
+from megatrain_min.plan.hardware import GB, model_tflops
+from megatrain_min.plan.setting import Setting
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made (an argument no run can have) or a run that does not fit, in one line:
+    what, how much, what this machine has, what to try."""
+
+
+def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
+         micro_batches=stream.MICRO_BATCHES,
+         mode="fast", dtype=None, grad_clip=stream.GRAD_CLIP, offload_activations=None,
+         host_mem_gb=None, host_bw_gbs=None, residual_dtype="fp32", grad_slabs=None,
+         skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None, tile_tokens=None, gpus=1,
+         nodes=1, device=None, resident_units=None):
+    """The memory and throughput plan of training cfg: a JSON-ready dict (report.py prints it).
+
+    hardware: a hardware.HARDWARE name, "local", or a dict like HARDWARE's rows. batch_size: sequences
+    per step (train.py's default: cli.DEFAULTS); seq_len None: cfg.max_seq_len. dtype: "bf16" or "fp32" (None:
+    model.default_dtype of the hardware). grad_clip: the global-norm clip (0 = off, the engine's
+    default); with it the updates are deferred until every gradient is on the host, which keeps an fp32
+    gradient per parameter there; without it each unit is updated as its gradient lands, through
+    gradient slabs (grad_slabs None: as many as hide the D2H + AdamW latency: timing.slabs).
+    offload_activations None: memory.offload_needed decides (p["offload_activations"]). residual_dtype:
+    "fp32" (autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard; without deferral it
+    costs a host wait for the loss after the head and one more read of each gradient, never a
+    gradient store. p["pinned_bytes"]: the host bytes page-locked (optim.page_locked): what a copy
+    engine reads or writes, never Adam's m and v. tile_tokens: model.block's sequence tile (0 =
+    untiled); None: the planner's choice (memory.tile_for). device: with hardware "local", the device
+    the run trains on (its free memory; None: optim.resolve_device's choice).
+    gpus, nodes: megatrain_min/sharded.py on gpus per node x nodes ranks (N), batch_size the global
+    batch: each rank computes batch_size / N sequences in micro_batches and holds 1/N of the host
+    store; host memory is then per node, GPU memory per GPU. Each visit adds an all_gather of the unit
+    (compute dtype) and a reduce_scatter of its fp32 gradient, (N-1)/N of it per GPU, on a comm lane of
+    their own: NVLink (nvlink_gbs, bus bandwidth) within a node, InfiniBand per GPU (ib_gbs) as soon as
+    the ring crosses nodes. The node's AdamW threads share its DRAM bandwidth. Not modelled: the
+    all_reduce of the loss and norm (a few bytes), collective latency.
+    resident_units: how many units, in the order the forward needs them, stay whole on the GPU (16
+    B/param there, none on the host, AdamW on the GPU); None: as many as fit in the memory the step
+    leaves (one rank).
+    """
+    # ---- the setting: the hardware and every argument, checked
+    try:
+        hw = hardware_of(hardware, host_mem_gb, host_bw_gbs, device)
+        dtype = dtype or DTYPE_NAMES[model.default_dtype("cuda" if hw["gpu_mem_gb"] > 0 else "cpu")]
+        if tile_tokens is not None and tile_tokens < 0:
+            raise ValueError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
+        s = Setting(cfg, hw, batch_size, seq_len or cfg.max_seq_len, micro_batches, mode, dtype,
+                    residual_dtype, grad_clip, skip_nonfinite, chunk_tokens, host_speed, gpus, nodes)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
+
+    # ---- memory: the GPU's (the tile, the boundary activations, the resident units), then the host's
+    tile = memory.tile(s, tile_tokens, offload_activations)
+    gpu, offloaded, resident = memory.gpu(s, tile, offload_activations, resident_units)
+    gpu_bytes = sum(gpu.values())
+
+    # ---- time: each visit's seconds, the slabs that hide a gradient's trip, the schedule replayed
+    v = timing.speeds(s)
+    t, numel, rate = timing.visits(s, tile, v)
+    slabs = 0 if s.defer else grad_slabs or timing.slabs(t, s.tied)
+    host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes)
+    host_bytes, host_limit = sum(host.values()), memory.host_limit(s)
+    fits_host, fits_gpu = host_bytes <= host_limit, (not s.cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
+    step_time, busy, critical = timing.simulate(
+        s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=slabs,
+        guard=skip_nonfinite and not s.defer, overlap=s.cuda, sharded=s.world > 1,
+        resident=timing.lane_units(s, resident))
+    tflops = model_tflops(cfg, s.tokens_step, step_time)
+    mins = timing.min_tokens(s, v, resident)
+
+    # ---- the plan, JSON-ready
+    return dict(
+        config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype,
+        residual_dtype=residual_dtype, batch_size=batch_size, seq_len=s.seq_len,
+        micro_batches=micro_batches, tokens_per_step=s.tokens_step, gpus=gpus, nodes=nodes,
+        world=s.world, grad_clip=grad_clip, defer_updates=s.defer, chunk_tokens=chunk_tokens,
+        host_speed=host_speed, tile_tokens=tile, tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite,
+        grad_slabs=slabs, grad_slabs_asked=grad_slabs, offload_activations=bool(offloaded),
+        offload_asked=offload_activations, resident_units=len(resident), resident_asked=resident_units,
+        pinned_bytes=pinned_bytes, params=s.params, host=host, host_bytes=host_bytes,
+        host_limit_bytes=host_limit, host_bytes_per_param=store / s.params, fits_host=fits_host,
+        gpu=gpu, gpu_bytes=gpu_bytes, gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu,
+        fits=fits_host and fits_gpu, visit_s=t, step_time_s=step_time,
+        tokens_per_s=s.tokens_step / step_time, model_tflops=tflops,
+        mfu=tflops / (hw[f"{dtype}_tflops"] * s.world),
+        utilization={k: v / step_time for k, v in busy.items()},
+        critical_path={k: v / step_time for k, v in critical.items()},
+        bottleneck=max(critical, key=critical.get), min_tokens=mins,
+        min_tokens_per_step=max(mins.values()))
+
+
+def hardware_of(hw, host_mem_gb=None, host_bw_gbs=None, device=None):
+    """hardware.resolve, its ValueError a PlanError."""
+    try:
+        return hardware.resolve(hw, host_mem_gb, host_bw_gbs, device)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
+def replan(p, **change):
+    """Plan p again with some of its arguments changed (change: plan()'s arguments, or
+    cfg=GPTConfig)."""
+    kw = dict(hardware=p["hardware"], batch_size=p["batch_size"], seq_len=p["seq_len"],
+              micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"],
+              grad_clip=p["grad_clip"], offload_activations=p["offload_asked"], name=p["config"],
+              residual_dtype=p["residual_dtype"], grad_slabs=p["grad_slabs_asked"],
+              skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"],
+              host_speed=p["host_speed"], tile_tokens=p["tile_asked"], gpus=p["gpus"],
+              nodes=p["nodes"], resident_units=p["resident_asked"])
+    cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
+    kw.update(change)
+    # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the maths has no
+    # limit)
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, kw["seq_len"]))
+    return plan(cfg, **kw)
+
+
+def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
+    """plan() for the command-line flags of megatrain_min/cli.py (hw: --hardware unless given; guarded:
+    train.py's non-finite guard; change: arguments of plan() that replace the flags'). real: the plan
+    of a run about to train here, whose --host-mem may lower this machine's memory, never raise it."""
+    if real and a.host_mem is not None and a.host_mem * GB > hardware.host_available_bytes():
+        raise PlanError(f"--host-mem {a.host_mem:g} GB is more than this machine has available "
+                        f"({hardware.host_available_bytes() / GB:.0f} GB); a run is checked against the memory it has: drop "
+                        f"--host-mem, or plan for another machine with --plan")
+    kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches,
+              mode=a.mode, dtype=a.dtype, grad_clip=a.grad_clip,
+              offload_activations=cli.OFFLOAD[a.offload_activations],
+              residual_dtype=a.residual_dtype, chunk_tokens=a.chunk_tokens or None,
+              host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, tile_tokens=a.tile_tokens,
+              skip_nonfinite=guarded, gpus=a.gpus, nodes=a.nodes,
+              resident_units=getattr(a, "resident_units", None))
+    return plan(cfg, hw or a.hardware, **{**kw, **change})

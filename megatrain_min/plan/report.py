@@ -1,0 +1,143 @@
+"""report.py -- the plan, printed: the table a person reads, the JSON a program reads, the one-liners.
+
+What it is
+    format_plan(p): memory by component (host per node, GPU per GPU), the time of each layer visit, the
+    prediction (step time, tokens/s, MFU), the bottleneck, the tokens per step that hide the transfers,
+    the verdict and, when it does not fit, the nearest setting that does (fit.suggest). plan_json(p):
+    every field of the plan as strict JSON, with "fix". describe_run(p): the line train.py prints of the
+    run it is about to make; describe_max_context: the line of --plan --max-context; profile_line: a
+    line per profile (--hardware all).
+What it is not
+    No arithmetic: every number is the plan's (megatrain_min/plan/__init__.py); tests compare them.
+Try it
+    python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 \\
+        --grad-clip 0 --batch-size 4 --seq-len 4096
+"""
+import json
+
+import model
+from megatrain_min import cli
+from megatrain_min.plan.fit import suggest
+from megatrain_min.plan.hardware import GB
+from megatrain_min.plan.memory import HOST_USABLE, count, size
+
+
+def plan_json(p):
+    """One JSON object: params, host_bytes, gpu_bytes, fits, step_time_s, tokens_per_s, model_tflops,
+    bottleneck, mode -- and every other field of the plan (components in bytes, times in seconds), and
+    "fix": the nearest setting that fits (train.py flags) when it does not."""
+    fix = None if p["fits"] else suggest(p)
+    return json.dumps(cli.finite_json({**p, "fix": fix})[0], allow_nan=False)
+
+
+def tiling(p):
+    """How the plan runs a layer, in words: 'untiled' or 'in tiles of 8,192 tokens'."""
+    return f"in tiles of {p['tile_tokens']:,} tokens" if p["tile_tokens"] else "untiled"
+
+
+def format_plan(p):
+    """The plan as a table a person reads: memory by component, per-visit times, prediction,
+    verdicts."""
+    hw, N, m, t = p["hardware"], p["params"], p["model"], p["visit_s"]
+    cuda, many = hw["gpu_mem_gb"] > 0, p["world"] > 1
+    verdict = lambda ok: "fits" if ok else "DOES NOT FIT"  # noqa: E731
+    pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items())  # noqa: E731
+    rows = [f"{p['config']}: {count(N)} params (L={m['n_layer']} d={m['d_model']} "
+            f"heads={m['n_head']}/{m['n_kv_head']} ff={m['d_ff']} V={m['vocab_size']}) on "
+            f"{hw['name']} ({hw['gpu']})",
+            f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = "
+            f"{p['tokens_per_step']:,} tokens/step in {p['micro_batches']} micro-batch(es), grad clip "
+            f"{p['grad_clip'] or 'off'}, {p['residual_dtype']} residual, boundary activations "
+            f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}"]
+    if many:
+        one = p["nodes"] == 1
+        rows.append(f"sharded (megatrain_min/sharded.py): {p['nodes']} node(s) x {p['gpus']} GPUs = "
+                    f"{p['world']} ranks, each {p['batch_size'] // p['world']} sequences and "
+                    f"1/{p['world']} of the host store; collectives over "
+                    f"{'NVLink' if one else 'InfiniBand'} at "
+                    f"{hw['nvlink_gbs'] if one else min(hw['nvlink_gbs'], hw['ib_gbs']):g} GB/s")
+    per = (" per node", " per GPU") if many else ("", "")
+    rows += ["", f"{'host memory' + per[0]:<50}{'GB':>10}{'B/param':>10}"]
+    rows += [f"  {k:<48}{v / GB:10.2f}{v / N:10.2f}" for k, v in p["host"].items()]
+    rows += [f"  {'total':<48}{p['host_bytes'] / GB:10.2f}{p['host_bytes'] / N:10.2f}   "
+             f"{verdict(p['fits_host'])} in {size(p['host_limit_bytes'])} "
+             f"({HOST_USABLE:.0%} of {size(hw['host_mem_gb'] * GB)})"]
+    if cuda:
+        rows += [f"  {'of it page-locked (what the copies read, write)':<48}"
+                 f"{p['pinned_bytes'] / GB:10.2f}"]
+    device = "GPU memory" + per[1] if cuda else "device buffers (CPU run: in host memory)"
+    rows += ["", f"{device:<50}{'GB':>10}"]
+    rows += [f"  {k:<48}{v / GB:10.2f}" for k, v in p["gpu"].items() if v]
+    rows += [f"  {'total':<48}{p['gpu_bytes'] / GB:10.2f}" +
+             (f"   {verdict(p['fits_gpu'])} in {size(hw['gpu_mem_gb'] * GB)}" if cuda else ""), "",
+             resident_line(p), "",
+             f"{'time per layer visit':<50}{'ms':>10}"]
+    adam = "CPU AdamW" + (" + grad-norm pass" if p["defer_updates"] else "")
+    rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
+        ("H2D weights", t["load"]), ("forward: 2NT + attention", t["fwd"]),
+        ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
+        (adam, t["adam"] + t["norm"] * p["defer_updates"]),
+        ("head: loss forward + backward, 6 V d T", t["head"]))]
+    if many:
+        rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
+            ("all_gather of the weights (comm lane)", t["all_gather"]),
+            ("reduce_scatter of the fp32 gradient", t["reduce_scatter"]))]
+    peak = f"{(str(p['world']) + ' x ') if many else ''}{hw[p['dtype'] + '_tflops']:g}"
+    rows += ["", f"predicted: {p['step_time_s']:.3g} s/step, {p['tokens_per_s']:,.0f} tokens/s, "
+                 f"{p['model_tflops']:.3g} model TFLOP/s = {p['mfu']:.0%} of the {peak} peak "
+                 f"(6 N T per step: no recompute, no attention)",
+             f"bottleneck: {p['bottleneck']} (share of the critical path: " + pct(p["critical_path"]) +
+             "; busy: " + pct(p["utilization"]) + ")",
+             f"transfers and AdamW hide behind compute from ~{p['min_tokens_per_step']:,.0f} "
+             f"tokens/step (" + ", ".join(f"{k} {v:,.0f}" for k, v in p["min_tokens"].items()) + ")",
+             f"verdict on {hw['name']}: host RAM {verdict(p['fits_host'])}, GPU memory " +
+             (verdict(p["fits_gpu"]) if cuda else "n/a (CPU)") +
+             f" -> {'FITS' if p['fits'] else 'does not fit'}"]
+    if not p["fits"]:
+        fix = suggest(p)
+        rows.append(f"nearest setting that fits: {fix}" if fix else
+                    "nothing nearby fits: see the breakdown above")
+    return "\n".join(rows)
+
+
+def resident_line(p):
+    """What the plan keeps on the GPU, and why (--resident-units)."""
+    k, n = p["resident_units"], len(model.units(model.GPTConfig(**p["model"])))
+    why = "as asked (--resident-units)" if p["resident_asked"] is not None else \
+        "as many as fit beside the step" if p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1 else \
+        "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
+    if not k:
+        return f"resident on the GPU: none ({why}): every unit streams"
+    return (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): updated "
+            f"there, the host updates the other {n - k}")
+
+
+def describe_run(p, world=1, gpus=1):
+    """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus per
+    node)."""
+    many = world > 1
+    return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: host "
+            f"{p['host_bytes'] / GB:.2f} GB{' per node' if many else ''} "
+            f"({p['host_bytes_per_param']:.1f} B/param in the store, "
+            f"{p['pinned_bytes'] / GB:.2f} GB page-locked), device "
+            f"{p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, boundary activations "
+            f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}, "
+            f"{p['resident_units']} units resident on the GPU; predicted "
+            f"{p['tokens_per_s']:,.0f} tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
+
+
+def describe_max_context(p, longest, max_seq_len):
+    """The line of train.py --plan --max-context: the longest --seq-len (plan p is the plan at it)."""
+    return (f"longest context that fits: --seq-len {longest} ({longest:,} tokens) at --batch-size "
+            f"{p['batch_size']} on {p['hardware']['name']}, layer {tiling(p)}; GPU "
+            f"{p['gpu_bytes'] / GB:.1f} of {p['gpu_limit_bytes'] / GB:.0f} GB, host "
+            f"{p['host_bytes'] / GB:.0f} of {p['host_limit_bytes'] / GB:.0f} GB usable" +
+            (f"; training at it needs --max-seq-len {longest}" if longest > max_seq_len else ""))
+
+
+def profile_line(p, name):
+    """One line of --hardware all: the verdict and the prediction on profile `name`."""
+    return (f"{name:>8}: {'fits' if p['fits'] else 'no  '}  host {size(p['host_bytes'])} of "
+            f"{size(p['host_limit_bytes'])}, GPU {size(p['gpu_bytes'])} of "
+            f"{size(p['gpu_limit_bytes'])}, {p['tokens_per_s']:,.0f} tokens/s, "
+            f"{p['model_tflops']:.0f} TFLOP/s, {p['bottleneck']}-bound")
