@@ -1,18 +1,20 @@
-"""activations.py -- where the boundary activations live: in pinned host memory, through a device ring.
+"""activations.py -- where the boundary activations live: in pinned host memory, through a device
+ring.
 
 What it is
-    The forward keeps every layer's input -- the boundary activations, L x (B, T, d) -- for the backward's
-    recompute. stream.OnDevice keeps them on the device. HostRing sends each one to pinned host memory as it
-    is made and brings it back just before its layer's backward, through RING device slots: the device holds
-    two layers' worth, whatever the depth. The planner decides which (memory.offload_needed); the engine is
-    handed the store (stream.Trainer(activations=)).
+    The forward keeps every layer's input -- the boundary activations, L x (B, T, d) -- for the
+    backward's recompute. stream.OnDevice keeps them on the device. HostRing sends each one to
+    pinned host memory as it is made and brings it back just before its layer's backward, through
+    RING device slots: the device holds two layers' worth, whatever the depth. The planner decides
+    which (memory.offload_needed); the engine is handed the store (stream.Trainer(activations=)).
 The ring, on the lanes
     forward   compute copies layer i's inputs into ring slot i % 2 once that slot's last D2H is done
               (free), then D2H copies the slot to host row i (ready -> D2H, then free again)
-    backward  H2D brings row i back into slot i % 2 once compute is done reading the slot (free), and
-              compute waits for it (ready); row i-1 comes in while layer i computes
+    backward  H2D brings row i back into slot i % 2 once compute is done reading the slot (free),
+              and compute waits for it (ready); row i-1 comes in while layer i computes
     Every wait is one line below; the stream checker (python -m megatrain_min.sim check
-    --offload-activations on) proves the order, and each deleted wait is reported (tests/test_sim.py).
+    --offload-activations on) proves the order, and each deleted wait is reported
+    (tests/test_sim.py).
 Try it
     python train.py --offload-activations on --steps 20
 """
@@ -28,7 +30,8 @@ class HostRing:
         self.ring, self.ready, self.free = None, [None] * RING, [None] * RING   # events per slot
 
     def prepare(self, trainer, n_layers, shape):
-        """The host rows and the device ring for a step of `shape` (B, T, d), made before its first op."""
+        """The host rows and the device ring for a step of `shape` (B, T, d), made before its first
+        op."""
         self.t, self.loaded = trainer, set()
         self.host = trainer.pinned("activations", (n_layers, *shape), trainer.residual_dtype)
         if self.ring is None or self.ring[0].shape != shape:
@@ -37,7 +40,8 @@ class HostRing:
                              for _ in range(RING)]
 
     def keep(self, i, x):
-        """Forward (on compute): layer i's inputs x, M x (B/M, T, d), to host row i via a ring slot."""
+        """Forward (on compute): layer i's inputs x, M x (B/M, T, d), to host row i via a ring
+        slot."""
         t, r = self.t, i % RING
         t.comp.wait(self.free[r])                  # the slot's last D2H is done
         for dst, x_j in zip(self.ring[r].chunk(t.M), x):

@@ -23,8 +23,9 @@ from megatrain_min.tiling import Tiled
 
 
 def parts(offload=False, guarded=False, tile_tokens=0):
-    """What the engine is handed: the boundary activations' store (offload: activations.HostRing, else
-    on the device), a guard.Guard (guarded), the layer (tiling.Tiled(tile_tokens), or the model)."""
+    """What the engine is handed: the boundary activations' store (offload: activations.HostRing,
+    else on the device), a guard.Guard (guarded), the layer (tiling.Tiled(tile_tokens), or the
+    model)."""
     return dict(activations=HostRing() if offload else None, guard=Guard() if guarded else None,
                 layer=Tiled(tile_tokens) if tile_tokens else model)
 

@@ -2,17 +2,18 @@
 
 What it is
     Guard is handed to the engine (stream.Trainer(guard=Guard())), which asks it at three points:
-      no clipping   after the head, the loss (one host sync per step): not finite -> nothing of the step
-                    leaves the GPU, no unit is updated (skipped = True);
-                    then, on the optimizer thread, each unit's gradient before its AdamW: not finite ->
-                    that unit keeps its weights, m, v and step count while the others update (its name
-                    in units) -- a NaN in one layer's gradient does not spread into the others;
+      no clipping   after the head, the loss (one host sync per step): not finite -> nothing of the
+                    step leaves the GPU, no unit is updated (skipped = True);
+                    then, on the optimizer thread, each unit's gradient before its AdamW: not finite
+                    -> that unit keeps its weights, m, v and step count while the others update (its
+                    name in units) -- a NaN in one layer's gradient does not spread into the others;
       clipping      once every gradient is on the host, the global norm and the loss: not finite ->
                     no unit is updated (skipped = True).
-    train.py counts the steps in a row that skipped anything (--max-skips) and stops before a NaN is saved.
-    A unit's check is one read pass of its gradient (checks.all_finite: a sum).
+    train.py counts the steps in a row that skipped anything (--max-skips) and stops before a NaN is
+    saved. A unit's check is one read pass of its gradient (checks.all_finite: a sum).
 What it is not
-    Not loss scaling (bf16 needs none) and not a fix: it keeps the weights as they were, nothing more.
+    Not loss scaling (bf16 needs none) and not a fix: it keeps the weights as they were, nothing
+    more.
 """
 import math
 
@@ -31,7 +32,10 @@ class Guard:
         """Is x finite? x: a number (the loss, the norm), a tensor (a unit's gradient) or a verdict
         taken elsewhere (a bool: sharded.py's, agreed by every rank). When not, the whole step is
         skipped (unit None) or the unit named is."""
-        finite = x if isinstance(x, bool) else math.isfinite(x) if isinstance(x, (int, float)) else all_finite(x)
+        if isinstance(x, bool):
+            finite = x
+        else:
+            finite = math.isfinite(x) if isinstance(x, (int, float)) else all_finite(x)
         if not finite and unit is None:
             self.skipped = True
         elif not finite:

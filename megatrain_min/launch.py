@@ -1,13 +1,15 @@
-"""launch.py -- N ranks on this machine from one command, every input checked before the first rank starts.
+"""launch.py -- N ranks on this machine from one command, every input checked before the first rank
+starts.
 
 What it is
-    `python train.py --nproc-per-node N ...` is `torchrun --standalone --nproc-per-node N train.py ...` with the
-    refusals in front. train.py's checks (the flags for N ranks, the model, the plan for N GPUs, the data, the
-    run directory) run first in a child process (checks_then_ranks): a bad input is one line and exit 2, and no
-    rank ever starts. This process, alive for the whole run, never touches CUDA (the plan reads GPU memory, and
-    a CUDA context would hold GPU 0's memory until the end). Then ranks() runs train.py on N local ranks through
-    torch.distributed's own launcher (elastic_launch, what torchrun runs) and exits with the documented code of
-    the rank that failed (torchrun itself exits 1 whatever happened, after a report of its own).
+    `python train.py --nproc-per-node N ...` is `torchrun --standalone --nproc-per-node N train.py
+    ...` with the refusals in front. train.py's checks (the flags for N ranks, the model, the plan
+    for N GPUs, the data, the run directory) run first in a child process (checks_then_ranks): a bad
+    input is one line and exit 2, and no rank ever starts. This process, alive for the whole run,
+    never touches CUDA (the plan reads GPU memory, and a CUDA context would hold GPU 0's memory
+    until the end). Then ranks() runs train.py on N local ranks through torch.distributed's own
+    launcher (elastic_launch, what torchrun runs) and exits with the documented code of the rank
+    that failed (torchrun itself exits 1 whatever happened, after a report of its own).
 Signals
     A SIGTERM, SIGHUP, SIGQUIT or Ctrl-C here is passed on to every rank, as torchrun does, and this
     process waits for them: on SIGTERM, SIGHUP or a first Ctrl-C they save at the end of their step
@@ -24,9 +26,10 @@ A rank that stops answering
     frozen one. A rank alive but stuck in one call (a hung kernel) still beats: the collective
     timeout catches it.
 What it is not
-    Not a transport and not a scheduler: torch.distributed moves the bytes, its elastic agent starts and watches
-    the ranks. One node; for several, torchrun on each node (README: more than one GPU). As with torchrun, a
-    SIGKILL here leaves the ranks running (each in a session of its own): stop them with SIGTERM.
+    Not a transport and not a scheduler: torch.distributed moves the bytes, its elastic agent starts
+    and watches the ranks. One node; for several, torchrun on each node (README: more than one GPU).
+    As with torchrun, a SIGKILL here leaves the ranks running (each in a session of its own): stop
+    them with SIGTERM.
 """
 import glob
 import logging
@@ -46,7 +49,7 @@ import torch
 from megatrain_min import checkpoint, checks, rundir
 
 EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell reports it
-PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's default set
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
 HEARTBEAT_S = 60                              # seconds of silence: a rank has stopped answering
 HEARTBEAT_ENV = "MEGATRAIN_MIN_HEARTBEAT_S"   # ... when set here (a test: a few seconds)
 BEATS_ENV = "MEGATRAIN_MIN_BEATS"             # where the ranks beat (set for them by ranks())
@@ -67,22 +70,24 @@ def without(argv, flag):
 
 
 def check(device, n, present=True):
-    """checks.check_device for n local ranks: ValueError (one line) unless, with CUDA, this machine shows n GPUs,
-    one per rank (torchrun finds that out only in the ranks). present=False: planned for, not run
-    here.
+    """checks.check_device for n local ranks: ValueError (one line) unless, with CUDA, this machine
+    shows n GPUs, one per rank (torchrun finds that out only in the ranks). present=False: planned
+    for, not run here.
     Returns the torch.device."""
     try:
         dev = checks.check_device(device, present)
     except ValueError as e:
         raise ValueError(f"--device: {e}") from None
     if dev.type == "cuda" and present and torch.cuda.device_count() < n:
-        raise ValueError(f"--nproc-per-node {n} but this machine shows {torch.cuda.device_count()} CUDA devices; "
-                         f"one rank per GPU: --nproc-per-node {torch.cuda.device_count()}, or --device cpu")
+        raise ValueError(f"--nproc-per-node {n} but this machine shows {torch.cuda.device_count()} "
+                         "CUDA devices; one rank per GPU: --nproc-per-node "
+                         f"{torch.cuda.device_count()}, or --device cpu")
     return dev
 
 
 def _children():
-    """The pids of this process's children (the ranks, started by the agent's thread): Linux's /proc."""
+    """The pids of this process's children (the ranks, started by the agent's thread): Linux's
+    /proc."""
     pids = []
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
         with open(path) as f:
@@ -91,8 +96,8 @@ def _children():
 
 
 def _pass_on(pids, passed=None):
-    """A signal handler that sends the signal it got to pids() (processes already gone are skipped), noting it
-    in the list `passed`."""
+    """A signal handler that sends the signal it got to pids() (processes already gone are skipped),
+    noting it in the list `passed`."""
     def handler(sig, _frame):
         if passed is not None:
             passed.append(sig)
@@ -105,9 +110,10 @@ def _pass_on(pids, passed=None):
 
 
 def checks_then_ranks(n, argv, out):
-    """In the parent: fork; wait for the child, which runs train.py's checks and leaves at hand_over; exit with
-    its code when it refused, else start the ranks and exit with theirs. In the child: return, output quiet but
-    errors (no warnings). argv: train.py's flags without --nproc-per-node; out: its --out."""
+    """In the parent: fork; wait for the child, which runs train.py's checks and leaves at
+    hand_over; exit with its code when it refused, else start the ranks and exit with theirs. In the
+    child: return, output quiet but errors (no warnings). argv: train.py's flags without
+    --nproc-per-node; out: its --out."""
     sys.stdout.flush(), sys.stderr.flush()
     child = os.fork()
     if child == 0:   # rank 0 prints what this would, warnings included
@@ -121,10 +127,12 @@ def checks_then_ranks(n, argv, out):
 
 
 def hand_over(run):
-    """In the checks' child, once every input is good: release the run directory's lock and leave, exit 0."""
+    """In the checks' child, once every input is good: release the run directory's lock and leave,
+    exit 0."""
     run.release()
     sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)   # the parent starts the ranks; nothing of this process may run at exit (no second lock file)
+    # the parent starts the ranks; nothing of this process may run at exit (no second lock file)
+    os._exit(0)
 
 
 def heartbeat_s():
@@ -194,21 +202,24 @@ def outcome(codes, passed):
 
 
 def ranks(n, argv, out=None):
-    """Run `python -u train.py argv` on n local ranks (torchrun --standalone's settings) and return the exit
-    code (outcome()): 0 when every rank exited 0 (finished, or stopped by a signal after a save),
-    else the code of the rank that failed; 5 with one line naming it when a rank stopped answering
-    (heartbeat_s() of silence: the run is ended). out: --out, for the line's last checkpoint."""
+    """Run `python -u train.py argv` on n local ranks (torchrun --standalone's settings) and return
+    the exit code (outcome()): 0 when every rank exited 0 (finished, or stopped by a signal after a
+    save), else the code of the rank that failed; 5 with one line naming it when a rank stopped
+    answering (heartbeat_s() of silence: the run is ended). out: --out, for the line's last
+    checkpoint."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in list(logging.root.manager.loggerDict):   # quiet: the ranks say what went wrong, in one line
-        if name.startswith("torch.distributed.elastic"):    # (each module's logger has its own level)
+    # quiet: the ranks say what went wrong, in one line
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):  # (each module's logger has its own level)
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")   # as torchrun: N ranks share this machine's cores
-    os.environ[rundir.LAUNCHED_ENV] = "1"           # the ranks say what a signal to this process does
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
+    os.environ[rundir.LAUNCHED_ENV] = "1"   # the ranks say what a signal to this process does
     beats = os.environ[BEATS_ENV] = tempfile.mkdtemp(prefix="megatrain-min-beats-")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1)
     codes, passed = {}, []
 
     def agent():
@@ -216,12 +227,12 @@ def ranks(n, argv, out=None):
             elastic_launch(config, sys.executable)("-u", *argv)
         except ChildFailedError as e:
             codes.update({r: f.exitcode for r, f in e.failures.items()})
-        except BaseException as e:          # the launcher itself failed (a rendezvous that never formed)
+        except BaseException as e:     # the launcher itself failed (a rendezvous that never formed)
             codes[-1] = e
 
-    # The agent runs on a thread of its own: off the main thread it installs no signal handlers, so this one
-    # passes every signal on and keeps each rank's exit code (the agent's own handler would end the run as
-    # "stopped by a signal" whatever the ranks did).
+    # The agent runs on a thread of its own: off the main thread it installs no signal handlers, so
+    # this one passes every signal on and keeps each rank's exit code (the agent's own handler would
+    # end the run as "stopped by a signal" whatever the ranks did).
     for s in PASSED_ON:
         signal.signal(s, _pass_on(_children, passed))
     thread = threading.Thread(target=agent, name="elastic-agent")
@@ -239,13 +250,14 @@ def ranks(n, argv, out=None):
     if frozen:
         last = checkpoint.latest(out) if out else None
         print(f"error: rank {frozen[0]} (pid {frozen[1]}) stopped answering: no heartbeat for "
-              f"{frozen[2]:.0f} s (a frozen process: SIGSTOP, a paused VM); the run was ended, "
-              f"every finished checkpoint is whole (the last: {last or 'none'}); continue with "
-              f"--resume",
+              f"{frozen[2]:.0f} s (a frozen process: SIGSTOP, a paused VM); the run was "
+              f"ended, every finished checkpoint is whole (the last: {last or 'none'}); "
+              "continue with --resume",
               file=sys.stderr)
         return rundir.EXIT["rank_lost"]
     if -1 in codes:
-        print(f"error: could not start the ranks ({codes[-1]}); try torchrun --standalone --nproc-per-node {n}",
+        print(f"error: could not start the ranks ({codes[-1]}); try torchrun --standalone "
+              f"--nproc-per-node {n}",
               file=sys.stderr)
         return rundir.EXIT["rank_lost"]
     code, line = outcome(codes, passed)

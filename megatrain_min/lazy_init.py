@@ -1,10 +1,10 @@
 """lazy_init.py -- a model's initial weights made a unit at a time, as an engine reads them.
 
 What it is
-    LazyInit(cfg, seed) is the Mapping model.init_weights(cfg, seed) returns -- the same tensors, in the same
-    RNG order -- without the dict: a unit's tensors are made when one of its keys is first read, and only that
-    unit is held. The engine reads the keys unit by unit, so a model is initialised straight into the host
-    store: no second fp32 copy of a 70B model (280 GB) beside it.
+    LazyInit(cfg, seed) is the Mapping model.init_weights(cfg, seed) returns -- the same tensors, in
+    the same RNG order -- without the dict: a unit's tensors are made when one of its keys is first
+    read, and only that unit is held. The engine reads the keys unit by unit, so a model is
+    initialised straight into the host store: no second fp32 copy of a 70B model (280 GB) beside it.
 Try it
     python -m pytest tests/test_model.py -k lazy
 """

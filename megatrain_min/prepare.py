@@ -85,19 +85,23 @@ from megatrain_min.tokenizer import HFTokenizer
 
 FORMAT, VERSION = "megatrain-min prepared tokens", 1
 META = "meta.json"
-BATCH_BYTES = 4 << 20   # input per encode_batch call: ~1M tokens, ~100 MB of the package's Encodings in flight
-LINE_MAX = 64 << 20     # a line is never cut: a longer one would make a batch that large, and is refused
+# input per encode_batch call: ~1M tokens, ~100 MB of the package's Encodings in flight
+BATCH_BYTES = 4 << 20
+# a line is never cut: a longer one would make a batch that large, and is refused
+LINE_MAX = 64 << 20
 TOKENIZED_LINE_MAX = 8 << 20   # ... through a tokenizer: ~200 B of memory per byte of a sequence
 DIGEST_WHOLE = 256 << 20       # files up to this size are hashed whole; larger: 64 spread-out MiB
 SPLITS = ("train", "val")
 
 
 class PrepareError(ValueError):
-    """Input, tokenizer or output that prepare refuses, or a directory that the reader refuses. One line."""
+    """Input, tokenizer or output that prepare refuses, or a directory that the reader refuses. One
+    line."""
 
 
 def id_dtype(n_ids):
-    """The dtype of token ids below n_ids: uint16 up to 65,536 of them, else uint32; PrepareError beyond."""
+    """The dtype of token ids below n_ids: uint16 up to 65,536 of them, else uint32; PrepareError
+    beyond."""
     if n_ids <= 1 << 16:
         return np.dtype(np.uint16)
     if n_ids <= 1 << 32:
@@ -106,7 +110,8 @@ def id_dtype(n_ids):
 
 
 def tokenizer_hash(model_dir):
-    """sha256 (hex) of model_dir/tokenizer.json's bytes; "bytes" for the byte tokenizer (model_dir None)."""
+    """sha256 (hex) of model_dir/tokenizer.json's bytes; "bytes" for the byte tokenizer (model_dir
+    None)."""
     if model_dir is None:
         return "bytes"
     path = Path(model_dir) / "tokenizer.json"
@@ -162,31 +167,37 @@ def _read_meta(path):
     try:
         meta = json.loads((path / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise PrepareError(f"{path} is not a prepared directory (no {META}; a prepare that did not finish leaves "
-                           f"none): run `python -m megatrain_min.prepare ... --out {path}`") from None
+        raise PrepareError(f"{path} is not a prepared directory (no {META}; a prepare that did "
+                           "not finish leaves none): run `python -m megatrain_min.prepare ... "
+                           f"--out {path}`") from None
     except (OSError, ValueError) as e:
         raise PrepareError(f"{path}/{META} cannot be read ({e}); prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PrepareError(f"{path}/{META} is not a prepared-tokens meta.json (no format {FORMAT!r})")
+        raise PrepareError(f"{path}/{META} is not a prepared-tokens meta.json "
+                           f"(no format {FORMAT!r})")
     if meta.get("version") != VERSION:
-        raise PrepareError(f"{path} has prepared-tokens format version {meta.get('version')!r}; this code reads "
-                           f"version {VERSION}: prepare the data again")
+        raise PrepareError(f"{path} has prepared-tokens format version {meta.get('version')!r}; "
+                           f"this code reads version {VERSION}: prepare the data again")
     return meta
 
 
 # ----------------------------------------------------------------------------- writing
 class _Npy:
-    """A .npy file written front to back: the header of an empty array first, rows appended, the real shape
-    written over it at the end (numpy leaves room in the header for the length to grow: its size stays)."""
+    """A .npy file written front to back: the header of an empty array first, rows appended, the
+    real shape written over it at the end (numpy leaves room in the header for the length to grow:
+    its size stays)."""
 
     def __init__(self, path, dtype, row=()):
-        self.f, self.dtype, self.row, self.n = open(path, "wb", buffering=1 << 20), np.dtype(dtype), row, 0
+        self.f, self.dtype, self.row, self.n = open(path, "wb",
+                                                    buffering=1 << 20), np.dtype(dtype), row, 0
         self._header()
         self.start = self.f.tell()
 
     def _header(self):
-        np.lib.format.write_array_header_1_0(self.f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
-                                                      "fortran_order": False, "shape": (self.n, *self.row)})
+        np.lib.format.write_array_header_1_0(self.f,
+                                             {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                              "fortran_order": False,
+                                              "shape": (self.n, *self.row)})
 
     def append(self, a):
         a = np.ascontiguousarray(a, dtype=self.dtype)
@@ -206,26 +217,30 @@ class _Npy:
 
 
 class _Split:
-    """The files of one split in the temporary directory: ids, and for SFT data the mask and the example index."""
+    """The files of one split in the temporary directory: ids, and for SFT data the mask and the
+    example index."""
 
     def __init__(self, d, name, dtype, sft):
         self.ids = _Npy(d / f"{name}.npy", dtype)
         self.mask = _Npy(d / f"{name}.mask.npy", bool) if sft else None
         self.index = _Npy(d / f"{name}.examples.npy", np.int64, (3,)) if sft else None
-        self.name, self.limit, self.max_id, self.examples, self.supervised = name, np.iinfo(dtype).max, -1, 0, 0
+        self.name, self.limit = name, np.iinfo(dtype).max
+        self.max_id, self.examples, self.supervised = -1, 0, 0
 
     def add_tokens(self, ids, documents=0):
         if len(ids):
             self.max_id = max(self.max_id, int(ids.max()))
-            if self.max_id > self.limit:    # the tokenizer made an id beyond the vocabulary it declared
-                raise PrepareError(f"token id {self.max_id} does not fit {self.ids.dtype}; the tokenizer's "
-                                   f"vocabulary size understates its ids")
+            # the tokenizer made an id beyond the vocabulary it declared
+            if self.max_id > self.limit:
+                raise PrepareError(f"token id {self.max_id} does not fit {self.ids.dtype}; the "
+                                   "tokenizer's vocabulary size understates its ids")
         self.ids.append(ids)
         self.examples += documents
 
     def add_example(self, ids, supervised):
-        """One SFT example: its ids, its mask, and (start, end, first target) -- the first i with supervised[i + 1],
-        the position of its first supervised target in data.example_xy's y, or -1."""
+        """One SFT example: its ids, its mask, and (start, end, first target) -- the first i with
+        supervised[i + 1], the position of its first supervised target in data.example_xy's y, or
+        -1."""
         start, targets = self.ids.n, np.flatnonzero(supervised[1:])
         self.add_tokens(ids, documents=1)
         self.mask.append(supervised)
@@ -235,20 +250,23 @@ class _Split:
     def close(self):
         files = {f"{self.name}.npy": self.ids.close()}
         if self.mask is not None:
-            files.update({f"{self.name}.mask.npy": self.mask.close(), f"{self.name}.examples.npy": self.index.close()})
+            files.update({f"{self.name}.mask.npy": self.mask.close(),
+                          f"{self.name}.examples.npy": self.index.close()})
         stats = {"tokens": self.ids.n, "examples": self.examples, "max_id": self.max_id}
         return files, stats if self.mask is None else {**stats, "supervised": self.supervised}
 
 
 def _sources(inputs):
-    """[{"path", "bytes", "mtime_ns"}] of the inputs, each a readable non-empty .txt or .jsonl file."""
+    """[{"path", "bytes", "mtime_ns"}] of the inputs, each a readable non-empty .txt or .jsonl
+    file."""
     out = []
     for name in inputs:
         p = Path(name)
         if p.is_dir():
             raise PrepareError(f"{p} is a directory; pass the files in it, e.g. {p / '*.txt'}")
         if p.suffix not in (".txt", ".jsonl"):
-            raise PrepareError(f"{p}: expected a .txt (text) or .jsonl (one JSON object per line) file")
+            raise PrepareError(f"{p}: expected a .txt (text) or .jsonl (one JSON "
+                               "object per line) file")
         if not p.is_file():
             raise PrepareError(f"{p} {'is not a file' if p.exists() else 'does not exist'}")
         try:
@@ -299,24 +317,30 @@ def _chunks(path, line_max=LINE_MAX):
 
 
 def _decode(piece, path, line, at):
-    """piece as text, or PrepareError naming the line and byte of the first byte that is not UTF-8."""
+    """piece as text, or PrepareError naming the line and byte of the first byte that is not
+    UTF-8."""
     try:
         return piece.decode("utf-8")
     except UnicodeDecodeError as e:
         n = line + piece.count(b"\n", 0, e.start) + 1
-        raise PrepareError(f"{path}:{n}: not UTF-8 text (byte {piece[e.start]:#04x} at offset {at + e.start:,}); "
-                           f"convert the file to UTF-8 (nothing is replaced silently)") from None
+        raise PrepareError(f"{path}:{n}: not UTF-8 text (byte {piece[e.start]:#04x} at offset "
+                           f"{at + e.start:,}); convert the file to UTF-8 (nothing is "
+                           "replaced silently)") from None
 
 
 class _Corpus:
-    """The loop over the inputs: kind ("tokens" or "sft", fixed by the first record), the two splits, the cut."""
+    """The loop over the inputs: kind ("tokens" or "sft", fixed by the first record), the two
+    splits, the cut."""
 
     def __init__(self, tmp, tok, dtype, chat_format, cut):
-        self.tmp, self.tok, self.dtype, self.chat_format, self.cut = tmp, tok, dtype, chat_format, cut
+        self.tmp, self.tok, self.dtype = tmp, tok, dtype
+        self.chat_format, self.cut = chat_format, cut
         self.t0, self.lines = time.time(), 0
         self.kind, self.first, self.splits = None, None, None
-        self.end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")   # after each "text" document
-        fast = getattr(getattr(tok, "tok", None), "encode_batch_fast", None)      # the same ids, no offsets
+        # after each "text" document
+        self.end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")
+        # the same ids, no offsets
+        fast = getattr(getattr(tok, "tok", None), "encode_batch_fast", None)
         self.encode_batch = fast or getattr(getattr(tok, "tok", None), "encode_batch", None)
         self.line_max = LINE_MAX if self.encode_batch is None else TOKENIZED_LINE_MAX
 
@@ -326,20 +350,23 @@ class _Corpus:
             self.splits = {s: _Split(self.tmp, s, self.dtype, kind == "sft") for s in SPLITS}
         elif kind != self.kind:
             what = {"tokens": "pretraining text", "sft": "SFT examples"}
-            raise PrepareError(f"{where}: {what[kind]} in a corpus of {what[self.kind]} (from {self.first}); "
-                               f"prepare them into separate directories")
+            raise PrepareError(f"{where}: {what[kind]} in a corpus of {what[self.kind]} (from "
+                               f"{self.first}); prepare them into separate directories")
         return self.splits
 
     def _encode(self, texts, end=()):
-        """Token ids (int64) of texts, each followed by `end`: encode_batch on all cores, or bytes."""
+        """Token ids (int64) of texts, each followed by `end`: encode_batch on all cores, or
+        bytes."""
         if self.encode_batch is None:                                  # the byte tokenizer
             return np.frombuffer(b"".join(t.encode() + bytes(end) for t in texts), dtype=np.uint8)
         encs = self.encode_batch(texts, add_special_tokens=False)
-        ids = chain.from_iterable(chain(e.ids, end) for e in encs) if end else chain.from_iterable(e.ids for e in encs)
+        ids = chain.from_iterable(
+            chain(e.ids, end) for e in encs) if end else chain.from_iterable(e.ids for e in encs)
         return np.fromiter(ids, dtype=np.int64, count=sum(map(len, encs)) + len(end) * len(encs))
 
     def add(self, path, start, piece, line, split):
-        """Tokenize piece (whole lines of path, from byte `start`, after `line` lines) into split."""
+        """Tokenize piece (whole lines of path, from byte `start`, after `line` lines) into
+        split."""
         text = _decode(piece, path, line, start)
         if path.suffix == ".txt":
             splits = self._split("tokens", f"{path}:{line + 1}")
@@ -356,9 +383,11 @@ class _Corpus:
                 continue
             try:
                 obj = json.loads(record)
-                if isinstance(obj, dict) and not ({"messages", "prompt", "completion"} & set(obj)) and "text" in obj:
+                if isinstance(obj, dict) and not (
+                    {"messages", "prompt", "completion"} & set(obj)) and "text" in obj:
                     if not isinstance(obj["text"], str):
-                        raise ValueError(f'"text" must be a string, got {type(obj["text"]).__name__}')
+                        raise ValueError('"text" must be a string, got '
+                                         f'{type(obj["text"]).__name__}')
                     self._split("tokens", f"{path}:{n}")
                     docs.append(obj["text"])
                 else:
@@ -366,17 +395,20 @@ class _Corpus:
                     self._split("sft", f"{path}:{n}")[split].add_example(ids, supervised)
             except PrepareError:
                 raise
-            except ValueError as e:   # JSON, a malformed example, a chat template that fails: one line
-                raise PrepareError(f"{path}:{n}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+            except ValueError as e:
+                # JSON, a malformed example, a chat template that fails: one line
+                raise PrepareError(f"{path}:{n}: "
+                                   f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
         if docs:
             self.splits[split].add_tokens(self._encode(docs, self.end), documents=len(docs))
 
     def run(self, inputs, sources, bar):
         base = 0
-        for path, src in zip(map(Path, inputs), sources):           # messages name a file as it was given
+        for path, src in zip(map(Path, inputs), sources):     # messages name a file as it was given
             line = 0
             for at, chunk in _chunks(path, self.line_max):
-                # the split point: lines whose last byte lies before self.cut go to train, the rest to val
+                # the split point: lines whose last byte lies before self.cut go to train, the rest
+                # to val
                 lo = base + at
                 p = (len(chunk) if lo + len(chunk) <= self.cut else 0 if lo >= self.cut
                      else chunk.rfind(b"\n", 0, self.cut - lo) + 1)
@@ -386,14 +418,16 @@ class _Corpus:
                 line += chunk.count(b"\n") + (not chunk.endswith(b"\n"))
                 bar.update(len(chunk))
                 n_tok = sum(s.ids.n for s in (self.splits or {}).values())
-                bar.set_postfix_str(f"{n_tok / max(time.time() - self.t0, 1e-9) / 1e6:.2f}M tokens/s", refresh=False)
+                bar.set_postfix_str(f"{n_tok / max(time.time() - self.t0, 1e-9) / 1e6:.2f}M "
+                                    "tokens/s", refresh=False)
             try:
                 st = path.stat()
             except FileNotFoundError:
                 raise PrepareError(f"{path} was moved or deleted while it was being prepared; put "
                                    f"it back, then run again") from None
             if (st.st_size, st.st_mtime_ns) != (src["bytes"], src["mtime_ns"]):
-                raise PrepareError(f"{path} changed while it was being prepared; run again when it is written")
+                raise PrepareError(f"{path} changed while it was being prepared; run "
+                                   "again when it is written")
             base, self.lines = base + src["bytes"], self.lines + line
         if self.kind is None:
             raise PrepareError(f"{', '.join(map(str, inputs))}: no records, only blank lines")
@@ -401,26 +435,29 @@ class _Corpus:
 
 
 def _existing(out, given, differs, force):
-    """True when out already holds this preparation (nothing to do); False when prepare may write it; else
-    PrepareError. differs(meta): what differs between that meta.json's preparation and this one, or None."""
+    """True when out already holds this preparation (nothing to do); False when prepare may write
+    it; else PrepareError. differs(meta): what differs between that meta.json's preparation and this
+    one, or None."""
     if not out.exists():
         return False
     if not out.is_dir():
-        raise PrepareError(f"--out {given} exists and is not a directory; pick a new or empty directory")
+        raise PrepareError(f"--out {given} exists and is not a directory; pick a "
+                           "new or empty directory")
     if busy := publish.writers(out):
         raise PrepareError(f"--out {given} is being written by another prepare (pid {busy[0]}); "
                            f"wait for it to finish, or pick another --out")
     names = {p.name for p in out.iterdir() if not publish.is_staging(p)}
     if not names:
         return False
-    try:                                                   # ours: our meta.json, and no file it does not list
+    try:                                         # ours: our meta.json, and no file it does not list
         meta = json.loads((out / META).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         meta = {}
-    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and isinstance(meta.get("files"), dict)
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT
+            and isinstance(meta.get("files"), dict)
             and names <= set(meta["files"]) | {META}):
-        raise PrepareError(f"--out {given} exists and holds files that prepare did not write; nothing there is "
-                           f"replaced: pick a new or empty directory")
+        raise PrepareError(f"--out {given} exists and holds files that prepare did not write; "
+                           "nothing there is replaced: pick a new or empty directory")
     try:
         PreparedTokens(out)
         complete = True
@@ -430,22 +467,24 @@ def _existing(out, given, differs, force):
     if what is None and not force:
         return True
     if not force:
-        raise PrepareError(f"--out {given} holds an earlier preparation with {what}; pass --force to replace it, "
-                           f"or pick another --out")
+        raise PrepareError(f"--out {given} holds an earlier preparation with {what}; pass --force "
+                           "to replace it, or pick another --out")
     return False
 
 
-def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, force=False, progress=None):
-    """Tokenize the files `inputs` into directory `out` (see the module docstring); returns its meta.json as a
-    dict, with "up_to_date": True when out already held this preparation. tokenizer: a directory with
-    tokenizer.json, or None for bytes. chat_format: "native", "fixed" or None (native when the tokenizer has a
-    chat template), for SFT records. progress: a tqdm bar on stderr (None: when stderr is a terminal).
-    Raises PrepareError (a ValueError; HFTokenizer's own for an unreadable tokenizer) with one line before
-    anything is written, or while reading; OSError when an output cannot be written. Either way out is unchanged."""
+def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, force=False,
+            progress=None):
+    """Tokenize the files `inputs` into directory `out` (see the module docstring); returns its
+    meta.json as a dict, with "up_to_date": True when out already held this preparation. tokenizer:
+    a directory with tokenizer.json, or None for bytes. chat_format: "native", "fixed" or None
+    (native when the tokenizer has a chat template), for SFT records. progress: a tqdm bar on stderr
+    (None: when stderr is a terminal). Raises PrepareError (a ValueError; HFTokenizer's own for an
+    unreadable tokenizer) with one line before anything is written, or while reading; OSError when
+    an output cannot be written. Either way out is unchanged."""
     from tqdm import tqdm
     if str(out) == "":
         raise PrepareError("--out is an empty path; name the directory to write, e.g. --out tokens")
-    sources, given, out = _sources(inputs), out, Path(out).resolve()      # messages name out as given
+    sources, given, out = _sources(inputs), out, Path(out).resolve()    # messages name out as given
     if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
         raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {val_fraction}")
     if chat_format not in (None, "native", "fixed"):
@@ -454,8 +493,9 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
         check_tokenizer_dir(tokenizer)
     tok = HFTokenizer(tokenizer) if tokenizer is not None else data.ByteTokenizer()
     if chat_format == "native" and tok.chat_template is None:
-        raise PrepareError(f"--chat-format native: {tokenizer or 'the byte tokenizer'} has no chat_template")
-    n_ids = tok.vocab_size                                     # ids below it (an added token may lie beyond)
+        raise PrepareError("--chat-format native: "
+                           f"{tokenizer or 'the byte tokenizer'} has no chat_template")
+    n_ids = tok.vocab_size                            # ids below it (an added token may lie beyond)
     if tokenizer is not None:
         n_ids = max(n_ids, max(tok.tok.get_vocab(with_added_tokens=True).values()) + 1)
     dtype = id_dtype(n_ids)
@@ -466,10 +506,14 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
 
     def differs(m):
         was, now = m.get("tokenizer", {}), settings["tokenizer"]
-        return ("other sources (a file added, removed or changed since)" if m.get("sources") != sources else
-                f"another tokenizer ({was.get('sha256', '?')[:12]}, now {now['sha256'][:12]})" if was != now else
-                f"val_fraction {m.get('val_fraction')} (now {val_fraction})" if m.get("val_fraction") != val_fraction
-                else f"chat format {m.get('chat_format')} (now {chat_format})" if m.get("kind") == "sft" and
+        return ("other sources (a file added, removed or changed "
+                "since)" if m.get("sources") != sources else
+                f"another tokenizer ({was.get('sha256', '?')[:12]}, now "
+                f"{now['sha256'][:12]})" if was != now else
+                f"val_fraction {m.get('val_fraction')} (now "
+                f"{val_fraction})" if m.get("val_fraction") != val_fraction
+                else f"chat format {m.get('chat_format')} (now "
+                     f"{chat_format})" if m.get("kind") == "sft" and
                 m.get("chat_format") != chat_format else None)
 
     if _existing(out, given, differs, force):
@@ -483,7 +527,8 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
     tmp, t0 = publish.stage(out), time.time()
     try:
         corpus = _Corpus(tmp, tok, dtype, chat_format, cut=total - int(val_fraction * total))
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"prepare {out.name}",
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                  desc=f"prepare {out.name}",
                   disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
             done = corpus.run(inputs, sources, bar)
         if done["train"][1]["tokens"] == 0:
@@ -495,19 +540,20 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
         if done["val"][1]["tokens"] == 0 and val_fraction > 0:
             least = max(1 / total, 1e-4)
             raise PrepareError(
-                f"the val split is empty: --val-fraction {val_fraction} of {total:,} input bytes "
-                f"is {int(val_fraction * total)} bytes, less than the last line or record, and "
-                f"train.py evaluates on it; pass --val-fraction {least:.2g} or more (0: no val "
-                f"split)")
+                f"the val split is empty: --val-fraction {val_fraction} of {total:,} input "
+                f"bytes is {int(val_fraction * total)} bytes, less than the last line or "
+                f"record, and train.py evaluates on it; pass --val-fraction {least:.2g} or "
+                "more (0: no val split)")
         files = {name: size for s in SPLITS for name, size in done[s][0].items()}
         meta = {"format": FORMAT, **settings, "kind": corpus.kind, "dtype": dtype.name,
                 "chat_format": chat_format if corpus.kind == "sft" else None,
                 "tokenizer_dir": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
                 "splits": {s: done[s][1] for s in SPLITS},
-                "val_rule": "the lines/records holding the last floor(val_fraction * bytes) bytes of the inputs",
+                "val_rule": "the lines/records holding the last floor(val_fraction * "
+                "bytes) bytes of the inputs",
                 "files": files, "sha256": {name: digest(tmp / name)["sha256"] for name in files},
                 "seconds": round(time.time() - t0, 3)}
-        with open(tmp / META, "w") as f:                         # last: its presence means the rest is whole
+        with open(tmp / META, "w") as f:                # last: its presence means the rest is whole
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
@@ -558,12 +604,12 @@ class TokenFile:
                         (2, 0): np.lib.format.read_array_header_2_0}[version]
                 shape, _, dt = read(f)
             except (ValueError, KeyError, OSError) as e:
-                raise PrepareError(f"{self.path}: not a .npy file ({e}); prepare the data "
-                                   f"again") from None
+                raise PrepareError(f"{self.path}: not a .npy file ({e}); prepare "
+                                   "the data again") from None
             self.offset = f.tell()
         if dt != self.dtype or shape != (n,):
-            raise PrepareError(f"{self.path} holds {dt} {shape}, meta.json says {n} of "
-                               f"{self.dtype}")
+            raise PrepareError(f"{self.path} holds {dt} {shape}, meta.json "
+                               f"says {n} of {self.dtype}")
         self.fd = os.open(self.path, os.O_RDONLY)
 
     def __del__(self):
@@ -631,9 +677,9 @@ class PreparedTokens:
                     raise PrepareError(f"{f} is {what}; the directory is damaged: prepare it again")
                 sha = self.meta.get("sha256", {}).get(name)
                 if verify and sha is not None and digest(f)["sha256"] != sha:
-                    raise PrepareError(f"{f} is not the file prepare wrote (its sha256 differs "
-                                       f"from meta.json's): replaced or damaged since; prepare "
-                                       f"the data again")
+                    raise PrepareError(f"{f} is not the file prepare wrote (its sha256 "
+                                       "differs from meta.json's): replaced or damaged since; "
+                                       "prepare the data again")
         except (KeyError, TypeError, AttributeError) as e:
             raise PrepareError(f"{self.path}/{META} lacks {e}; prepare the data again") from None
 
@@ -657,12 +703,15 @@ class PreparedTokens:
     def supervised(self, split="train"):
         """SFT: per token, whether it is supervised (a TokenFile of bool)."""
         self._want("sft", "supervised")
-        return self._array(f"{split}.mask.npy", self.meta["splits"][split]["tokens"], np.dtype(bool))
+        return self._array(f"{split}.mask.npy", self.meta["splits"][split]["tokens"],
+                           np.dtype(bool))
 
     def _want(self, kind, what):
         if self.kind != kind:
-            raise PrepareError(f"{self.path} holds {'SFT examples' if self.kind == 'sft' else 'pretraining text'}: "
-                               f"{what} needs {'SFT examples' if kind == 'sft' else 'pretraining text'}")
+            raise PrepareError(f"{self.path} holds "
+                               f"{'SFT examples' if self.kind == 'sft' else 'pretraining text'}: "
+                               f"{what} needs "
+                               f"{'SFT examples' if kind == 'sft' else 'pretraining text'}")
 
     def _nonempty(self, split):
         if not self.meta["splits"][split]["tokens"]:
@@ -671,61 +720,76 @@ class PreparedTokens:
                                f"the data again with --val-fraction 0.1")
 
     def batches(self, split, batch_size, seq_len, seed=0):
-        """data.Batches over the split's ids: random windows, exactly as over the same ids in memory."""
+        """data.Batches over the split's ids: random windows, exactly as over the same ids in
+        memory."""
         self._want("tokens", "batches")
         self._nonempty(split)
         return data.Batches(self.tokens(split), batch_size, seq_len, seed=seed, name=split)
 
     def examples(self, split, seq_len):
-        """The split's SFT examples as data.load_sft_jsonl gives them: Examples, a sequence of (x, y)."""
+        """The split's SFT examples as data.load_sft_jsonl gives them: Examples, a sequence of (x,
+        y)."""
         self._want("sft", "examples")
         self._nonempty(split)
         n, f = self.meta["splits"][split]["examples"], self.path / f"{split}.examples.npy"
         index = np.load(f) if n else np.zeros((0, 3), np.int64)   # O(examples): read whole, once
         if index.dtype != np.int64 or index.shape != (n, 3):
-            raise PrepareError(f"{f} holds {index.dtype} {index.shape}, meta.json says ({n}, 3) "
-                               f"of int64")
-        return Examples(self.tokens(split), self.supervised(split), index, seq_len, f"{self.path} {split}")
+            raise PrepareError(f"{f} holds {index.dtype} {index.shape}, meta.json "
+                               f"says ({n}, 3) of int64")
+        return Examples(self.tokens(split), self.supervised(split), index, seq_len, f"{self.path} "
+                                                                                    f"{split}")
 
     def sft_batches(self, split, batch_size, seq_len, seed=0, pad_id=0):
         """data.SFTBatches over the split's examples: one example per row, padded."""
-        return data.SFTBatches(self.examples(split, seq_len), batch_size, seq_len, seed=seed, name=split,
+        return data.SFTBatches(self.examples(split, seq_len), batch_size, seq_len, seed=seed,
+                               name=split,
                                pad_id=pad_id)
 
     def check_model(self, model_dir=None, vocab_size=None):
-        """PrepareError (one line) unless a model may train on these ids: model_dir (a directory with the model's
-        tokenizer.json, or None to skip this) has the tokenizer they were made with -- and, for SFT examples
-        in the native format, the same chat template; vocab_size (the model's) exceeds every id here."""
+        """PrepareError (one line) unless a model may train on these ids: model_dir (a directory
+        with the model's tokenizer.json, or None to skip this) has the tokenizer they were made with
+        -- and, for SFT examples in the native format, the same chat template; vocab_size (the
+        model's) exceeds every id here."""
         if model_dir is not None:
             theirs = tokenizer_hash(model_dir)
             if theirs != self.tokenizer_hash:
-                name = lambda h: "the byte tokenizer" if h == "bytes" else f"a tokenizer.json, sha256 {h[:12]}"  # noqa
-                raise PrepareError(f"{self.path} was tokenized with {name(self.tokenizer_hash)}, {model_dir} has "
-                                   f"{name(theirs)}; prepare it again with --tokenizer {model_dir}")
+
+                def name(h):
+                    return "the byte tokenizer" if h == "bytes" else \
+                        f"a tokenizer.json, sha256 {h[:12]}"
+                raise PrepareError(f"{self.path} was tokenized with {name(self.tokenizer_hash)}, "
+                                   f"{model_dir} has {name(theirs)}; prepare it again with "
+                                   f"--tokenizer {model_dir}")
             if self.kind == "sft" and self.meta["chat_format"] == "native":
-                if _sha(HFTokenizer(model_dir).chat_template) != self.meta["tokenizer"]["chat_template_sha256"]:
-                    raise PrepareError(f"{self.path} was rendered with another chat template than {model_dir}'s; "
-                                       f"prepare it again with --tokenizer {model_dir}")
+                rendered = self.meta["tokenizer"]["chat_template_sha256"]
+                if _sha(HFTokenizer(model_dir).chat_template) != rendered:
+                    raise PrepareError(f"{self.path} was rendered with another chat template "
+                                       f"than {model_dir}'s; prepare it again with "
+                                       f"--tokenizer {model_dir}")
         top = max(self.meta["splits"][s]["max_id"] for s in SPLITS)
         if vocab_size is not None and top >= vocab_size:
-            raise PrepareError(f"{self.path} holds token id {top}, beyond the model's vocabulary of {vocab_size}")
+            raise PrepareError(f"{self.path} holds token id {top}, beyond the model's vocabulary "
+                               f"of {vocab_size}")
 
 
 class Examples(Sequence):
-    """(x, y) int32 of each SFT example with a supervised target within seq_len (data.example_xy), read from
-    the files as asked for: the sequence data.load_sft_jsonl returns, for data.SFTBatches. The same
-    warning for examples cut to seq_len, the same dropping of those left with no answer token."""
+    """(x, y) int32 of each SFT example with a supervised target within seq_len (data.example_xy),
+    read from the files as asked for: the sequence data.load_sft_jsonl returns, for data.SFTBatches.
+    The same warning for examples cut to seq_len, the same dropping of those left with no answer
+    token."""
 
     def __init__(self, ids, supervised, index, seq_len, where):
         self.ids, self.sup, self.index, self.T = ids, supervised, index, seq_len
-        first, length = np.asarray(index[:, 2]), np.asarray(index[:, 1] - index[:, 0])  # O(examples), not tokens
+        # O(examples), not tokens
+        first, length = np.asarray(index[:, 2]), np.asarray(index[:, 1] - index[:, 0])
         self.keep = np.flatnonzero((first >= 0) & (first < seq_len))
         cut, dropped = int((length - 1 > seq_len).sum()), len(index) - len(self.keep)
         if not len(self.keep):
-            raise PrepareError(f"{where}: no example with a supervised token within seq_len={seq_len}")
+            raise PrepareError(f"{where}: no example with a supervised token within "
+                               f"seq_len={seq_len}")
         if cut:
-            warnings.warn(f"{where}: {cut} of {len(index)} examples longer than seq_len={seq_len} were cut, "
-                          f"{dropped} of them dropped (no answer token left)")
+            warnings.warn(f"{where}: {cut} of {len(index)} examples longer than seq_len={seq_len} "
+                          f"were cut, {dropped} of them dropped (no answer token left)")
 
     def __len__(self):
         return len(self.keep)
@@ -737,24 +801,30 @@ class Examples(Sequence):
 
 # ----------------------------------------------------------------------------- the command
 def main(argv=None):
-    """`python -m megatrain_min.prepare ...`: exit 0 done (or up to date), 2 bad input (one line; nothing
-    written), 4 an output could not be written (nothing at --out replaced), 130 interrupted (nothing written)."""
+    """`python -m megatrain_min.prepare ...`: exit 0 done (or up to date), 2 bad input (one line;
+    nothing written), 4 an output could not be written (nothing at --out replaced), 130 interrupted
+    (nothing written)."""
     def fail(msg, code=2):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(code)
 
     p = argparse.ArgumentParser(prog="python -m megatrain_min.prepare",
                                 description="Tokenize text or JSON lines once into token files.")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files, tokenized in this order")
-    p.add_argument("--out", required=True, help="the directory to write (made; refused if it holds other data)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help=".txt or .jsonl files, tokenized in this order")
+    p.add_argument("--out", required=True,
+                   help="the directory to write (made; refused if it holds other data)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                   help="a directory with tokenizer.json: a Hugging Face model or one of our checkpoints "
-                        "(default: bytes, the toy presets' vocabulary of 256)")
+                   help="a directory with tokenizer.json: a Hugging Face model or one of our "
+                        "checkpoints (default: bytes, the toy presets' vocabulary of 256)")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="the tail of the input bytes, in whole lines, that becomes the val split (default: 0.1)")
+                   help="the tail of the input bytes, in whole lines, that becomes the "
+                        "val split (default: 0.1)")
     p.add_argument("--chat-format", choices=["native", "fixed"], default=None,
-                   help="SFT records: the tokenizer's chat template (default when it has one) or the fixed format")
-    p.add_argument("--force", action="store_true", help="replace --out when it holds an earlier preparation")
+                   help="SFT records: the tokenizer's chat template (default when it has one) or "
+                        "the fixed format")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out when it holds an earlier preparation")
     p.error = fail                       # argparse's complaints: one line and exit code 2 too
     # a stdout that cannot encode a path (PYTHONIOENCODING=ascii) escapes it, as train.py's does
     # (cli.survive_closed_pipe; prepare runs without torch, which cli imports)
@@ -763,22 +833,25 @@ def main(argv=None):
     a = p.parse_args(argv)
     try:
         meta = prepare(a.inputs, a.out, a.tokenizer, a.val_fraction, a.chat_format, a.force)
-    except ValueError as e:              # PrepareError, an unreadable tokenizer, a chat template that fails
+    except ValueError as e:      # PrepareError, an unreadable tokenizer, a chat template that fails
         fail(str(e))
     except OSError as e:
-        fail(f"could not write {a.out} ({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); "
-             f"nothing there was replaced", 4)
+        fail(f"could not write {a.out} "
+             f"({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); nothing "
+             "there was replaced", 4)
     except KeyboardInterrupt:
         fail(f"interrupted; nothing was written to {a.out}", 130)
     if meta["up_to_date"]:
-        print(f"{a.out} is up to date (same sources, tokenizer and settings); nothing to do (--force redoes it)")
+        print(f"{a.out} is up to date (same sources, tokenizer and settings); nothing to do "
+              "(--force redoes it)")
         return 0
     tr, va, s = meta["splits"]["train"], meta["splits"]["val"], meta["seconds"]
     n_bytes, n_tok = sum(x["bytes"] for x in meta["sources"]), tr["tokens"] + va["tokens"]
     what = f"{tr['examples'] + va['examples']:,} examples, " if meta["kind"] == "sft" else ""
-    print(f"{a.out}: {tr['tokens']:,} train / {va['tokens']:,} val tokens ({meta['kind']}, {what}{meta['dtype']}, "
-          f"tokenizer {meta['tokenizer']['sha256'][:12]}) from {n_bytes / 1e6:,.1f} MB in {s:.1f} s: "
-          f"{n_bytes / 1e6 / max(s, 1e-9):.1f} MB/s, {n_tok / 1e6 / max(s, 1e-9):.2f}M tokens/s")
+    print(f"{a.out}: {tr['tokens']:,} train / {va['tokens']:,} val tokens ({meta['kind']}, "
+          f"{what}{meta['dtype']}, tokenizer {meta['tokenizer']['sha256'][:12]}) from "
+          f"{n_bytes / 1e6:,.1f} MB in {s:.1f} s: {n_bytes / 1e6 / max(s, 1e-9):.1f} MB/s, "
+          f"{n_tok / 1e6 / max(s, 1e-9):.2f}M tokens/s")
     return 0
 
 

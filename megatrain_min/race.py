@@ -1,28 +1,32 @@
-"""race.py -- a happens-before race checker for the engine's lanes and threads (what CUDA's sanitizer does on a GPU).
+"""race.py -- a happens-before race checker for the engine's lanes and threads (what CUDA's
+sanitizer does on a GPU).
 
 What it is
-    Checker consumes megatrain_min.record.Recorder's stream. Each actor -- the lanes h2d, compute, d2h, default and
-    the host threads main and worker -- keeps a vector clock. Edges:
+    Checker consumes megatrain_min.record.Recorder's stream. Each actor -- the lanes h2d, compute,
+    d2h, default and the host threads main and worker -- keeps a vector clock. Edges:
       issue       an op on a lane comes after everything its host thread did before issuing it;
       record/wait an event carries the recording lane's clock; a lane that waits for it joins it;
-      host waits  host_wait(event), synchronize(), a Future's result(), a slab taken from the pool (after the
-                  put that gave it back), a task's start (after its submit), a blocking copy;
-    Every access (storage, byte range, read or write, actor, the actor's tick) is kept per storage. Two
-    accesses conflict when their ranges overlap, at least one writes, and they come from different actors;
-    without an edge from the first to the second it is a race: reported with the buffer's name, both ops, both
-    actors and both source lines.
-    The caching allocator's rules, checked too: a device block belongs to the lane it was allocated on, whose
-    kernels issued before the allocation may still use it (the allocator hands a block freed on a stream to that
-    stream's next allocation at once), so another lane's first touch of it must come after them; a block freed
-    on the host while another lane may still use it goes to the next allocation on its own lane (no Lane.keep /
-    record_stream); and a lane's kernel must not touch memory made outside any lane (which on the CPU cannot be
-    told apart from work on CUDA's legacy default stream: both are wrong, both are reported).
-    Counted per step: host syncs with their source lines, bytes per copy lane, weight copies per unit.
+      host waits  host_wait(event), synchronize(), a Future's result(), a slab taken from the pool
+                  (after the put that gave it back), a task's start (after its submit), a blocking
+                  copy;
+    Every access (storage, byte range, read or write, actor, the actor's tick) is kept per storage.
+    Two accesses conflict when their ranges overlap, at least one writes, and they come from
+    different actors; without an edge from the first to the second it is a race: reported with the
+    buffer's name, both ops, both actors and both source lines.
+    The caching allocator's rules, checked too: a device block belongs to the lane it was allocated
+    on, whose kernels issued before the allocation may still use it (the allocator hands a block
+    freed on a stream to that stream's next allocation at once), so another lane's first touch of it
+    must come after them; a block freed on the host while another lane may still use it goes to the
+    next allocation on its own lane (no Lane.keep / record_stream); and a lane's kernel must not
+    touch memory made outside any lane (which on the CPU cannot be told apart from work on CUDA's
+    legacy default stream: both are wrong, both are reported). Counted per step: host syncs with
+    their source lines, bytes per copy lane, weight copies per unit.
 What it is not
-    Not a data-flow analysis of values: it sees what the engine did in this run, on these shapes and options
-    (tests/test_sim.py runs the option matrix).
+    Not a data-flow analysis of values: it sees what the engine did in this run, on these shapes and
+    options (tests/test_sim.py runs the option matrix).
 Reference
-    torch/cuda/_sanitizer.py: vector clocks per stream and event, accesses from the op schema; CSAN's report.
+    torch/cuda/_sanitizer.py: vector clocks per stream and event, accesses from the op schema;
+    CSAN's report.
 """
 import collections
 
@@ -49,11 +53,12 @@ class Checker:
         self.vc = collections.defaultdict(Clock)       # actor -> its clock
         self.events, self.tasks, self.ends, self.puts = {}, {}, {}, {}
         self.history = collections.defaultdict(list)    # Storage -> [access]
-        self.pending_free = collections.defaultdict(list)   # allocating lane -> storages freed on the host
-        self.made = {}                                  # device Storage -> (lane, its last kernel before, the op)
-        self.kernel = collections.Counter()             # lane -> the tick of its latest op that runs a kernel
+        # allocating lane -> storages freed on the host
+        self.pending_free = collections.defaultdict(list)
+        self.made = {}   # device Storage -> (lane, its last kernel before, the op)
+        self.kernel = collections.Counter()   # lane -> the tick of its latest op that runs a kernel
         self.races, self.seen, self.limit, self.unnamed = [], set(), limit, []
-        self.rec = None                                 # set by the first op: names come from the recorder
+        self.rec = None                          # set by the first op: names come from the recorder
         self.steps, self.k = [], None
 
     # ---- per-step figures
@@ -62,12 +67,13 @@ class Checker:
         for race, st in self.unnamed:
             race["buffer"] = self.rec_name(st)
         self.unnamed = [(race, st) for race, st in self.unnamed if st.name is None]
-        self.steps.append(dict(syncs=collections.Counter(), worker_waits=collections.Counter(), h2d_bytes=0,
+        self.steps.append(
+            dict(syncs=collections.Counter(), worker_waits=collections.Counter(), h2d_bytes=0,
                                d2h_bytes=0, copies=collections.Counter()))
 
     def sync(self, thread, what, src):
-        """Count a blocking point: the main thread waiting on the device is a host sync (it stalls the issue of
-        work); the worker's waits for its gradients are listed apart."""
+        """Count a blocking point: the main thread waiting on the device is a host sync (it stalls
+        the issue of work); the worker's waits for its gradients are listed apart."""
         if self.steps:
             self.steps[-1]["syncs" if thread == "main" else "worker_waits"][f"{what} at {src}"] += 1
 
@@ -128,25 +134,29 @@ class Checker:
         if a in LANES:
             self.vc[a].join(self.vc["main"])            # issued by the host thread
         tick = self.tick(a)
-        if op.fresh and a in LANES:                      # the allocator may hand out blocks freed on this lane
+        if op.fresh and a in LANES:           # the allocator may hand out blocks freed on this lane
             for st in self.pending_free.pop(a, []):
                 self.check_free(st, a, op)
-            self.made.update({st: (a, self.kernel[a], op) for st in op.fresh if st.where == "device"})
+            self.made.update(
+                {st: (a, self.kernel[a], op) for st in op.fresh if st.where == "device"})
         if a in LANES and op.name not in ALLOCATIONS:
             self.kernel[a] = tick
         for st, lo, hi in op.reads:
             self.access(st, lo, hi, False, a, tick, op)
         for st, lo, hi in op.writes:
             self.access(st, lo, hi, True, a, tick, op)
-        for st, lo, hi in op.reads + op.writes:   # a kernel touching memory not made on a lane (more than a scalar)
+        # a kernel touching memory not made on a lane (more than a scalar)
+        for st, lo, hi in op.reads + op.writes:
             if a in LANES and op.kind == "compute" and st.where != "device" and hi - lo > 8:
-                self.flag(st, f"a lane op touches memory made outside any lane ({st.made_by} on {st.made_on}): host "
-                              f"memory, or with CUDA the legacy default stream, which the lanes do not wait for",
+                self.flag(st, f"a lane op touches memory made outside any lane ({st.made_by} on "
+                              f"{st.made_on}): host memory, or with CUDA the legacy default "
+                              "stream, which the lanes do not wait for",
                           op, None)
         if op.blocking:                                  # the host waits for a synchronous copy
             self.vc["main"].join(self.vc[a])
             self.sync("main", f"blocking {op.kind} copy ({op.name})", op.src)
-        if op.name == "aten._local_scalar_dense.default" and any(st.where == "device" for st, _, _ in op.reads):
+        if op.name == "aten._local_scalar_dense.default" and any(st.where == "device"
+                                                                 for st, _, _ in op.reads):
             self.sync(a, ".item() of a device tensor", op.src)
         if self.steps and op.kind in ("h2d", "d2h"):
             self.steps[-1][f"{op.kind}_bytes"] += sum(hi - lo for _, lo, hi in op.writes)
@@ -160,22 +170,29 @@ class Checker:
         clock = self.vc[actor]
         lane, before, made = self.made.get(st, (actor, 0, None))
         if lane != actor and actor in LANES and not clock.knows(lane, before):
-            self.flag(st, f"first touch on {actor} of a block allocated on {lane} before {actor} waited for what "
-                          f"{lane} issued earlier: the caching allocator may hand {lane}'s next allocation a block its "
-                          f"kernels still use (allocate on the lane that writes it, keep it for the others)", made, op)
+            self.flag(st, f"first touch on {actor} of a block allocated on {lane} before {actor} "
+                          f"waited for what {lane} issued earlier: the caching allocator may hand "
+                          f"{lane}'s next allocation a block its kernels still use (allocate on "
+                          "the lane that writes it, keep it for the others)", made, op)
         for plo, phi, pactor, pwrite, ptick, pop in hist:
-            if plo < hi and lo < phi and pactor != actor and (write or pwrite) and not clock.knows(pactor, ptick):
-                self.flag(st, f"{'write' if pwrite else 'read'} on {pactor} / {'write' if write else 'read'} on "
-                                f"{actor} without a happens-before edge", pop, op)
-        # an access is superseded by a later one of the same actor that covers it and writes if it wrote
-        hist[:] = [h for h in hist if not (h[2] == actor and lo <= h[0] and h[1] <= hi and (write or not h[3]))]
+            if plo < hi and lo < phi and pactor != actor and (write or pwrite) \
+                    and not clock.knows(pactor, ptick):
+                self.flag(st, f"{'write' if pwrite else 'read'} on {pactor} / "
+                              f"{'write' if write else 'read'} on {actor} without a "
+                              "happens-before edge", pop, op)
+        # an access is superseded by a later one of the same actor that covers it and writes if it
+        # wrote
+        hist[:] = [h for h in hist
+                   if not (h[2] == actor and lo <= h[0] and h[1] <= hi and (write or not h[3]))]
         hist.append((lo, hi, actor, write, tick, op))
 
     def check_free(self, st, lane, op):
         for plo, phi, pactor, pwrite, ptick, pop in self.history.pop(st, []):
-            if pactor in LANES and pactor != lane and pactor not in st.kept and not self.vc[lane].knows(pactor, ptick):
-                self.flag(st, f"freed on the host while {pactor} may still use it: the allocator hands it to "
-                                f"the next allocation on {lane} (no Lane.keep / record_stream on {pactor})", pop, op)
+            if pactor in LANES and pactor != lane and pactor not in st.kept \
+                    and not self.vc[lane].knows(pactor, ptick):
+                self.flag(st, f"freed on the host while {pactor} may still use it: the allocator "
+                              f"hands it to the next allocation on {lane} (no Lane.keep / "
+                              f"record_stream on {pactor})", pop, op)
 
     # ---- reports
     def attach(self, rec):
@@ -187,14 +204,19 @@ class Checker:
     def flag(self, st, what, first, second):
         """Keep one report per (buffer, kind, pair of source lines)."""
         name = self.rec_name(st)
-        key = (name.split(" from ")[0], what.split(":")[0], first.src if first else None, second.src if second else None)
+        key = (name.split(" "
+                          "from ")[0], what.split(":")[0], first.src if first else None,
+               second.src if second else None)
         if key in self.seen:
             return
         self.seen.add(key)
         self.races.append(dict(buffer=name, what=what, step=self.k,
-                               first=dict(op=first.name, actor=first.actor, src=first.src) if first else None,
-                               second=dict(op=second.name, actor=second.actor, src=second.src) if second else None))
-        if st.name is None:          # a buffer the engine names only later (the step's targets): named at the next step
+                               first=dict(op=first.name, actor=first.actor,
+                                          src=first.src) if first else None,
+                               second=dict(op=second.name, actor=second.actor, src=second.src)
+                               if second else None))
+        # a buffer the engine names only later (the step's targets): named at the next step
+        if st.name is None:
             self.unnamed.append((self.races[-1], st))
 
     def summary(self):
@@ -204,15 +226,18 @@ class Checker:
             lines.append(f"RACE on {r['buffer']} (step {r['step']}): {r['what']}")
             for tag in ("first", "second"):
                 if r[tag]:
-                    lines.append(f"    {tag:<6} {r[tag]['op']:<46} on {r[tag]['actor']:<8} at {r[tag]['src']}")
+                    lines.append(f"    {tag:<6} {r[tag]['op']:<46} on {r[tag]['actor']:<8} at "
+                                 f"{r[tag]['src']}")
         if len(self.races) > self.limit:
             lines.append(f"... and {len(self.races) - self.limit} more")
         for k, s in enumerate(self.steps[:-1]):
             lines.append(f"step {k + 1}: {sum(s['syncs'].values())} host syncs on the main thread, "
-                         f"{sum(s['worker_waits'].values())} waits of the optimizer thread; H2D {s['h2d_bytes']:,} B, "
-                         f"D2H {s['d2h_bytes']:,} B; weight copies: "
+                         f"{sum(s['worker_waits'].values())} waits of the optimizer thread; H2D "
+                         f"{s['h2d_bytes']:,} B, D2H {s['d2h_bytes']:,} B; weight copies: "
                          + ", ".join(f"{u} x{n}" for u, n in s["copies"].items()))
             lines += [f"    main   {n} x {where}" for where, n in s["syncs"].items()]
             lines += [f"    worker {n} x {where}" for where, n in s["worker_waits"].items()]
-        lines.append(f"races: {len(self.races)}" + (" -- the schedule is ordered" if not self.races else ""))
+        lines.append("races: "
+                     f"{len(self.races)}" + (" -- the schedule is "
+                                             "ordered" if not self.races else ""))
         return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""rundir.py -- a training run's output directory: nothing lost, one line per refusal, documented exit codes.
+"""rundir.py -- a training run's output directory: nothing lost, one line per refusal, documented
+exit codes.
 
 What it is
     Run(args) owns --out (and --save-hf) for train.py:
@@ -9,14 +10,17 @@ What it is
                   The data's samplers are wrapped: a data file found damaged while training
                   (prepare.TokenFile: truncated, bit rot) ends the run with one line naming it and
                   the last checkpoint, exit 2
-      claim()     the run lock (one run per --out; the kernel drops it even on SIGKILL), and a new run never
-                  writes into a directory that holds another run's files
-      record()    config.json (the resolved settings) written atomically; on --resume metrics.jsonl is cut to
-                  the checkpoint's step by a new file renamed over it; then one flushed line per step (log)
+      claim()     the run lock (one run per --out; the kernel drops it even on SIGKILL), and a new
+                  run never writes into a directory that holds another run's files
+      record()    config.json (the resolved settings) written atomically; on --resume metrics.jsonl
+                  is cut to the checkpoint's step by a new file renamed over it; then one flushed
+                  line per step (log)
       save()      a checkpoint (megatrain_min/checkpoint.py), its failures turned into exit codes
-      signals     SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C: out at once
-                  (once that save is written, a second Ctrl-C changes nothing: the run is leaving)
-    fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code (EXIT).
+      signals     SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C:
+                  out at once (once that save is written, a second Ctrl-C changes nothing: the run
+                  is leaving)
+    fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code
+    (EXIT).
 Exit codes (README: Troubleshooting)
     0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained,
     nothing lost (or a data file found damaged while training: Run.data_failed); 3 training diverged
@@ -42,45 +46,53 @@ from tqdm import tqdm
 from megatrain_min import checkpoint, cli, hf, prepare
 
 EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, rank_lost=5, interrupted=130)
-SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip", "seed", "data",
+SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
+            "seed", "data",
             "init_from", "chat_format")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
-SHUTDOWN_S = 30   # torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
+# torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
+SHUTDOWN_S = 30
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"   # that wait when set here (torchrun reads it)
-LAUNCHED_ENV = "MEGATRAIN_MIN_LAUNCHED"           # set for ranks started by launch.py, which waits for them
-# this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same errors
+LAUNCHED_ENV = "MEGATRAIN_MIN_LAUNCHED"   # set for ranks started by launch.py, which waits for them
+# this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same
+# errors
 state = dict(rank=0, quiet=False)
 
 
 def fail(msg, code=EXIT["bad_input"]):
-    """One line on stderr and an exit code: 2 = bad input, refused before training, nothing half-written."""
+    """One line on stderr and an exit code: 2 = bad input, refused before training, nothing
+    half-written."""
     if not state["quiet"]:
         rank = state["rank"]
-        sys.stderr.write(f"error: {f'rank {rank}: ' if rank else ''}{msg}\n")   # one write: ranks interleave
+        sys.stderr.write("error: "
+                         # one write: ranks interleave
+                         f"{f'rank {rank}: ' if rank else ''}{msg}\n")
         sys.stderr.flush()
     sys.exit(code)
 
 
 def torchrun():
-    """(rank, world, gpus per node) of this process from torchrun's RANK, WORLD_SIZE and LOCAL_WORLD_SIZE (a
-    plain run: 0, 1, 1), checked: one line and exit 2 when they are not what torchrun sets. A rank other than 0
-    prints nothing (its errors: fail) and, until the run directory is checked, says no error the others say."""
+    """(rank, world, gpus per node) of this process from torchrun's RANK, WORLD_SIZE and
+    LOCAL_WORLD_SIZE (a plain run: 0, 1, 1), checked: one line and exit 2 when they are not what
+    torchrun sets. A rank other than 0 prints nothing (its errors: fail) and, until the run
+    directory is checked, says no error the others say."""
     env, names = os.environ, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     try:
         rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
         gpus, local = int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))
     except ValueError:
-        fail(f"{', '.join(names)} must be integers (torchrun sets them); launch with torchrun, or unset them "
-             f"for a plain run")
+        fail(f"{', '.join(names)} must be integers (torchrun sets them); launch with torchrun, or "
+             "unset them for a plain run")
     missing = [k for k in names + ("MASTER_ADDR", "MASTER_PORT") if k not in env]
     if world > 1 and missing:
-        fail(f"WORLD_SIZE={world} but {', '.join(missing)} not set: that is not a torchrun launch; launch with "
-             f"torchrun --nproc-per-node {world} train.py ..., or unset WORLD_SIZE for a plain run")
+        fail(f"WORLD_SIZE={world} but {', '.join(missing)} not set: that is not a torchrun "
+             f"launch; launch with torchrun --nproc-per-node {world} train.py ..., or unset "
+             "WORLD_SIZE for a plain run")
     if not (world >= 1 and 0 <= rank < world and 1 <= gpus <= world and world % gpus == 0 and
             (world == 1 or 0 <= local < gpus)):
-        fail(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}, LOCAL_WORLD_SIZE={gpus} do not describe a "
-             f"torchrun launch (0 <= RANK < WORLD_SIZE, a whole number of nodes of LOCAL_WORLD_SIZE ranks); "
-             f"launch with torchrun, or unset them for a plain run")
+        fail(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}, LOCAL_WORLD_SIZE={gpus} do not "
+             "describe a torchrun launch (0 <= RANK < WORLD_SIZE, a whole number of nodes of "
+             "LOCAL_WORLD_SIZE ranks); launch with torchrun, or unset them for a plain run")
     state.update(rank=rank, quiet=rank > 0)
     if rank:
         sys.stdout = open(os.devnull, "w")   # only rank 0 prints, warnings too
@@ -89,8 +101,9 @@ def torchrun():
 
 
 def same(flag, then, now, fingerprinted):
-    """Is a SAME_RUN flag's value at the checkpoint the same setting as now? The data is compared by its
-    fingerprint when the checkpoint has one (whatever the path's spelling); a model directory by where it is."""
+    """Is a SAME_RUN flag's value at the checkpoint the same setting as now? The data is compared by
+    its fingerprint when the checkpoint has one (whatever the path's spelling); a model directory by
+    where it is."""
     if flag == "data" and fingerprinted:
         return True
     if flag == "init_from" and then and now and os.path.exists(then) and os.path.exists(now):
@@ -99,15 +112,15 @@ def same(flag, then, now, fingerprinted):
 
 
 def shutdown_s():
-    """Seconds between a SIGTERM to the launcher (torchrun, launch.py) and its SIGKILL of the ranks, as far as a
-    rank can see: SHUTDOWN_ENV when it is a whole number, else torchrun's default."""
+    """Seconds between a SIGTERM to the launcher (torchrun, launch.py) and its SIGKILL of the ranks,
+    as far as a rank can see: SHUTDOWN_ENV when it is a whole number, else torchrun's default."""
     wait = os.environ.get(SHUTDOWN_ENV, "")
     return int(wait) if wait.isdigit() else SHUTDOWN_S
 
 
 def check_path(path, flag):
-    """fail unless path can name a file on Linux: no component longer than NAME_MAX bytes, at most PATH_MAX
-    bytes in all, and not a symbolic link to nothing."""
+    """fail unless path can name a file on Linux: no component longer than NAME_MAX bytes, at most
+    PATH_MAX bytes in all, and not a symbolic link to nothing."""
     full = os.fsencode(os.path.abspath(path))
     long = next((c for c in full.split(b"/") if len(c) > NAME_MAX), None)
     if long is not None or len(full) >= PATH_MAX:
@@ -115,12 +128,13 @@ def check_path(path, flag):
                 f"{len(full):,} bytes long (at most {PATH_MAX - 1})")
         fail(f"{flag}: the path is {what}; pick a shorter one")
     if Path(path).is_symlink() and not Path(path).exists():
-        fail(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist; make its target, "
-             f"or pass another path")
+        fail(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist; make "
+             "its target, or pass another path")
 
 
 def writable(path, flag):
-    """The nearest existing directory at or above `path`; fail unless this process may create files there."""
+    """The nearest existing directory at or above `path`; fail unless this process may create files
+    there."""
     base = path
     while not base.exists() and not base.is_symlink():
         base = base.parent
@@ -132,7 +146,8 @@ def writable(path, flag):
 
 
 def write_atomically(path, text):
-    """Replace path by a file holding text: a new file, fsynced, renamed over it (a crash leaves old or new)."""
+    """Replace path by a file holding text: a new file, fsynced, renamed over it (a crash leaves old
+    or new)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -151,17 +166,18 @@ class Run:
         self.hf_dir = Path(args.save_hf) if args.save_hf else None
         self.run_id, self.start_step, self.val_loss, self.skips = uuid.uuid4().hex[:12], 0, None, 0
         self.resume_from, self.metrics, self.stop, self.saved = None, None, [], []
-        self.stop_saved = None                         # the checkpoint a stop (a signal) saved
-        self.fingerprint, self.hf_state = None, None   # of the data; of what --save-hf would replace
-        self.lock = None                               # the run lock's open file (claim)
+        self.stop_saved = None                        # the checkpoint a stop (a signal) saved
+        self.fingerprint, self.hf_state = None, None  # of the data; of what --save-hf would replace
+        self.lock = None                              # the run lock's open file (claim)
 
-    # ------------------------------------------------------------------ before anything is allocated
+    # ----------------------------------------------------------------- before anything is allocated
     def check(self, cfg, n_params, init_dir, source):
-        """Every output writable, the export target ours to replace, the disk big enough; --resume's checkpoint
-        of this model made with these settings and this data (source: corpus.Source; its sampler position and
-        the RNG restored into source.train and the generators)."""
+        """Every output writable, the export target ours to replace, the disk big enough; --resume's
+        checkpoint of this model made with these settings and this data (source: corpus.Source; its
+        sampler position and the RNG restored into source.train and the generators)."""
         a, out, hf_dir = self.a, self.out, self.hf_dir
-        state["quiet"] = False    # from here a rank may find what the others do not (its disk, its device)
+        # from here a rank may find what the others do not (its disk, its device)
+        state["quiet"] = False
         self.fingerprint = source.fingerprint
         source.train, source.val = _Sampler(source.train, self), _Sampler(source.val, self)
         for flag, path in (("--out", out), ("--save-hf", hf_dir)):
@@ -174,13 +190,16 @@ class Run:
         out_base = writable(out, "--out")
         if a.resume:              # its meta.json now (cheap); its weights once the engine exists
             if a.engine != "stream":
-                fail("--resume needs --engine stream (the reference engine keeps no host store to checkpoint)")
+                fail("--resume needs --engine stream (the reference engine keeps no "
+                     "host store to checkpoint)")
             self.resume_from = checkpoint.latest(out) if a.resume == "latest" else Path(a.resume)
             if self.resume_from is None and (out / "config.json").is_file():
-                fail(f"--resume: {out} holds a run that stopped before its first checkpoint: nothing to resume. "
-                     f"To start over, remove {out}/config.json and {out}/metrics.jsonl (or pass another --out)")
+                fail(f"--resume: {out} holds a run that stopped before its first checkpoint: "
+                     f"nothing to resume. To start over, remove {out}/config.json and "
+                     f"{out}/metrics.jsonl (or pass another --out)")
             if self.resume_from is None:
-                fail(f"--resume: no checkpoint in {out}; run without --resume to start, or pass --resume DIR")
+                fail(f"--resume: no checkpoint in {out}; run without --resume to "
+                     "start, or pass --resume DIR")
             self._resume(cfg, source.train, init_dir)
         hf_base = None
         if hf_dir is not None:
@@ -189,26 +208,30 @@ class Run:
             except hf.HFError as e:
                 fail(f"--save-hf: {e}")
             if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
-                fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole directory: put it beside "
-                     f"the run")
+                fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole "
+                     "directory: put it beside the run")
             if hf_dir.resolve() in (Path.cwd(), *Path.cwd().parents):
-                fail(f"--save-hf {hf_dir} is the current directory (or holds it); an export replaces its whole "
-                     f"directory: name a new one, e.g. --save-hf {out}-hf")
+                fail(f"--save-hf {hf_dir} is the current directory (or holds it); an export "
+                     f"replaces its whole directory: name a new one, e.g. --save-hf {out}-hf")
             if init_dir is not None and hf_dir.resolve() == init_dir.resolve():
-                fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace the model this run "
-                     f"starts from")
+                fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace "
+                     "the model this run starts from")
             hf_base = writable(hf_dir.parent, "--save-hf")
-            self.hf_state = hf.export_state(hf_dir)   # what is there now: the export replaces only that
-        need = {}  # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
+            # what is there now: the export replaces only that
+            self.hf_state = hf.export_state(hf_dir)
+        # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
+        need = {}
         for base, n in ((out_base, 12 * n_params if a.engine == "stream" else 0),
-                        (hf_base, n_params * {"bf16": 2, "fp32": 4}[a.save_hf_dtype] if hf_dir else 0)):
+                        (hf_base,
+                         n_params * {"bf16": 2, "fp32": 4}[a.save_hf_dtype] if hf_dir else 0)):
             if n:
                 dev_base, had = need.get(os.stat(base).st_dev, (base, 0))
                 need[os.stat(base).st_dev] = (dev_base, had + n)
         for base, n in need.values():
             if (free := shutil.disk_usage(base).free) < n:
-                fail(f"{base} has {free / 1e9:.2f} GB free; this run writes {n / 1e9:.2f} GB there (a checkpoint "
-                     f"is 12 B/param, --save-hf 2 or 4). Free some space, or write elsewhere")
+                fail(f"{base} has {free / 1e9:.2f} GB free; this run writes {n / 1e9:.2f} "
+                     "GB there (a checkpoint is 12 B/param, --save-hf 2 or 4). Free some "
+                     "space, or write elsewhere")
 
     def _resume(self, cfg, batches, init_dir):
         a, path = self.a, self.resume_from
@@ -221,29 +244,34 @@ class Run:
                     ours.read_bytes() != theirs.read_bytes():
                 fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its "
                      f"copy is {ours}); resume with the model directory the run started from")
-            was = ck.get("data_fingerprint")          # the data: its content decides, not how it is spelled
-            changed = [k for k in SAME_RUN if not same(k, ck["args"].get(k), vars(a)[k], was is not None)]
+            was = ck.get("data_fingerprint")  # the data: its content decides, not how it is spelled
+            changed = [k for k in SAME_RUN
+                       if not same(k, ck["args"].get(k), vars(a)[k], was is not None)]
             if changed:    # before the model's check: a missing --init-from makes another model
-                was = ', '.join('--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
-                fail(f"--resume: {path.name} was made with other settings ({was}); pass the same flags to "
-                     f"continue bit-exactly")
+                was = ', '.join(
+                    '--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
+                fail(f"--resume: {path.name} was made with other settings ({was}); pass the same "
+                     "flags to continue bit-exactly")
             checkpoint.check_model(path, doc, cfg)
             if was is not None and was != self.fingerprint:
-                fail(f"--resume: the data changed since {path.name} was saved ({a.data or 'the shipped corpus'}: "
-                     f"{was['bytes']:,} bytes then, {self.fingerprint['bytes']:,} now"
-                     f"{'' if was['bytes'] != self.fingerprint['bytes'] else ', other content'}); resume on the "
-                     f"same data, or start a new run in another --out")
+                other = "" if was["bytes"] != self.fingerprint["bytes"] else ", other content"
+                fail(f"--resume: the data changed since {path.name} was saved "
+                     f"({a.data or 'the shipped corpus'}: {was['bytes']:,} bytes then, "
+                     f"{self.fingerprint['bytes']:,} now{other}); "
+                     "resume on the same data, or start a new run in another --out")
             self.run_id, self.start_step, self.val_loss = ck.get("run"), doc["step"], ck["val_loss"]
             self.skips = int(ck["skips"])
             batches.load_state_dict(ck["data"])
             checkpoint.set_rng_state(ck["rng"])
         except checkpoint.CheckpointError as e:
             fail(str(e))
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:  # edited meta
-            fail(f"--resume: {path}/meta.json does not hold what train.py saves ({type(e).__name__}: {e})")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+            # an edited meta.json
+            fail(f"--resume: {path}/meta.json does not hold what train.py saves "
+                 f"({type(e).__name__}: {e})")
         if self.start_step >= a.steps:
-            fail(f"--resume: {path.name} is at step {self.start_step}, already >= --steps {a.steps}; raise --steps "
-                 f"to train on")
+            fail(f"--resume: {path.name} is at step {self.start_step}, already >= --steps "
+                 f"{a.steps}; raise --steps to train on")
 
     def release(self):
         """Let go of the run lock (train.py --nproc-per-node: rank 0 takes it again)."""
@@ -252,13 +280,15 @@ class Run:
             self.lock = None
 
     def load(self, trainer, init_dir):
-        """Into the trainer: --resume's checkpoint (weights, Adam's moments and step counts), else the weights of
-        --init-from when it is one of our checkpoints (Adam starts fresh). A checkpoint that fails its checks:
-        one line, naming the checkpoint before it (often intact) to resume from instead."""
+        """Into the trainer: --resume's checkpoint (weights, Adam's moments and step counts), else
+        the weights of
+        --init-from when it is one of our checkpoints (Adam starts fresh). A checkpoint that fails
+        its checks: one line, naming the checkpoint before it (often intact) to resume from
+        instead."""
         path = self.resume_from or init_dir
         if path is None:
             return
-        if (path / "meta.json").is_file():   # ours (a Hugging Face model's weights made the trainer)
+        if (path / "meta.json").is_file():  # ours (a Hugging Face model's weights made the trainer)
             try:
                 checkpoint.load(trainer, path)
             except checkpoint.CheckpointError as e:
@@ -272,13 +302,15 @@ class Run:
               f"initialised from {path}")
 
     def claim(self):
-        """The run lock (rank 0 holds it for the run: its ranks write their checkpoint parts there too), and no
-        file of another run in --out: a new run never writes where another one did."""
+        """The run lock (rank 0 holds it for the run: its ranks write their checkpoint parts there
+        too), and no file of another run in --out: a new run never writes where another one did."""
         out = self.out
         try:
-            self.lock = checkpoint.lock(out) if self.rank == 0 else None   # held until this process ends
+            # held until this process ends
+            self.lock = checkpoint.lock(out) if self.rank == 0 else None
             out.mkdir(parents=True, exist_ok=True)       # (rank 0 made it in lock(), maybe not yet)
-            probe = out / f".probe-{os.getpid()}"        # the lock file may exist already: can we create files?
+            # the lock file may exist already: can we create files?
+            probe = out / f".probe-{os.getpid()}"
             probe.touch()
             probe.unlink()
         except checkpoint.LockError as e:
@@ -287,13 +319,14 @@ class Run:
             fail(f"--out {out}: cannot write there ({e.strerror})")
         for p in (out / "config.json", out / "metrics.jsonl"):
             if p.exists() and not p.is_file():
-                fail(f"--out {out}: {p.name} is not a file (a directory?); the run writes its record there: "
-                     f"move it away, or pass another --out")
+                fail(f"--out {out}: {p.name} is not a file (a directory?); the run writes its "
+                     "record there: move it away, or pass another --out")
         broken = sorted(p.name for p in out.glob("ckpt-*")
                         if checkpoint.NAME.fullmatch(p.name) and not (p / "meta.json").is_file())
         if broken:
-            fail(f"--out {out}: {broken[0]} is not a finished checkpoint (no meta.json: damaged, or copied "
-                 f"incompletely); move it out of {out} (nothing there is deleted), then run again")
+            fail(f"--out {out}: {broken[0]} is not a finished checkpoint (no meta.json: "
+                 f"damaged, or copied incompletely); move it out of {out} (nothing there is "
+                 "deleted), then run again")
         held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + \
             [p for _, p in checkpoint.checkpoints(out)] if self.rank == 0 else []
         for p in held:  # under the lock: nobody else writes here now
@@ -304,19 +337,22 @@ class Run:
             except (OSError, ValueError, AttributeError):
                 owner = "unknown"
             if not self.a.resume or owner != self.run_id:
-                fail(f"--out {out} holds {'another' if self.a.resume else 'a'} run ({p.name}); continue it with "
-                     f"--resume, or pass a fresh --out (nothing here is overwritten)")
+                fail(f"--out {out} holds {'another' if self.a.resume else 'a'} run "
+                     f"({p.name}); continue it with --resume, or pass a fresh --out "
+                     "(nothing here is overwritten)")
 
     # ------------------------------------------------------------------ while training
     def record(self, settings):
-        """config.json (the resolved settings), metrics.jsonl cut to the checkpoint's step on --resume, then open
-        for one flushed line per step. Rank 0 keeps the record."""
+        """config.json (the resolved settings), metrics.jsonl cut to the checkpoint's step on
+        --resume, then open for one flushed line per step. Rank 0 keeps the record."""
         if self.rank:
             return
         out = self.out
         try:
-            write_atomically(out / "config.json", json.dumps({"run": self.run_id, **settings}, indent=2) + "\n")
-            if self.a.resume and (out / "metrics.jsonl").exists():  # keep the lines up to the checkpoint
+            write_atomically(out / "config.json",
+                             json.dumps({"run": self.run_id, **settings}, indent=2) + "\n")
+            # keep the lines up to the checkpoint
+            if self.a.resume and (out / "metrics.jsonl").exists():
                 kept = []
                 for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
                     try:
@@ -327,11 +363,12 @@ class Run:
                 write_atomically(out / "metrics.jsonl", "".join(kept))
             self.metrics = open(out / "metrics.jsonl", "a")
         except OSError as e:
-            fail(f"could not write the run record in {out} ({e.strerror}: {e.filename})", EXIT["write_failed"])
+            fail(f"could not write the run record in {out} ({e.strerror}: "
+                 f"{e.filename})", EXIT["write_failed"])
 
     def log(self, rec):
-        """One line of metrics.jsonl, flushed (rank 0). Strict JSON: a non-finite number is null, and the
-        line says "nonfinite": true."""
+        """One line of metrics.jsonl, flushed (rank 0). Strict JSON: a non-finite number is null,
+        and the line says "nonfinite": true."""
         if self.metrics is None:
             return
         rec, nonfinite = cli.finite_json(rec)   # strict JSON: a NaN loss is null, and flagged
@@ -341,33 +378,41 @@ class Run:
             self.metrics.write(json.dumps(rec, allow_nan=False) + "\n")
             self.metrics.flush()
         except OSError as e:
-            fail(f"could not write {self.out / 'metrics.jsonl'} ({e.strerror}); the last checkpoint is "
-                 f"{checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
+            fail(f"could not write {self.out / 'metrics.jsonl'} ({e.strerror}); the last "
+                 f"checkpoint is {checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
 
     def save(self, trainer, step, state, tokenizer_from=None):
-        """checkpoint.save of the trainer at `step`, with train.py's state (the data sampler's, the RNG's, the
-        flags') and the tokenizer files of `tokenizer_from` (the model directory the run started from); a
-        non-finite master: exit 3, a write error: exit 4. Under torchrun the first save says how long it took:
-        a stop on SIGTERM must save within torchrun's --shutdown-timeout."""
+        """checkpoint.save of the trainer at `step`, with train.py's state (the data sampler's, the
+        RNG's, the flags') and the tokenizer files of `tokenizer_from` (the model directory the run
+        started from); a non-finite master: exit 3, a write error: exit 4. Under torchrun the first
+        save says how long it took: a stop on SIGTERM must save within torchrun's
+        --shutdown-timeout."""
         t0 = time.time()
-        meta = {"run": self.run_id, "args": vars(self.a), "skips": self.skips, "val_loss": self.val_loss,
+        meta = {"run": self.run_id, "args": vars(self.a), "skips": self.skips,
+                "val_loss": self.val_loss,
                 "data_fingerprint": self.fingerprint, **state}
         try:
-            path = checkpoint.save(trainer, self.out, step, meta, keep=self.a.keep, tokenizer_from=tokenizer_from)
+            path = checkpoint.save(trainer, self.out, step, meta, keep=self.a.keep,
+                                   tokenizer_from=tokenizer_from)
             self.stop_saved = path if self.stop else None
         except checkpoint.NonFiniteError as e:
-            fail(f"{e}; the last good checkpoint is {checkpoint.latest(self.out) or 'none'}. Try a lower --lr",
+            fail(f"{e}; the last good checkpoint is "
+                 f"{checkpoint.latest(self.out) or 'none'}. Try a lower --lr",
                  EXIT["diverged"])
         except checkpoint.SaveError as e:
-            fail(f"{e}. Free space (or fix the permission), then continue with --resume", EXIT["write_failed"])
-        except checkpoint.CheckpointError as e:      # its name taken by a directory that is not this run's
-            fail(f"{e}; the last checkpoint is {checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
+            fail(f"{e}. Free space (or fix the permission), then continue with "
+                 "--resume", EXIT["write_failed"])
+        except checkpoint.CheckpointError as e:
+            # its name taken by a directory that is not this run's
+            fail(f"{e}; the last checkpoint is "
+                 f"{checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
         took, wait = time.time() - t0, shutdown_s()
         if self.world > 1 and not self.saved and not os.environ.get(LAUNCHED_ENV):
             self.saved.append(took)
             tqdm.write(f"checkpoint {path.name} took {took:.1f} s" + (
-                f": more than half of the {wait} s torchrun waits between its SIGTERM and SIGKILL; launch it with "
-                f"--shutdown-timeout {math.ceil(3 * took)} so that a stop can save (or train.py --nproc-per-node)"
+                f": more than half of the {wait} s torchrun waits between its SIGTERM and SIGKILL; "
+                f"launch it with --shutdown-timeout {math.ceil(3 * took)} so that a stop can save "
+                "(or train.py --nproc-per-node)"
                 if took > wait / 2 else ""))
         return path
 
@@ -377,40 +422,47 @@ class Run:
 
     # ------------------------------------------------------------------ signals
     def catch_signals(self):
-        """SIGTERM, SIGHUP or the first Ctrl-C: finish the step, save, exit (self.stop holds the signal); a
-        second Ctrl-C interrupts at once."""
+        """SIGTERM, SIGHUP or the first Ctrl-C: finish the step, save, exit (self.stop holds the
+        signal); a second Ctrl-C interrupts at once."""
         def request_stop(signum, frame):
             if self.stop_saved is not None:   # the stop's checkpoint is written: the run is leaving
                 return
             if self.stop and signum == signal.SIGINT:
-                print(f"error: interrupted twice: exiting now without a save; the last checkpoint is "
-                      f"{checkpoint.latest(self.out) or 'none'}", file=sys.stderr)
-                raise SystemExit(EXIT["interrupted"])   # where the main thread is: a save cleans up after itself
+                print("error: interrupted twice: exiting now without a save; the last checkpoint "
+                      f"is {checkpoint.latest(self.out) or 'none'}", file=sys.stderr)
+                # where the main thread is: a save cleans up after itself
+                raise SystemExit(EXIT["interrupted"])
             self.stop.append(signum)
-            tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of this step, then exiting")
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):   # SIGHUP: the terminal or ssh went away
+            tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of "
+                       "this step, then exiting")
+        # SIGHUP: the terminal or ssh went away
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, request_stop)
         if self.world > 1:
             sys.excepthook = self._rank_lost
 
     def _rank_lost(self, kind, e, tb):
-        """Under torchrun: a collective that failed because another rank went away (killed, or failed) is one
-        line and exit 5 -- torchrun then names the rank that failed first. Anything else: the traceback."""
+        """Under torchrun: a collective that failed because another rank went away (killed, or
+        failed) is one line and exit 5 -- torchrun then names the rank that failed first. Anything
+        else: the traceback."""
         if not (isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e)):
             return sys.__excepthook__(kind, e, tb)
-        print(f"error: rank {self.rank}: another rank stopped answering ({(str(e).splitlines() or [''])[0][:160]}"
-              f"); this rank stops too. The last checkpoint is {checkpoint.latest(self.out) or 'none'}",
+        print(f"error: rank {self.rank}: another rank stopped answering "
+              f"({(str(e).splitlines() or [''])[0][:160]}); this rank stops too. The last "
+              f"checkpoint is {checkpoint.latest(self.out) or 'none'}",
               file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT["rank_lost"])
 
     def agree_stop(self, trainer):
-        """Whether to stop after this step. A signal may reach the ranks in different steps (or between this
-        question and the answer): they agree on a value that they all act on, and stop (and save) together."""
+        """Whether to stop after this step. A signal may reach the ranks in different steps (or
+        between this question and the answer): they agree on a value that they all act on, and stop
+        (and save) together."""
         if self.world == 1:
             return bool(self.stop)
-        return any(s is not None for s in trainer.placement.gather_object(self.stop[0] if self.stop else None))
+        return any(s is not None
+                   for s in trainer.placement.gather_object(self.stop[0] if self.stop else None))
 
     def data_failed(self, e):
         """A data file found damaged while training (truncated, bit rot): one line, exit 2."""
@@ -419,12 +471,16 @@ class Run:
              f"the data is whole")
 
     def describe_checkpoints(self, n_params):
-        """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM window."""
-        stop = ("A SIGTERM or Ctrl-C to train.py stops the ranks with a save; a second Ctrl-C at once, unsaved"
+        """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM
+        window."""
+        stop = ("A SIGTERM or Ctrl-C to train.py stops the ranks with a save; a second "
+                "Ctrl-C at once, unsaved"
                 if os.environ.get(LAUNCHED_ENV) else
-                f"A SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them {shutdown_s()} s "
-                f"later ({SHUTDOWN_ENV} or --shutdown-timeout): the first save says how long one takes")
-        return f"a checkpoint writes {12 * n_params / max(1, self.world // self.gpus) / 1e9:.1f} GB per node. {stop}"
+                "A SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them "
+                f"{shutdown_s()} s later ({SHUTDOWN_ENV} or --shutdown-timeout): the first save "
+                "says how long one takes")
+        per_node = 12 * n_params / max(1, self.world // self.gpus) / 1e9
+        return f"a checkpoint writes {per_node:.1f} GB per node. {stop}"
 
 
 class _Sampler:

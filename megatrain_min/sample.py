@@ -1,12 +1,14 @@
 """sample.py -- text from trained weights: what train.py prints at the end of a run.
 
 What it is
-    generate(cfg, weights, ids, n): n tokens after the context ids, each drawn from the softmax of the last
-    position's logits at a temperature, with a seeded generator (the same run prints the same text). The
-    context the model sees is the last `window` tokens: the trained --seq-len (RoPE positions past it were
-    never seen, and the text degenerates there), at most 1024 (a plain forward per token, no KV cache).
+    generate(cfg, weights, ids, n): n tokens after the context ids, each drawn from the softmax of
+    the last position's logits at a temperature, with a seeded generator (the same run prints the
+    same text). The context the model sees is the last `window` tokens: the trained --seq-len (RoPE
+    positions past it were never seen, and the text degenerates there), at most 1024 (a plain
+    forward per token, no KV cache).
 What it is not
-    Not an inference engine: no KV cache, no batching, no top-k or top-p; the whole model on the CPU.
+    Not an inference engine: no KV cache, no batching, no top-k or top-p; the whole model on the
+    CPU.
 """
 import torch
 
@@ -17,7 +19,8 @@ MAX_WINDOW = 1024
 
 
 def generate(cfg, weights, ids, n, window=MAX_WINDOW, temperature=TEMPERATURE, seed=0, stop=None):
-    """The n (at most) token ids sampled after `ids` (a list); stops early after the token `stop`."""
+    """The n (at most) token ids sampled after `ids` (a list); stops early after the token
+    `stop`."""
     ctx = torch.tensor([list(ids)], dtype=torch.long)
     gen, window, out = torch.Generator().manual_seed(seed), min(window, MAX_WINDOW), []
     with torch.no_grad():

@@ -1,10 +1,13 @@
-"""schedule.py -- the learning-rate schedule train.py steps the engine with: linear warmup, then cosine decay.
+"""schedule.py -- the learning-rate schedule train.py steps the engine with: linear warmup, then
+cosine decay.
 
 What it is
-    lr_at(step, max_lr, total_steps, warmup, min_ratio): the learning rate of update `step` (from 0), as nanoGPT
-    and most LLM recipes schedule it; the engine takes it through Trainer.set_lr before each step.
+    lr_at(step, max_lr, total_steps, warmup, min_ratio): the learning rate of update `step` (from
+    0), as nanoGPT and most LLM recipes schedule it; the engine takes it through Trainer.set_lr
+    before each step.
 What it is not
-    Not a torch.optim.lr_scheduler: the engine's optimizer is optim.HostAdamW, which takes the rate per call.
+    Not a torch.optim.lr_scheduler: the engine's optimizer is optim.HostAdamW, which takes the rate
+    per call.
 Tested in tests/test_optim.py (the schedule's values at its corners).
 """
 import math

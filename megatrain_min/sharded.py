@@ -1,53 +1,60 @@
-"""sharded.py -- ZeRO-3 over the host store: N GPUs, on one node or several, train one model through torch.distributed.
+"""sharded.py -- ZeRO-3 over the host store: N GPUs, on one node or several, train one model through
+torch.distributed.
 
 What it is
-    ShardedTrainer is stream.Trainer on one rank of N. Every unit's flat buffer -- fp32 master, Adam m and v, the
-    compute-dtype shadow, the fp32 gradient -- is cut into N equal shards (the last padded with zeros): rank r's
-    host store holds shard r of every unit, so a node holds 1/K of the model's host state (K nodes) and each GPU's
-    PCIe link carries 1/N of every unit. One layer visit, what crosses which wire (n: the unit's elements):
+    ShardedTrainer is stream.Trainer on one rank of N. Every unit's flat buffer -- fp32 master, Adam
+    m and v, the compute-dtype shadow, the fp32 gradient -- is cut into N equal shards (the last
+    padded with zeros): rank r's host store holds shard r of every unit, so a node holds 1/K of the
+    model's host state (K nodes) and each GPU's PCIe link carries 1/N of every unit. One layer
+    visit, what crosses which wire (n: the unit's elements):
 
-        H2D      rank r's shard of the unit, compute dtype        PCIe, this GPU's link      n/N
-        gather   all_gather of the N shards into a weight slot   NVLink (InfiniBand)        (N-1)/N x n in
+        H2D      rank r's shard of the unit, compute dtype      PCIe, its own link  n/N
+        gather   all_gather of the N shards into a weight slot  NVLink (InfiniBand) (N-1)/N x n in
         compute  this rank's B/N sequences, in its M micro-batches
-        scatter  reduce_scatter of the fp32 gradient slot        NVLink (InfiniBand)        (N-1)/N x n out, fp32
-        D2H      shard r of the summed gradient, fp32           PCIe                       n/N
-        AdamW    shard r, on the rank's optimizer thread (clipping: the squared norm summed over the ranks)
+        scatter  reduce_scatter of the fp32 gradient slot       NVLink (InfiniBand) (N-1)/N x n out
+        D2H      shard r of the summed gradient, fp32          PCIe                n/N
+        AdamW    shard r, on the rank's optimizer thread (clipping: the squared norm summed over the
+                 ranks)
 
-    The collectives are issued on a fourth lane, comm, and ordered by events like the copies. With NCCL, c10d
-    runs a collective on its own stream after the work issued so far on the current stream (comm) and makes
-    comm wait for it, so events recorded on comm mark its end: to the stream checker (megatrain_min/sim.py) a
-    collective is an op of the comm lane that reads its input and writes its output (megatrain_min/cost.py
-    names what each c10d op writes: their schemas do not).
-    The engine is stream.Trainer handed Shards, the placement of the units over the ranks (which part of
-    each unit this rank holds, how big a slot is, which rows of the batch it computes, the sums over the
-    ranks); ShardedTrainer replaces the data movement alone: a unit's weights in (load_unit), its gradient
-    out (grad_to_host), the embedding's rows in and dy out (embed_rows, dy_to_host, add_embedding_grad),
-    and the verdict on a unit's gradient, which every rank takes together (update_unit).
+    The collectives are issued on a fourth lane, comm, and ordered by events like the copies. With
+    NCCL, c10d runs a collective on its own stream after the work issued so far on the current
+    stream (comm) and makes comm wait for it, so events recorded on comm mark its end: to the stream
+    checker (megatrain_min/sim.py) a collective is an op of the comm lane that reads its input and
+    writes its output (megatrain_min/cost.py names what each c10d op writes: their schemas do not).
+    The engine is stream.Trainer handed Shards, the placement of the units over the ranks (which
+    part of each unit this rank holds, how big a slot is, which rows of the batch it computes, the
+    sums over the ranks); ShardedTrainer replaces the data movement alone: a unit's weights in
+    (load_unit), its gradient out (grad_to_host), the embedding's rows in and dy out (embed_rows,
+    dy_to_host, add_embedding_grad), and the verdict on a unit's gradient, which every rank takes
+    together (update_unit).
 The embedding
-    Sharded like any unit. Its rows are gathered where that moves the fewest bytes without a (V, d) buffer on the
-    GPU: every rank knows the whole step's token ids (the global batch), so it writes, for every token of the
-    step, the part of the token's row that its shard holds (zeros elsewhere) into a pinned (B*T, d) buffer; that
-    crosses PCIe and one reduce_scatter sums the parts -- each element is held by exactly one rank, so the sum
-    is exact -- leaving each rank the rows of its own sequences. Per step that is B*T*d per GPU over PCIe and
-    (N-1)/N of it over NVLink, against gathering the table, V*d every step into a (V, d) device buffer (128k x 8k
-    fp32 = 4.2 GB for Llama-3-70B, where 32k tokens are 1.1 GB). The backward is the adjoint: dy of every rank is
-    all_gathered in global order, comes down to the host, and each rank adds into its shard of the gradient the
-    parts of the rows it holds, token by token in the order one process adds them.
+    Sharded like any unit. Its rows are gathered where that moves the fewest bytes without a (V, d)
+    buffer on the GPU: every rank knows the whole step's token ids (the global batch), so it writes,
+    for every token of the step, the part of the token's row that its shard holds (zeros elsewhere)
+    into a pinned (B*T, d) buffer; that crosses PCIe and one reduce_scatter sums the parts -- each
+    element is held by exactly one rank, so the sum is exact -- leaving each rank the rows of its
+    own sequences. Per step that is B*T*d per GPU over PCIe and (N-1)/N of it over NVLink, against
+    gathering the table, V*d every step into a (V, d) device buffer (128k x 8k fp32 = 4.2 GB for
+    Llama-3-70B, where 32k tokens are 1.1 GB). The backward is the adjoint: dy of every rank is
+    all_gathered in global order, comes down to the host, and each rank adds into its shard of the
+    gradient the parts of the rows it holds, token by token in the order one process adds them.
 Exact
-    N ranks train what one process trains with the same global batch: rank r computes sequences [r B/N, (r+1) B/N)
-    of the step's B, the loss is the sum of the ranks' shares of the global mean, the gradient is the sum of the
-    ranks' -- only the order of the fp32 additions differs (tests/test_sharded.py: N = 2 and 4 against one process).
-    A unit whose gradient is not finite is skipped by every rank or by none (the verdict is all-reduced).
+    N ranks train what one process trains with the same global batch: rank r computes sequences
+    [r B/N, (r+1) B/N) of the step's B, the loss is the sum of the ranks' shares of the global mean,
+    the gradient is the sum of the ranks' -- only the order of the fp32 additions differs
+    (tests/test_sharded.py: N = 2 and 4 against one process). A unit whose gradient is not finite is
+    skipped by every rank or by none (the verdict is all-reduced).
 What it is not
-    No tensor or pipeline parallelism, no home-made transport: torch.distributed (NCCL on GPUs, gloo on CPUs),
-    launched by torchrun. No overlap of the gradient collectives of two units (one process group: NCCL runs its
-    collectives one at a time), no hierarchical (node-local) gathers, not elastic.
+    No tensor or pipeline parallelism, no home-made transport: torch.distributed (NCCL on GPUs, gloo
+    on CPUs), launched by torchrun. No overlap of the gradient collectives of two units (one process
+    group: NCCL runs its collectives one at a time), no hierarchical (node-local) gathers, not
+    elastic.
 Reference
-    DeepSpeed ZeRO-3 with CPU offload and FSDP2's CPUOffloadPolicy shard the same way over torch.distributed;
-    picotron's data_parallel files for keeping the collectives in plain sight.
+    DeepSpeed ZeRO-3 with CPU offload and FSDP2's CPUOffloadPolicy shard the same way over
+    torch.distributed; picotron's data_parallel files for keeping the collectives in plain sight.
 Try it
-    torchrun --standalone --nproc-per-node 2 train.py --micro-batches 2      # two CPU processes, gloo
-    python -m pytest tests/test_sharded.py                                  # N ranks against one process
+    torchrun --standalone --nproc-per-node 2 train.py --micro-batches 2   # two CPU processes, gloo
+    python -m pytest tests/test_sharded.py                               # N ranks against one
 """
 import collections
 import datetime
@@ -59,19 +66,20 @@ import torch.distributed as dist
 import stream
 from megatrain_min import checks
 
-TIMEOUT = datetime.timedelta(minutes=10)   # a collective that waits this long for a dead rank raises
+TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits this long for a dead rank raises
 RENDEZVOUS = datetime.timedelta(minutes=2)  # ranks that have not all joined by then never will
 
 
 def shard_numel(numel, world):
-    """Elements of one rank's shard of a unit of `numel` elements: the unit padded to a multiple of world, / world."""
+    """Elements of one rank's shard of a unit of `numel` elements: the unit padded to a multiple of
+    world, / world."""
     return -(-numel // world)
 
 
 def row_pieces(lo, hi, d):
-    """The elements [lo, hi) of a flat row-major (., d) table as rectangles (r0, r1, c0, c1, offset): rows
-    r0..r1-1, columns c0..c1-1, at `offset` from lo. At most three: a partial first row, whole rows, a partial
-    last row (one partial row when [lo, hi) lies inside a row)."""
+    """The elements [lo, hi) of a flat row-major (., d) table as rectangles (r0, r1, c0, c1,
+    offset): rows r0..r1-1, columns c0..c1-1, at `offset` from lo. At most three: a partial first
+    row, whole rows, a partial last row (one partial row when [lo, hi) lies inside a row)."""
     out, a = [], lo
     while a < hi:
         r, c = divmod(a, d)
@@ -86,16 +94,17 @@ def row_pieces(lo, hi, d):
     return out
 
 
-# The two collectives of a layer visit, by their public names: torch >= 2.13 calls them all_gather_single and
-# reduce_scatter_single and deprecates the names torch 2.11 has (all_gather_into_tensor, reduce_scatter_tensor),
-# the same calls with the same arguments: the newer name where it exists, else the older (tests/test_torch_api.py).
+# The two collectives of a layer visit, by their public names: torch >= 2.13 calls them
+# all_gather_single and reduce_scatter_single and deprecates the names torch 2.11 has
+# (all_gather_into_tensor, reduce_scatter_tensor), the same calls with the same arguments: the newer
+# name where it exists, else the older (tests/test_torch_api.py).
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ShardedLanes(stream.Lanes):
-    """stream.Lanes plus comm, the lane the collectives are issued on. procs: ranks on this host (torchrun's
-    LOCAL_WORLD_SIZE), which share its cores among their optimizer threads."""
+    """stream.Lanes plus comm, the lane the collectives are issued on. procs: ranks on this host
+    (torchrun's LOCAL_WORLD_SIZE), which share its cores among their optimizer threads."""
 
     def __init__(self, device, procs=1, lane=stream.Lane):
         super().__init__(device, procs, lane)
@@ -103,27 +112,30 @@ class ShardedLanes(stream.Lanes):
 
 
 class Shards:
-    """The units' placement over the N ranks of a process group (stream.Whole: all in one process): rank r
-    holds shard r of every unit and computes sequences [r B/N, (r+1) B/N) of each step's batch. It issues the
-    collectives on the comm lane and counts the bytes they move per wire (traffic)."""
+    """The units' placement over the N ranks of a process group (stream.Whole: all in one process):
+    rank r holds shard r of every unit and computes sequences [r B/N, (r+1) B/N) of each step's
+    batch. It issues the collectives on the comm lane and counts the bytes they move per wire
+    (traffic)."""
 
     def __init__(self, group, lanes, device):
         self.given, self.lanes, self.comm, self.device = group, lanes, lanes.comm, device
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.traffic = collections.Counter()   # bytes this rank moved, per wire (gathered, scattered, ...)
+        # bytes this rank moved, per wire (gathered, scattered, ...)
+        self.traffic = collections.Counter()
 
     @property
     def group(self):
-        """The process group; the default one looked up, never held: dist.destroy_process_group then frees it
-        while Python is whole, not at interpreter exit (where the backend's threads can abort the process)."""
+        """The process group; the default one looked up, never held: dist.destroy_process_group then
+        frees it while Python is whole, not at interpreter exit (where the backend's threads can
+        abort the process)."""
         return self.given if self.given is not None else dist.group.WORLD
 
     def shard(self, lay):
         return shard_numel(lay.numel, self.world)
 
     def part(self, lay):
-        """The elements [lo, hi) of the unit this rank holds (its padding beyond them is zeros); checkpoint.py
-        saves and loads by it, so a checkpoint loads at any world size."""
+        """The elements [lo, hi) of the unit this rank holds (its padding beyond them is zeros);
+        checkpoint.py saves and loads by it, so a checkpoint loads at any world size."""
         lo = min(self.rank * self.shard(lay), lay.numel)
         return lo, min(lo + self.shard(lay), lay.numel)
 
@@ -131,8 +143,10 @@ class Shards:
         return self.world * self.shard(lay)   # the gather writes every shard, the padding included
 
     def sizes(self, units):
-        """The shards in the store: decayed are the elements of the unit's [0, n_decay) in this rank's shard."""
-        return [(self.shard(lay), min(max(lay.n_decay - self.rank * self.shard(lay), 0), self.shard(lay)))
+        """The shards in the store: decayed are the elements of the unit's [0, n_decay) in this
+        rank's shard."""
+        return [(self.shard(lay),
+                 min(max(lay.n_decay - self.rank * self.shard(lay), 0), self.shard(lay)))
                 for lay in units]
 
     def fill(self, opt, units, weights):
@@ -147,15 +161,18 @@ class Shards:
 
     def local_batch(self, x):
         b = x.shape[0] // self.world    # checks.check_split: it divides
-        return x[self.rank * b:(self.rank + 1) * b]   # rank r: sequences [r B/N, (r+1) B/N) of the global batch
+        # rank r: sequences [r B/N, (r+1) B/N) of the global batch
+        return x[self.rank * b:(self.rank + 1) * b]
 
     def gather(self, out, shard):
-        """all_gather: out = the N ranks' shards, in rank order. Each rank receives the N-1 it does not hold."""
+        """all_gather: out = the N ranks' shards, in rank order. Each rank receives the N-1 it does
+        not hold."""
         ALL_GATHER(out, shard, group=self.group)
         self.traffic["gathered"] += out.nbytes * (self.world - 1) // self.world
 
     def scatter(self, shard, full):
-        """reduce_scatter: shard = rank r's part of the sum over the ranks of `full`. Each rank sends N-1 parts."""
+        """reduce_scatter: shard = rank r's part of the sum over the ranks of `full`. Each rank
+        sends N-1 parts."""
         REDUCE_SCATTER(shard, full, group=self.group)
         self.traffic["scattered"] += full.nbytes * (self.world - 1) // self.world
 
@@ -174,7 +191,8 @@ class Shards:
         return loss
 
     def sum(self, x):
-        """x (the squared gradient norm of this rank's shards) summed over the ranks, in fp64; the host waits."""
+        """x (the squared gradient norm of this rank's shards) summed over the ranks, in fp64; the
+        host waits."""
         with self.comm():
             t = torch.tensor([x], dtype=torch.float64, device=self.device)
             self.all_reduce(t)
@@ -183,7 +201,8 @@ class Shards:
         return t.item()
 
     def gather_object(self, obj):
-        """obj of every rank, in rank order (a collective: checkpoint.py agrees on names and errors through it)."""
+        """obj of every rank, in rank order (a collective: checkpoint.py agrees on names and errors
+        through it)."""
         found = [None] * self.world
         dist.all_gather_object(found, obj, group=self.group)
         return found
@@ -191,29 +210,36 @@ class Shards:
 
 class ShardedTrainer(checks.Checked, stream.Trainer):
     def __init__(self, cfg, weights, group=None, device=None, lanes=None, **kw):
-        """stream.Trainer's arguments (weights: the whole model, read unit by unit, each rank keeping its
-        shard; checked as checks.CheckedTrainer checks them), plus group: the run's torch.distributed process group
-        (default: the whole world, initialised). micro_batches are per rank: the step's batch is split over the
-        ranks, then each rank's share into micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
+        """stream.Trainer's arguments (weights: the whole model, read unit by unit, each rank
+        keeping its shard; checked as checks.CheckedTrainer checks them), plus group: the run's
+        torch.distributed process group (default: the whole world, initialised). micro_batches are
+        per rank: the step's batch is split over the ranks, then each rank's share into
+        micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
         if kw.get("resident_units"):
-            raise ValueError("resident_units need one process holding whole units; sharded ranks stream every unit "
-                             "(resident_units=0)")
+            raise ValueError("resident_units need one process holding whole units; sharded ranks "
+                             "stream every unit (resident_units=0)")
         dev = checks.check_device(device)
-        lanes = lanes if lanes is not None else ShardedLanes(dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        lanes = lanes if lanes is not None else ShardedLanes(
+            dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         shards = Shards(group, lanes, dev)
         self.comm, self.rank, self.world = lanes.comm, shards.rank, shards.world
         super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards, **kw)
-        # ---- device: two weight shards (H2D lands there, the gather reads them), two fp32 gradient shards (the
-        # reduce_scatter writes them, D2H reads them), one verdict per unit (a finite gradient?). Made on comm.
+        # ---- device: two weight shards (H2D lands there, the gather reads them), two fp32 gradient
+        # shards (the reduce_scatter writes them, D2H reads them), one verdict per unit (a finite
+        # gradient?). Made on comm.
         s_max = max(n for n, _ in self.opt.sizes)
         with self.comm():
             self.wshard = [torch.empty(s_max, dtype=self.dtype, device=self.dev) for _ in range(2)]
-            self.gshard = [torch.empty(s_max, dtype=torch.float32, device=self.dev) for _ in range(2)]
+            self.gshard = [
+                torch.empty(s_max, dtype=torch.float32, device=self.dev) for _ in range(2)]
             self.finite_dev = torch.ones(len(self.units), dtype=torch.float32, device=self.dev)
-        self.finite = self.pinned("finite", (len(self.units),), torch.float32).fill_(1)   # its host copy
-        self.shard_free, self.gshard_free = [None, None], [None, None]   # gather -> H2D, D2H -> reduce_scatter
-        self.rows_written = (None, [])     # the pinned rows buffer and the (tokens, columns) last written in it
-        lo, hi = shards.part(self.units[self.embed])                      # the table: the unit's first V*d
+        # its host copy
+        self.finite = self.pinned("finite", (len(self.units),), torch.float32).fill_(1)
+        # gather -> H2D, D2H -> reduce_scatter
+        self.shard_free, self.gshard_free = [None, None], [None, None]
+        # the pinned rows buffer and the (tokens, columns) last written in it
+        self.rows_written = (None, [])
+        lo, hi = shards.part(self.units[self.embed])               # the table: the unit's first V*d
         self.table_pieces = row_pieces(lo, min(hi, cfg.vocab_size * cfg.d_model), cfg.d_model)
         self.lanes.synchronize()           # the shards exist before any lane's first touch of them
 
@@ -226,33 +252,38 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
 
     # ------------------------------------------------------------------ weights in
     def load_unit(self, u, slot):
-        """H2D of this rank's shard into wshard[slot], then all_gather of the shards into wslot[slot]."""
+        """H2D of this rank's shard into wshard[slot], then all_gather of the shards into
+        wslot[slot]."""
         s = self.shard_numel(u)
-        src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]    # (s,) host
+        src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]  # (s,) host
         with self.h2d():
-            self.h2d.wait(self.shard_free[slot])          # the last gather from this shard buffer has read it
+            # the last gather from this shard buffer has read it
+            self.h2d.wait(self.shard_free[slot])
             if self.cast is None:
                 self.wshard[slot][:s].copy_(src, non_blocking=True)
-            else:  # lean: the fp32 shard crosses PCIe, the cast happens on the GPU, the gather moves compute dtype
+            else:
+                # lean: the fp32 shard crosses PCIe, the cast happens on the GPU, the gather moves
+                # compute dtype
                 self.cast[:s].copy_(src, non_blocking=True)
                 self.wshard[slot][:s].copy_(self.cast[:s])
             shard_ready = self.h2d.record()
         self.traffic["h2d"] += src.nbytes
         with self.comm():
             self.comm.wait(shard_ready)
-            self.comm.wait(self.slot_free[slot])          # compute is done with the slot's previous unit
+            self.comm.wait(self.slot_free[slot])     # compute is done with the slot's previous unit
             self.placement.gather(self.wslot[slot][:self.world * s], self.wshard[slot][:s])
             self.slot_loaded[slot] = self.shard_free[slot] = self.comm.record()
 
     # ------------------------------------------------------------------ gradients out
     def grad_to_host(self, u, gs, ready):
-        """reduce_scatter of gslot[gs] into gshard[gs], D2H of this rank's shard into opt.grad[u]. Without
-        deferral and with a guard, the verdict "finite?" of the whole unit is all-reduced (min) beside it,
-        so that every rank skips the same units."""
+        """reduce_scatter of gslot[gs] into gshard[gs], D2H of this rank's shard into opt.grad[u].
+        Without deferral and with a guard, the verdict "finite?" of the whole unit is all-reduced
+        (min) beside it, so that every rank skips the same units."""
         s = self.shard_numel(u)
         with self.comm():
-            self.comm.wait(ready)                         # compute finished unit u's gradient in gslot[gs]
-            self.comm.wait(self.gshard_free[gs])          # D2H has copied the last gradient out of gshard[gs]
+            self.comm.wait(ready)                  # compute finished unit u's gradient in gslot[gs]
+            # D2H has copied the last gradient out of gshard[gs]
+            self.comm.wait(self.gshard_free[gs])
             self.placement.scatter(self.gshard[gs][:s], self.gslot[gs][:self.world * s])
             if self._per_unit_verdict():
                 self.finite_dev[u] = torch.isfinite(self.gshard[gs][:s]).all()
@@ -271,21 +302,24 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         return self.guard is not None and not self.defer_updates
 
     def update_unit(self, u, lr):
-        """AdamW on this rank's shard, unless the unit's gradient is not finite on some rank (the guard)."""
+        """AdamW on this rank's shard, unless the unit's gradient is not finite on some rank (the
+        guard)."""
         if not self._per_unit_verdict() or self.guard.ok(bool(self.finite[u]), self.units[u].name):
             self.opt.step(u, lr)
 
-    # ------------------------------------------------------------------ the embedding (see the docstring)
+    # ------------------------------------------------------------ the embedding (see the docstring)
     def embed_rows(self, b):
-        """x: M x (B/N/M, T, d), this rank's sequences: the parts of the rows of all B*T tokens that this rank's shard
-        holds, zeros elsewhere, H2D, then a reduce_scatter that sums the parts and leaves each rank its rows."""
+        """x: M x (B/N/M, T, d), this rank's sequences: the parts of the rows of all B*T tokens that
+        this rank's shard holds, zeros elsewhere, H2D, then a reduce_scatter that sums the parts and
+        leaves each rank its rows."""
         d = self.cfg.d_model
-        src = self.opt.master[self.embed]                                     # (s,) this rank's shard
+        src = self.opt.master[self.embed]                                   # (s,) this rank's shard
         if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
             src = self.opt.shadow[self.embed]
-        tokens = b.tokens.reshape(-1)                                         # (B*T,) the whole step's ids
+        tokens = b.tokens.reshape(-1)                                  # (B*T,) the whole step's ids
         part = self.pinned("rows", (tokens.numel(), d), src.dtype)           # (B*T, d) pinned
-        if self.rows_written[0] is part:          # zero only last step's rows: the work shrinks with N, not B
+        # zero only last step's rows: the work shrinks with N, not B
+        if self.rows_written[0] is part:
             for sel, c0, c1 in self.rows_written[1]:
                 part[sel, c0:c1] = 0
         else:                                     # a new buffer: zeros, once
@@ -293,16 +327,17 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         written = []
         for r0, r1, c0, c1, o in self.table_pieces:
             sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
-            part[sel, c0:c1] = src[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)[tokens[sel] - r0]
+            part[sel,
+                 c0:c1] = src[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)[tokens[sel] - r0]
             written.append((sel, c0, c1))
         self.rows_written = (part, written)
         B, T = b.tokens.shape
-        with self.h2d():                                  # made on the lane that writes it, read on comm (keep)
+        with self.h2d():                      # made on the lane that writes it, read on comm (keep)
             full = torch.empty(part.shape, dtype=part.dtype, device=self.dev)
             full.copy_(part, non_blocking=True)
             ready = self.h2d.record()
         self.traffic["h2d"] += part.nbytes
-        with self.comm():                                 # made on comm, which writes it; compute reads it (keep)
+        with self.comm():                   # made on comm, which writes it; compute reads it (keep)
             x = torch.empty((B // self.world, T, d), dtype=part.dtype, device=self.dev)
             self.comm.wait(ready)
             self.comm.keep(full)
@@ -310,15 +345,17 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
             summed = self.comm.record()
         self.comp.wait(summed)
         self.comp.keep(x)
-        return list(x.to(self.residual_dtype).chunk(self.M))   # M x (B/N/M, T, d); lean + bf16 residual: cast here
+        # M x (B/N/M, T, d); lean + bf16 residual: cast here
+        return list(x.to(self.residual_dtype).chunk(self.M))
 
     def dy_to_host(self, dy):
-        """dy of layer 0 of every rank, all_gathered in global order (rank r's B/N sequences r-th), then D2H:
-        the (B, T, d) that one process would hold. Returns (pinned buffer, event)."""
+        """dy of layer 0 of every rank, all_gathered in global order (rank r's B/N sequences r-th),
+        then D2H: the (B, T, d) that one process would hold. Returns (pinned buffer, event)."""
         mine = torch.cat(dy) if len(dy) > 1 else dy[0]     # (B/N, T, d), compute lane
         self.comm.wait(self.comp.record())
         with self.comm():
-            full = torch.empty((self.world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=self.dev)
+            full = torch.empty((self.world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype,
+                               device=self.dev)
             self.comm.keep(mine)
             self.placement.gather(full.view(-1), mine.reshape(-1))
             ready = self.comm.record()
@@ -332,10 +369,11 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         return host, done
 
     def add_embedding_grad(self, tokens, dy_host):
-        """Worker: add every token's dy into the parts of its row that this rank's shard holds, in token order.
-        The verdict on the embedding's gradient is taken on dy itself, which every rank holds whole."""
+        """Worker: add every token's dy into the parts of its row that this rank's shard holds, in
+        token order. The verdict on the embedding's gradient is taken on dy itself, which every rank
+        holds whole."""
         d = self.cfg.d_model
-        grad = self.opt.grad[self.embed]                                     # (s,) this rank's shard
+        grad = self.opt.grad[self.embed]                                    # (s,) this rank's shard
         if self.embed != self.head:
             grad.zero_()                   # untied: the scatter is the whole embedding gradient
         tokens, dy = tokens.reshape(-1), dy_host.reshape(-1, d)
@@ -344,20 +382,22 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
             rows = grad[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
             rows.index_add_(0, tokens[sel] - r0, dy[sel, c0:c1].float())
         if self._per_unit_verdict():       # tied: the head's own verdict came with its gradient
-            ok = bool(torch.isfinite(dy).all()) and (self.embed != self.head or bool(self.finite[self.embed]))
+            ok = bool(torch.isfinite(dy).all()) and (self.embed != self.head
+                                                     or bool(self.finite[self.embed]))
             self.finite[self.embed] = float(ok)
 
     # ------------------------------------------------------------------ the whole model
     def weights(self, copy=True, to=None):
-        """{key: fp32 CPU tensor} of the whole model (a collective: every rank calls it): each unit's master shards
-        gathered on the device through grad slot 0, one unit at a time, then copied to the host of rank `to` only
-        (the others get {} and hold nothing: an export of 70b is 280 GB), or of every rank (to=None: for samples
-        of models that fit). Always copies; checkpoints are the way to keep a big model."""
+        """{key: fp32 CPU tensor} of the whole model (a collective: every rank calls it): each
+        unit's master shards gathered on the device through grad slot 0, one unit at a time, then
+        copied to the host of rank `to` only (the others get {} and hold nothing: an export of 70b
+        is 280 GB), or of every rank (to=None: for samples of models that fit). Always copies;
+        checkpoints are the way to keep a big model."""
         self.wait()
         out = {}
         for u, lay in enumerate(self.units):
             s = self.shard_numel(u)
-            with self.comm():   # the device is idle (wait): blocking copies, the host waits for each
+            with self.comm():  # the device is idle (wait): blocking copies, the host waits for each
                 self.gshard[0][:s].copy_(self.opt.master[u])
                 self.placement.gather(self.gslot[0][:self.world * s], self.gshard[0][:s])
                 if to is None or to == self.rank:
@@ -367,33 +407,37 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
 
 # ----------------------------------------------------------------------------- joining a run
 def rank_device(device=None):
-    """This rank's torch.device, made current: with CUDA, cuda:LOCAL_RANK -- or cuda:0 when the launcher gave each
-    rank one GPU of its own (CUDA_VISIBLE_DEVICES) -- else the CPU. Call it before anything touches CUDA: the first
-    CUDA call of a thread makes a context on its current device (GPU 0 unless set). ValueError (one line) when
-    LOCAL_RANK names a GPU this process does not see."""
+    """This rank's torch.device, made current: with CUDA, cuda:LOCAL_RANK -- or cuda:0 when the
+    launcher gave each rank one GPU of its own (CUDA_VISIBLE_DEVICES) -- else the CPU. Call it
+    before anything touches CUDA: the first CUDA call of a thread makes a context on its current
+    device (GPU 0 unless set). ValueError (one line) when LOCAL_RANK names a GPU this process does
+    not see."""
     dev = checks.check_device(device)
     if dev.type != "cuda":
         return dev
     local, seen = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
     if seen > 1 and local >= seen:
-        raise ValueError(f"LOCAL_RANK {local} but this process sees {seen} CUDA devices; give each rank its own GPU "
-                         f"(torchrun --nproc-per-node at most {seen}) or one visible device per rank")
+        raise ValueError(f"LOCAL_RANK {local} but this process sees {seen} CUDA devices; give each "
+                         f"rank its own GPU (torchrun --nproc-per-node at most {seen}) or one "
+                         "visible device per rank")
     dev = torch.device("cuda", local if seen > 1 else 0)
     torch.cuda.set_device(dev)
     return dev
 
 
 def init_from_env(device=None):
-    """Join the run torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-    in the environment): NCCL with each rank on its own GPU (rank_device), or gloo on CPUs. device: "cuda", "cpu"
-    or None (cuda when there is one). Returns the torch.device of this rank."""
+    """Join the run torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+    and MASTER_PORT in the environment): NCCL with each rank on its own GPU (rank_device), or gloo
+    on CPUs. device: "cuda", "cpu" or None (cuda when there is one). Returns the torch.device of
+    this rank."""
     dev, env = rank_device(device), os.environ
     try:   # the rendezvous alone waits RENDEZVOUS for the ranks; the collectives get TIMEOUT
         store, rank, world = next(dist.rendezvous("env://", timeout=RENDEZVOUS))
     except (RuntimeError, ValueError) as e:          # DistStoreError: a rank that never came
-        raise ValueError(f"rank {env.get('RANK')} of {env.get('WORLD_SIZE')}: the other ranks did not join at "
-                         f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} within {RENDEZVOUS.seconds} s "
-                         f"({(str(e).splitlines() or [''])[0][:120]}); launch every rank with torchrun") from None
+        raise ValueError(f"rank {env.get('RANK')} of {env.get('WORLD_SIZE')}: the other ranks did "
+                         f"not join at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} within "
+                         f"{RENDEZVOUS.seconds} s ({(str(e).splitlines() or [''])[0][:120]}); "
+                         "launch every rank with torchrun") from None
     store.set_timeout(TIMEOUT)
     store = dist.PrefixStore("default_pg", store)    # as init_process_group keys its own rendezvous
     kw = dict(store=store, rank=rank, world_size=world, timeout=TIMEOUT)

@@ -1,16 +1,18 @@
-"""sim.py -- prove the GPU schedule on the CPU: `check` for races, `timeline` for the twin's predictions.
+"""sim.py -- prove the GPU schedule on the CPU: `check` for races, `timeline` for the twin's
+predictions.
 
 What it is
     The command line of megatrain_min/record.py (the engine on checked lanes) and its two consumers:
-      check      the real engine for a few steps on checked lanes: every conflicting pair of accesses from two
-                 lanes or threads without a happens-before edge is a race (race.Checker), reported with the
-                 buffer's name, both ops and both source lines; per step, the host syncs and the bytes and
-                 weight copies each lane moves. Exit 1 when there is a race.
-      timeline   the engine at full size under FakeTensorMode, replayed on a hardware profile (twin.Twin):
-                 step time, tokens/s, overlap, busy and critical-path shares per lane, peak device memory --
-                 predictions, beside the planner's.
-    It takes train.py's model and step flags with the same defaults (megatrain_min/cli.py); check runs a
-    4 x 16 batch unless told otherwise.
+      check      the real engine for a few steps on checked lanes: every conflicting pair of
+                 accesses from two lanes or threads without a happens-before edge is a race
+                 (race.Checker), reported with the buffer's name, both ops and both source lines;
+                 per step, the host syncs and the bytes and weight copies each lane moves. Exit 1
+                 when there is a race.
+      timeline   the engine at full size under FakeTensorMode, replayed on a hardware profile
+                 (twin.Twin): step time, tokens/s, overlap, busy and critical-path shares per lane,
+                 peak device memory -- predictions, beside the planner's.
+    It takes train.py's model and step flags with the same defaults (megatrain_min/cli.py); check
+    runs a 4 x 16 batch unless told otherwise.
 Try it
     python -m megatrain_min.sim check --config toy --micro-batches 2
     python -m megatrain_min.sim timeline --config 7b --hardware h100 --batch-size 4 --seq-len 4096
@@ -29,10 +31,11 @@ GB = 1e9
 
 
 def check_main(a, cfg, p):
-    """The engine on checked lanes for the plan's settings, in fp32 unless --dtype says otherwise (bf16
-    matmuls are slow on a CPU), streaming every unit unless --resident-units asks."""
+    """The engine on checked lanes for the plan's settings, in fp32 unless --dtype says otherwise
+    (bf16 matmuls are slow on a CPU), streaming every unit unless --resident-units asks."""
     checker = race.Checker()
-    kw = dict(engine.arguments(p), dtype=DTYPES[a.dtype or "fp32"], resident_units=a.resident_units or 0)
+    kw = dict(engine.arguments(p), dtype=DTYPES[a.dtype or "fp32"],
+              resident_units=a.resident_units or 0)
     record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
     print(checker.summary())
     return 1 if checker.races else 0
@@ -40,10 +43,12 @@ def check_main(a, cfg, p):
 
 def timeline_main(a, cfg, p):
     hw, tw = p["hardware"], twin.Twin(p["hardware"], host_speed=a.host_speed)
-    record.run(cfg, [tw], a.steps or 3, fake=True, sources=False, costs=True, batch=(a.batch_size, a.seq_len),
+    record.run(cfg, [tw], a.steps or 3, fake=True, sources=False, costs=True,
+               batch=(a.batch_size, a.seq_len),
                **engine.arguments(p))
     r = tw.result_of(cfg, a.batch_size * a.seq_len)
-    r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"], plan_bottleneck=p["bottleneck"],
+    r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"],
+             plan_bottleneck=p["bottleneck"],
              host_speed=a.host_speed, host_issue_s=tw.issue, resident_units=p["resident_units"])
     if a.trace:
         tw.trace(a.trace)
@@ -51,44 +56,54 @@ def timeline_main(a, cfg, p):
         print(json.dumps(r))
         return 0
     pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items() if v)  # noqa: E731
-    print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} tokens, "
-          f"{a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip {a.grad_clip or 'off'}, "
-          f"{p['resident_units']} of {len(model.units(cfg))} units resident on the GPU")
-    print(f"  step {r['step_time_s']:.3g} s (planner: {p['step_time_s']:.3g} s), {r['tokens_per_s']:,.0f} tokens/s, "
-          f"{r['model_tflops']:.3g} model TFLOP/s, overlap {r['overlap']:.0%}")
-    print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {tw.issue * 1e6:.1f} us each, --host-speed "
-          f"{a.host_speed:g} x the CPU hardware.HOST_OP_S was measured on)")
-    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (planner: {p['bottleneck']})")
-    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (planner: {p['gpu_bytes'] / GB:.1f} GB)")
+    print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} "
+          f"tokens, {a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip "
+          f"{a.grad_clip or 'off'}, {p['resident_units']} of {len(model.units(cfg))} units "
+          "resident on the GPU")
+    print(f"  step {r['step_time_s']:.3g} s (planner: {p['step_time_s']:.3g} s), "
+          f"{r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops']:.3g} model TFLOP/s, overlap "
+          f"{r['overlap']:.0%}")
+    print(f"  busy: {pct(r['busy'])}  (host: issuing ops at {tw.issue * 1e6:.1f} us each, "
+          f"--host-speed {a.host_speed:g} x the CPU hardware.HOST_OP_S was measured on)")
+    print(f"  critical path: {pct(r['critical_path'])} -> bottleneck {r['bottleneck']} (planner: "
+          f"{p['bottleneck']})")
+    print(f"  peak device memory {r['peak_gpu_bytes'] / GB:.1f} GB (planner: "
+          f"{p['gpu_bytes'] / GB:.1f} GB)")
     if a.trace:
         print(f"  trace: {a.trace} (open in https://ui.perfetto.dev)")
     return 0
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Prove the GPU schedule on the CPU: check races, or predict the timeline.")
+    ap = argparse.ArgumentParser(description="Prove the GPU schedule on the CPU: check races, or "
+                                             "predict the timeline.")
     sub = ap.add_subparsers(dest="command", required=True)
-    for name, what in (("check", "run the engine on checked lanes: races, host syncs, bytes and copies per step"),
-                       ("timeline", "the engine at full size, replayed on a hardware profile (predictions)")):
+    for name, what in (
+        ("check", "run the engine on checked lanes: races, host syncs, bytes and copies per step"),
+                       ("timeline",
+                        "the engine at full size, replayed on a hardware profile (predictions)")):
         c = sub.add_parser(name, help=what)
         cli.add_model(c)
         cli.add_step(c)
         cli.add_hardware(c, default="h100")
         c.add_argument("--skip-nonfinite", type=int, default=1, choices=[0, 1],
                        help="the non-finite guard (train.py: on) (default: %(default)s)")
-        c.add_argument("--steps", type=int, default=0, help="engine steps to run (default: check 2, timeline 3)")
+        c.add_argument("--steps", type=int, default=0,
+                       help="engine steps to run (default: check 2, timeline 3)")
         if name == "check":
             c.set_defaults(batch_size=record.BATCH[0], seq_len=record.BATCH[1])
         else:
             c.add_argument("--json", action="store_true", help="print one JSON object")
-            c.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the simulated steps")
+            c.add_argument("--trace", default=None,
+                           help="write a Chrome/Perfetto trace of the simulated steps")
             c.add_argument("--host-speed", type=float, default=1.0,
-                           help="the host issues work this many times faster than the CPU the issue costs were "
-                                "measured on (default: %(default)s)")
+                           help="the host issues work this many times faster than the CPU the "
+                                "issue costs were measured on (default: %(default)s)")
     a = ap.parse_args(argv)
     cli.survive_closed_pipe()
     if a.config not in model.PRESETS:
-        ap.exit(2, f"error: unknown preset --config {a.config!r}; choose one of: {', '.join(model.PRESETS)}\n")
+        ap.exit(2, f"error: unknown preset --config {a.config!r}; choose one of: "
+                   f"{', '.join(model.PRESETS)}\n")
     try:
         cli.check(a)
         cfg = check_config(cli.config_of(a))

@@ -1,29 +1,32 @@
-"""twin.py -- the timeline twin: the real engine's op stream at full size, replayed on a hardware profile.
+"""twin.py -- the timeline twin: the real engine's op stream at full size, replayed on a hardware
+profile.
 
 What it is
-    Twin consumes megatrain_min.record.Recorder's stream of a stream.Trainer run under FakeTensorMode (shapes, no
-    data: 120B in seconds and a few hundred MB) and replays it as the hardware would run it:
-      lanes      each CUDA stream runs its ops in issue order; an op starts when its lane is free, the host has
-                 issued it, and the events its lane waits for have fired;
-      compute    an op takes max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth) (roofline; attention at the
-                 causal half of its matmuls, as flash kernels do);
+    Twin consumes megatrain_min.record.Recorder's stream of a stream.Trainer run under
+    FakeTensorMode (shapes, no data: 120B in seconds and a few hundred MB) and replays it as the
+    hardware would run it:
+      lanes      each CUDA stream runs its ops in issue order; an op starts when its lane is free,
+                 the host has issued it, and the events its lane waits for have fired;
+      compute    an op takes max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth) (roofline;
+                 attention at the causal half of its matmuls, as flash kernels do);
       copies     H2D and D2H at the profile's link bandwidth per direction, concurrently;
-      host       the main thread issues every op in program order (hardware.HOST_OP_S each, / --host-speed) and
-                 blocks where the engine blocks (host waits, a future's result, a gradient slab); its own host
-                 work (the embedding gather) runs at DRAM bandwidth; the optimizer thread's AdamW too.
-    Memory: a device allocation is live from its issue until the GPU passes its free -- at once for its own lane,
-    after the kept lanes' work issued before the free (record_stream), as the caching allocator does.
-    Out: step time, tokens/s, model TFLOP/s, overlap (compute busy / step), busy share and critical-path share
-    per lane, the bottleneck (the lane with the most time on the critical path), peak device memory, and a
-    Chrome/Perfetto trace. Everything is a prediction.
+      host       the main thread issues every op in program order (hardware.HOST_OP_S each, /
+                 --host-speed) and blocks where the engine blocks (host waits, a future's result, a
+                 gradient slab); its own host work (the embedding gather) runs at DRAM bandwidth;
+                 the optimizer thread's AdamW too.
+    Memory: a device allocation is live from its issue until the GPU passes its free -- at once for
+    its own lane, after the kept lanes' work issued before the free (record_stream), as the caching
+    allocator does. Out: step time, tokens/s, model TFLOP/s, overlap (compute busy / step), busy
+    share and critical-path share per lane, the bottleneck (the lane with the most time on the
+    critical path), peak device memory, and a Chrome/Perfetto trace. Everything is a prediction.
 What it is not
-    Not a GPU simulator: no kernel launch latency beyond the host issue cost, no contention between DMA and
-    AdamW for DRAM, no L2 effects. plan/timing.py models the same schedule analytically; tests/test_twin.py holds the
-    two to 10% of each other on the big presets.
+    Not a GPU simulator: no kernel launch latency beyond the host issue cost, no contention between
+    DMA and AdamW for DRAM, no L2 effects. plan/timing.py models the same schedule analytically;
+    tests/test_twin.py holds the two to 10% of each other on the big presets.
 Try it
     python -m megatrain_min.sim timeline --config 7b --hardware h100 --batch-size 4 --seq-len 4096
-    python -m megatrain_min.sim timeline --config 120b --hardware h200 --host-mem 1536 --mode lean --grad-clip 0 \\
-        --batch-size 8 --seq-len 4096 --json
+    python -m megatrain_min.sim timeline --config 120b --hardware h200 --host-mem 1536 \\
+        --mode lean --grad-clip 0 --batch-size 8 --seq-len 4096 --json
 """
 import collections
 import dataclasses
@@ -56,10 +59,11 @@ class Twin:
         self.flops = {torch.bfloat16: hw["bf16_tflops"] * 1e12 * hw["frac"],
                       torch.float32: hw["fp32_tflops"] * 1e12 * hw["frac"]}
         zero = Span("host", 0.0, 0.0)
-        self.last = {a: zero for a in ACTORS}        # the latest span of each actor (lane FIFO / thread program order)
+        # the latest span of each actor (lane FIFO / thread program order)
+        self.last = {a: zero for a in ACTORS}
         self.events, self.task_ends, self.puts, self.prev_writes = {}, {}, {}, []
         self.spans, self.step_starts, self.first_compute = [], [], []
-        self.mem, self.live = [], {}                 # [(t, issue order, +/-bytes)]; Storage -> bytes
+        self.mem, self.live = [], {}                # [(t, issue order, +/-bytes)]; Storage -> bytes
         self.alloc_t = {}
 
     # ---- time of an actor: its latest span's end
@@ -104,7 +108,7 @@ class Twin:
     def submit(self, thread, task):
         self.submitted = self.last[NAME[thread]]
 
-    def task_start(self, task):                       # FIFO worker: after its previous task and the submit
+    def task_start(self, task):                # FIFO worker: after its previous task and the submit
         if self.submitted.end > self.t("cpu_adam"):
             self.advance("cpu_adam", self.submitted.end, 0.0, self.submitted, "task")
 
@@ -124,7 +128,7 @@ class Twin:
         pass
 
     def free(self, storage):
-        t = self.t("host")                             # freed by the host now; kept lanes: when they pass it
+        t = self.t("host")                    # freed by the host now; kept lanes: when they pass it
         for lane in storage.kept:
             t = max(t, self.t(lane))
         if storage in self.live:
@@ -132,16 +136,20 @@ class Twin:
 
     def op(self, op):
         actor = NAME.get(op.actor, op.actor)
-        if op.actor == "worker":                      # the optimizer thread issues its own ops too; what the op
-            # before it on this thread just wrote is read from the last-level cache (optim.TILE's one pass)
+        # the optimizer thread issues its own ops too; what the op before it on this thread just
+        # wrote is read from the last-level cache (optim.TILE's one pass)
+        if op.actor == "worker":
             hot = {(id(st), lo, hi) for st, lo, hi in self.prev_writes}
             cached = sum(hi - lo for st, lo, hi in op.reads if (id(st), lo, hi) in hot)
             l3 = self.hw.get("host_l3_mb", 32) * 2**20
             if op.writes:                             # (a view between them writes nothing)
-                self.prev_writes = op.writes if sum(hi - lo for _, lo, hi in op.writes) <= l3 else []
-            self.advance(actor, 0.0, self.issue + (op.nbytes - cached) / self.host_bw, None, op.name)
+                self.prev_writes = op.writes if sum(hi - lo
+                                                    for _, lo, hi in op.writes) <= l3 else []
+            self.advance(actor, 0.0, self.issue + (op.nbytes - cached) / self.host_bw, None,
+                         op.name)
             return
-        issued = self.advance("host", 0.0, self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),
+        issued = self.advance("host", 0.0,
+                              self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),
                               None, op.name)
         for st in op.fresh:
             if st.where == "device":
@@ -167,8 +175,10 @@ class Twin:
 
     # ---- the result
     def result_of(self, cfg, tokens):
-        """The steady state: between the starts of the first compute op of the last two recorded steps."""
-        a, b = self.first_compute[-3], self.first_compute[-2]   # the list ends with the after-last-step mark
+        """The steady state: between the starts of the first compute op of the last two recorded
+        steps."""
+        # the list ends with the after-last-step mark
+        a, b = self.first_compute[-3], self.first_compute[-2]
         t0, t1 = a.start, b.start
         step = t1 - t0
         busy = collections.Counter()
@@ -194,8 +204,10 @@ class Twin:
     def trace(self, path):
         """A Chrome/Perfetto trace of every span (one row per lane and thread), in microseconds."""
         tid = {a: i for i, a in enumerate(ACTORS)}
-        events = [dict(name="thread_name", ph="M", pid=0, tid=i, args=dict(name=a)) for a, i in tid.items()]
-        events += [dict(name=s.label, ph="X", pid=0, tid=tid[s.actor], ts=s.start * 1e6, dur=(s.end - s.start) * 1e6)
+        events = [dict(name="thread_name", ph="M", pid=0, tid=i, args=dict(name=a))
+                  for a, i in tid.items()]
+        events += [dict(name=s.label, ph="X", pid=0, tid=tid[s.actor], ts=s.start * 1e6,
+                        dur=(s.end - s.start) * 1e6)
                    for s in self.spans if s.end > s.start]
         with open(path, "w") as f:
             json.dump(dict(traceEvents=events, displayTimeUnit="ms"), f)

@@ -1,7 +1,9 @@
 """The core reads in one sitting: model.py, stream.py, optim.py and train.py within their line budgets, every
-line at most 100 columns; the import graph of the core and megatrain_min/ acyclic, model.py and optim.py
-importing nothing of ours and stream.py only those two; no module reaching into another's underscored names;
-no comment narrating history (issue numbers, commit hashes)."""
+line at most 100 columns -- and the periphery (megatrain_min/, its packages, tutorials/) within the same width;
+the import graph of the core and megatrain_min/ acyclic, model.py and optim.py importing nothing of ours and
+stream.py only those two; no module reaching into another's underscored names; no comment narrating history
+(issue numbers, commit hashes); every default of grad_clip, batch_size, micro_batches, lr and the device written
+out in one home; the batch split over ranks and micro-batches checked in one place."""
 import ast
 import re
 
@@ -67,12 +69,27 @@ def graph():
     return {name: imports(path) - {name} for name, path in files.items()}
 
 
+def wide(path):
+    """[(line, width)] of the lines of `path` wider than COLUMNS."""
+    lines = path.read_text().splitlines()
+    return [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > COLUMNS]
+
+
 @pytest.mark.parametrize("name", sorted(BUDGET))
 def test_core_file_within_its_budget(name):
     lines = (ROOT / name).read_text().splitlines()
-    wide = [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > COLUMNS]
     assert len(lines) <= BUDGET[name], f"{name}: {len(lines)} lines, budget {BUDGET[name]}"
-    assert not wide, f"{name}: lines wider than {COLUMNS} columns (line, width): {wide}"
+    assert not wide(ROOT / name), f"{name}: lines wider than {COLUMNS} columns (line, width): {wide(ROOT / name)}"
+
+
+PERIPHERY = LIBRARY + sorted((ROOT / "tutorials").glob("*.py"))
+
+
+def test_periphery_within_100_columns():
+    """megatrain_min/ (its packages too) and the tutorials' code keep the core's width."""
+    assert len(PERIPHERY) > 40, PERIPHERY
+    found = {str(p.relative_to(ROOT)): wide(p) for p in PERIPHERY if wide(p)}
+    assert not found, f"lines wider than {COLUMNS} columns (line, width): {found}"
 
 
 def test_model_and_optim_import_nothing_of_ours_and_stream_only_them():
@@ -159,4 +176,110 @@ def test_comments_do_not_narrate_history():
     pattern = re.compile(r"\bissue #?\d+|\bcommit [0-9a-f]{7,40}\b|\bwas\b[^.\n]{0,40}\buntil\b", re.I)
     found = [f"{p.name}:{n}: {line.strip()}" for p in LIBRARY + [ROOT / name for name in BUDGET]
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
+
+
+# ------------------------------------------------------------------------------ one home per default
+SETTINGS = ("grad_clip", "batch_size", "micro_batches", "lr", "device")
+# Where each may be given a value: the library's default (what a bare stream.Trainer(cfg, weights) does)
+# in stream.py or optim.py, and train.py's recipe where it differs, in cli.RECIPE (with its reason);
+# batch_size has no library default, so cli.DEFAULTS is its one home. device: None everywhere, decided
+# by optim.resolve_device alone. Everything else takes these (cli.LIBRARY, plan(), ReferenceTrainer, ...).
+HOMES = {"grad_clip": {"stream.py:GRAD_CLIP", "megatrain_min/cli.py:RECIPE"},
+         "lr": {"optim.py:LR", "megatrain_min/cli.py:RECIPE"},
+         "micro_batches": {"stream.py:MICRO_BATCHES"},
+         "batch_size": {"megatrain_min/cli.py:DEFAULTS"},
+         "device": set()}
+
+
+def literal(node):
+    """A value written out (not None, not a name): 0.0, 3e-3, "cpu", (4, 16), -1."""
+    if isinstance(node, ast.Constant):
+        return node.value is not None
+    if isinstance(node, ast.UnaryOp):
+        return literal(node.operand)
+    if isinstance(node, (ast.Tuple, ast.BinOp)):
+        return all(literal(n) for n in ast.iter_child_nodes(node) if isinstance(n, ast.expr))
+    return False
+
+
+def default_sites(path, src=None):
+    """{setting: {"file:where"}}: every place in `path` that writes out a default of a setting: a parameter's
+    default, a module constant named after it (GRAD_CLIP), a keyword or key of a module-level dict (DEFAULTS),
+    argparse's set_defaults(...) and add_argument("--flag", default=...)."""
+    rel, tree, found = str(path.relative_to(ROOT)), ast.parse(src or path.read_text()), {}
+
+    def add(name, where):
+        if name in SETTINGS:
+            found.setdefault(name, set()).add(f"{rel}:{where}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args
+            pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
+            pairs += [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+            for a, d in pairs:
+                if literal(d):
+                    add(a.arg, node.name)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "set_defaults":
+                for k in node.keywords:
+                    if literal(k.value):
+                        add(k.arg, "set_defaults")
+            elif node.func.attr == "add_argument" and node.args and isinstance(node.args[0], ast.Constant):
+                flag = str(node.args[0].value).lstrip("-").replace("-", "_")
+                if any(k.arg == "default" and literal(k.value) for k in node.keywords):
+                    add(flag, "add_argument")
+    for node in tree.body:   # module level: constants, and the dicts of defaults
+        if not isinstance(node, ast.Assign):
+            continue
+        names = [t.id for t in node.targets if isinstance(t, ast.Name)] or \
+            [e.id for t in node.targets if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)]
+        values = node.value.elts if isinstance(node.value, ast.Tuple) and len(names) > 1 else [node.value]
+        for name, value in zip(names, values):
+            if literal(value):
+                add(name.lower(), name)
+            elif not re.search("DEFAULT|RECIPE|LIBRARY", name):   # a table of bounds (cli.MOST) is none
+                continue
+            elif isinstance(value, ast.Call) and getattr(value.func, "id", None) == "dict":
+                for k in value.keywords:
+                    if k.arg and literal(k.value):
+                        add(k.arg, name)
+            elif isinstance(value, ast.Dict):
+                for k, v in zip(value.keys, value.values):
+                    if isinstance(k, ast.Constant) and literal(v):
+                        add(k.value, name)
+    return found
+
+
+def test_every_default_has_one_home():
+    """grad_clip, batch_size, micro_batches, lr and the device are written out only in their homes; and the
+    rule can fail: a second home is found."""
+    files = LIBRARY + [ROOT / f"{name}.py" for name in sorted(CORE)]
+    sites = {k: set() for k in SETTINGS}
+    for path in files:
+        for k, where in default_sites(path).items():
+            sites[k] |= where
+    assert sites == HOMES, {k: sites[k] ^ HOMES[k] for k in SETTINGS if sites[k] != HOMES[k]}
+    probe = "def plan(cfg, batch_size=8, grad_clip=None):\n    pass\nLR = 1e-3\nMOST = dict(lr=1)\n"
+    assert default_sites(ROOT / "megatrain_min" / "probe.py", probe) == {
+        "batch_size": {"megatrain_min/probe.py:plan"}, "lr": {"megatrain_min/probe.py:LR"}}
+    # the device's default is decided once: the engine's resolve_device
+    choosing = [p for p in files if 'is_available() else "cpu"' in p.read_text()]
+    assert choosing == [ROOT / "optim.py"], choosing
+
+
+def test_the_batch_split_is_checked_in_one_place():
+    """"The batch splits over the ranks, each share into micro-batches" is checks.splits / check_split: no other
+    file of the library takes a batch modulo micro-batches or ranks, or words the refusal itself."""
+    files = LIBRARY + [ROOT / f"{name}.py" for name in sorted(CORE)]
+    found = []
+    for path in files:
+        src = path.read_text()
+        if path.name != "checks.py" and "not divisible by" in src:
+            found.append(f"{path.name}: words the refusal")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and path.name != "checks.py":
+                right = ast.unparse(node.right)
+                if re.search(r"\b(M|micro_batches|world|ranks|N)\b", right):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found

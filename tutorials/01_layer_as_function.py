@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 # the repository root holds model.py; works as a script and as a notebook opened in tutorials/
-ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
+ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a script, or a notebook
+        else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 
@@ -33,9 +34,9 @@ torch.manual_seed(0)
 # %% [markdown]
 # ## 1. Two tensors, one buffer
 #
-# Start with the smallest possible example: a weight matrix `W` (3, 4) and a bias `b` (3,). Instead of
-# two allocations we make one flat buffer of 3*4 + 3 = 15 numbers and carve both out of it. A *view*
-# (`flat[off:off+n].view(shape)`) allocates nothing: it is a pointer, an offset and a shape.
+# Start with the smallest possible example: a weight matrix `W` (3, 4) and a bias `b` (3,). Instead
+# of two allocations we make one flat buffer of 3*4 + 3 = 15 numbers and carve both out of it. A
+# *view* (`flat[off:off+n].view(shape)`) allocates nothing: it is a pointer, an offset and a shape.
 
 # %%
 shapes = {"W": (3, 4), "b": (3,)}
@@ -63,15 +64,17 @@ assert torch.equal(moved_views["W"], views["W"]) and torch.equal(moved_views["b"
 # ## 2. The layout of a real layer
 #
 # `model.Layout` is exactly the dictionary above, written once: a list of (short name, Hugging Face
-# key, shape, offset). The project orders every layer as **matrices first, then vectors**. AdamW decays
-# the matrices and not the norm weights / biases (lesson 3), so "decay" is the contiguous region
+# key, shape, offset). The project orders every layer as **matrices first, then vectors**. AdamW
+# decays the matrices and not the norm weights / biases (lesson 3), so "decay" is the contiguous
+# region
 # `[0, n_decay)` and "no decay" is `[n_decay, numel)`: two optimizer calls per layer, no masks.
 
 # %%
 cfg = model.PRESETS["toy"]            # 4 layers, d_model 128, 4 heads, SwiGLU 352, byte vocabulary
 lay = model.units(cfg)[1]             # units: [embed, layer.0, ..., layer.3, head]
 print(lay.table())
-print(f"\n{lay.n_decay:,} of {lay.numel:,} elements are decayed (the matrices); the rest are norm weights")
+print(f"\n{lay.n_decay:,} of {lay.numel:,} elements are decayed (the matrices); the "
+      "rest are norm weights")
 
 # %% [markdown]
 # The whole model is a list of such *units*: the embedding, each layer, and the head (final norm +
@@ -81,7 +84,8 @@ print(f"\n{lay.n_decay:,} of {lay.numel:,} elements are decayed (the matrices); 
 all_units = model.units(cfg)
 for u in all_units:
     print(f"  {u.name:<8} {u.numel:>9,} elements")
-print(f"  total    {sum(u.numel for u in all_units):>9,} = model.n_params(cfg) = {model.n_params(cfg):,}")
+print(f"  total    {sum(u.numel for u in all_units):>9,} = model.n_params(cfg) = "
+      f"{model.n_params(cfg):,}")
 assert sum(u.numel for u in all_units) == model.n_params(cfg)
 
 # %% [markdown]
@@ -109,7 +113,8 @@ print("layer.0 flat buffer:", tuple(flats[1].shape), flats[1].dtype)
 # h = RMSNorm(x);  x = x + (silu(h Wgate^T) * (h Wup^T)) Wdown^T
 # ```
 #
-# Its only inputs are `x` and the dict of views `w`: it can run on any buffer that holds the numbers.
+# Its only inputs are `x` and the dict of views `w`: it can run on any buffer that holds the
+# numbers.
 
 # %%
 def rmsnorm_scratch(x, weight, eps):
@@ -134,7 +139,8 @@ def block_scratch(cfg, x, w):
     q = (h @ w["self_attn.q_proj.weight"].T).view(B, T, nh, hd).transpose(1, 2)   # (B, nh, T, hd)
     k = (h @ w["self_attn.k_proj.weight"].T).view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     v = (h @ w["self_attn.v_proj.weight"].T).view(B, T, nkv, hd).transpose(1, 2)
-    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)  # GQA: share k/v heads
+    # GQA: share k/v heads
+    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
     q, k = rope_scratch(q, cfg.rope_theta), rope_scratch(k, cfg.rope_theta)
     scores = q @ k.transpose(-1, -2) / math.sqrt(hd)                            # (B, nh, T, T)
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))  # causal
@@ -146,27 +152,28 @@ def block_scratch(cfg, x, w):
 
 
 B, T = 2, 32
-x = torch.randn(B, T, cfg.d_model)                                             # (B, T, d) a layer input
-w = lay.views(flats[1])                                                        # views into layer.0's buffer
-rope = model.rope_cache(cfg, T)                                                # (cos, sin), (T, hd) each
+x = torch.randn(B, T, cfg.d_model)                                     # (B, T, d) a layer input
+w = lay.views(flats[1])                                                # views into layer.0's buffer
+rope = model.rope_cache(cfg, T)                                        # (cos, sin), (T, hd) each
 ours, theirs = block_scratch(cfg, x, w), model.block(cfg, x, w, rope)
 diff_block = (ours - theirs).abs().max().item()
-print(f"block_scratch vs model.block: max |diff| = {diff_block:.2e}  (fused attention rounds differently)")
+print(f"block_scratch vs model.block: max |diff| = {diff_block:.2e}  (fused "
+      "attention rounds differently)")
 
 # %% [markdown]
 # ## 4. The model is a chain of unit functions
 #
-# Embedding = gather rows of the embedding unit; then `block` once per layer unit, each on its own flat
-# buffer; then the head unit (final RMSNorm + LM head). No object holds the model -- only a list of
-# buffers and a loop. Compare with `model.forward`, the project's plain reference forward over the
-# weights dict.
+# Embedding = gather rows of the embedding unit; then `block` once per layer unit, each on its own
+# flat buffer; then the head unit (final RMSNorm + LM head). No object holds the model -- only a
+# list of buffers and a loop. Compare with `model.forward`, the project's plain reference forward
+# over the weights dict.
 
 # %%
-tokens = torch.randint(0, cfg.vocab_size, (B, T))                              # (B, T) byte ids
-h = all_units[0].views(flats[0])["embed"][tokens]                              # (B, T, d) row gather
+tokens = torch.randint(0, cfg.vocab_size, (B, T))                             # (B, T) byte ids
+h = all_units[0].views(flats[0])["embed"][tokens]                             # (B, T, d) row gather
 for i in range(cfg.n_layer):
-    h = model.block(cfg, h, all_units[1 + i].views(flats[1 + i]), rope)        # layer i on its buffer
-head = all_units[-1].views(flats[-1])                                          # {"lm_head", "norm"}
+    h = model.block(cfg, h, all_units[1 + i].views(flats[1 + i]), rope)      # layer i on its buffer
+head = all_units[-1].views(flats[-1])                                        # {"lm_head", "norm"}
 logits_units = model.rms_norm(h, head["norm"], cfg.norm_eps) @ head["lm_head"].T  # (B, T, V)
 logits_ref = model.forward(cfg, weights, tokens)
 diff_model = (logits_units - logits_ref).abs().max().item()
@@ -176,14 +183,16 @@ print(f"unit-by-unit forward vs model.forward: max |diff| = {diff_model:.2e}")
 # ## Check
 #
 # * the hand-written layer equals `model.block` to float32 rounding;
-# * the unit-by-unit forward over flat buffers equals `model.forward` over the weights dict (same ops,
-#   same order: expect exactly 0);
+# * the unit-by-unit forward over flat buffers equals `model.forward` over the weights dict (same
+#   ops, same order: expect exactly 0);
 # * the views really are views: writing the flat buffer changes what `block` computes.
 
 # %%
 assert diff_block < 1e-4, diff_block
 assert diff_model < 1e-5, diff_model
-flats[1].mul_(0.0)                                                             # zero every weight of layer.0
+flats[1].mul_(0.0)                                                    # zero every weight of layer.0
 y0 = model.block(cfg, x, lay.views(flats[1]), rope)
-assert torch.equal(y0, x), "a layer with all-zero weights must be the identity (both residual branches vanish)"
-print(f"OK  block max diff {diff_block:.1e}, model max diff {diff_model:.1e}, views share the buffer")
+assert torch.equal(y0, x), \
+    "a layer with all-zero weights must be the identity (both residual branches vanish)"
+print(f"OK  block max diff {diff_block:.1e}, model max diff {diff_model:.1e}, "
+      "views share the buffer")

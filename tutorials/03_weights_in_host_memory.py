@@ -3,16 +3,19 @@
 #
 # **What you will learn**
 #
-# * what *pinned* (page-locked) host memory is and why every buffer the GPU copies from must be pinned;
+# * what *pinned* (page-locked) host memory is and why every buffer the GPU copies from must be
+#   pinned;
 # * why each unit (embedding, layer, head) crosses to the GPU as **one** contiguous copy;
 # * what the host keeps per parameter: fp32 master, Adam m and v, fp32 gradient (+ a bf16 shadow):
 #   16-18 bytes per parameter -- the number that decides how big a model fits (lesson 6);
 # * AdamW written out from scratch, checked against `torch.optim.AdamW`, then the project's
-#   `optim.HostAdamW`, which updates one unit's flat buffer with two calls of torch's fused CPU kernel;
-# * why that fused kernel matters: we time it against the plain for-loop and foreach implementations.
+#   `optim.HostAdamW`, which updates one unit's flat buffer with two calls of torch's fused CPU
+#   kernel;
+# * why that fused kernel matters: we time it against the plain for-loop and foreach
+#   implementations.
 #
-# Lesson 2 showed that only one layer's graph is ever needed. So the weights need not live on the GPU
-# at all: they live in host RAM, next to the optimizer that updates them, and visit the GPU.
+# Lesson 2 showed that only one layer's graph is ever needed. So the weights need not live on the
+# GPU at all: they live in host RAM, next to the optimizer that updates them, and visit the GPU.
 #
 # Run it: `python tutorials/03_weights_in_host_memory.py` (~3 s on a 2-core CPU). With CUDA it also
 # measures pageable vs pinned copy bandwidth.
@@ -25,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1] if "__file__" in globals() else Path.cwd().resolve().parent
+ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a script, or a notebook
+        else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from optim import HostAdamW, page_locked  # noqa: E402
@@ -37,13 +41,14 @@ torch.manual_seed(0)
 # ## 1. Pinned memory
 #
 # A GPU copies host memory by DMA: the copy engine reads physical pages while the CPU does something
-# else. Ordinary ("pageable") memory may be swapped or moved by the OS, so CUDA first copies it into a
-# pinned bounce buffer, synchronously. Memory allocated with `pin_memory=True` is page-locked up front:
-# the copy goes straight from it, at full PCIe speed, and `non_blocking=True` really is asynchronous.
-# That is why `optim.HostAdamW` page-locks every buffer a copy engine reads or writes (the gradients
-# and the streamed shadow; never Adam's m and v) when CUDA is present: `pinned=optim.page_locked`.
-# page_locked registers ordinary host pages with CUDA (`cudaHostRegister`), exactly as many as the
-# buffer needs: torch's pinned allocator rounds every block up to a power of two (+31% on a 7b store).
+# else. Ordinary ("pageable") memory may be swapped or moved by the OS, so CUDA first copies it into
+# a pinned bounce buffer, synchronously. Memory allocated with `pin_memory=True` is page-locked up
+# front: the copy goes straight from it, at full PCIe speed, and `non_blocking=True` really is
+# asynchronous. That is why `optim.HostAdamW` page-locks every buffer a copy engine reads or writes
+# (the gradients and the streamed shadow; never Adam's m and v) when CUDA is present:
+# `pinned=optim.page_locked`. page_locked registers ordinary host pages with CUDA
+# (`cudaHostRegister`), exactly as many as the buffer needs: torch's pinned allocator rounds every
+# block up to a power of two (+31% on a 7b store).
 #
 # Without CUDA there is no pinned allocator (`torch.empty(n, pin_memory=True)` raises), and there is
 # nothing to copy to: the same code runs with ordinary memory.
@@ -63,23 +68,25 @@ if CUDA:
     n = (256 << 20) // 4                                         # 256 MB of fp32
     dst = torch.empty(n, device="cuda")
     pageable, pinned = torch.randn(n), torch.randn(n).pin_memory()
-    print(f"H2D pageable {h2d_gbps(pageable, dst, False):6.1f} GB/s   pinned {h2d_gbps(pinned, dst, True):6.1f} GB/s")
+    print(f"H2D pageable {h2d_gbps(pageable, dst, False):6.1f} GB/s   pinned "
+          f"{h2d_gbps(pinned, dst, True):6.1f} GB/s")
     del dst, pageable, pinned
 else:
-    print("no CUDA: skipping the bandwidth measurement (on an H100 host expect ~10-25 GB/s pageable, "
-          "~50-55 GB/s pinned over PCIe Gen5 x16)")
+    print("no CUDA: skipping the bandwidth measurement (on an H100 host expect ~10-25 GB/s "
+          "pageable, ~50-55 GB/s pinned over PCIe Gen5 x16)")
 
 # %% [markdown]
 # ## 2. One copy per unit
 #
-# Lesson 1 put each layer in one flat buffer. The engine keeps two *weight slots* on the GPU, each big
-# enough for the largest unit, and moves a layer with ONE `slot[:n].copy_(flat, non_blocking=True)`:
-# one DMA, one event to wait on, no per-tensor launch overhead, no allocation. The views of lesson 1
-# then give the layer its weights inside the slot. Here we compare one copy with one copy per tensor
-# for a GPT-2-small-sized layer (on the CPU the two are just memcpys, so we only count them).
+# Lesson 1 put each layer in one flat buffer. The engine keeps two *weight slots* on the GPU, each
+# big enough for the largest unit, and moves a layer with ONE `slot[:n].copy_(flat,
+# non_blocking=True)`: one DMA, one event to wait on, no per-tensor launch overhead, no allocation.
+# The views of lesson 1 then give the layer its weights inside the slot. Here we compare one copy
+# with one copy per tensor for a GPT-2-small-sized layer (on the CPU the two are just memcpys, so we
+# only count them).
 
 # %%
-lay = model.units(model.PRESETS["small"])[0]                   # layer.0 of the 124M preset: 7.1M params
+lay = model.units(model.PRESETS["small"])[0]               # layer.0 of the 124M preset: 7.1M params
 print(f"{lay.name} of 'small': {lay.numel:,} params in {len(lay.entries)} tensors")
 if CUDA:
     flat = torch.randn(lay.numel, dtype=torch.bfloat16).pin_memory()
@@ -90,7 +97,9 @@ if CUDA:
         for d, s in pairs:
             d.copy_(s, non_blocking=True)
 
-    for name, fn in (("one flat copy", lambda: slot.copy_(flat, non_blocking=True)), ("per tensor", per_tensor)):
+    for name, fn in (("one flat "
+                      "copy", lambda: slot.copy_(flat, non_blocking=True)), ("per "
+                                                                             "tensor", per_tensor)):
         fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -110,13 +119,14 @@ else:
 # |---|---|---|
 # | master | 4 | the weights, in full precision, the only copy |
 # | m, v   | 4 + 4 | Adam's moments |
-# | grad   | 4 | where the GPU's fp32 gradient lands (D2H) -- kept per unit only with gradient clipping |
-# | shadow | 2 | a bf16 copy of the master, refreshed after each update: what crosses PCIe in "fast" mode |
+# | grad   | 4 | where the GPU's fp32 gradient lands (D2H); per unit only with clipping |
+# | shadow | 2 | a bf16 copy of the master, refreshed by each update: what "fast" streams |
 #
-# With clipping every gradient must be on the host before the global norm is known, so the store keeps
-# one per unit (`grad_store=True`). Without it each unit is updated as soon as its gradient lands, and the
-# engine passes gradients through a few unit-sized gradient slabs instead (`grad_store=False`: 4 B/param
-# less). The GPU holds only two weight slots and two gradient slots: independent of the number of layers.
+# With clipping every gradient must be on the host before the global norm is known, so the store
+# keeps one per unit (`grad_store=True`). Without it each unit is updated as soon as its gradient
+# lands, and the engine passes gradients through a few unit-sized gradient slabs instead
+# (`grad_store=False`: 4 B/param less). The GPU holds only two weight slots and two gradient slots:
+# independent of the number of layers.
 
 # %%
 cfg = model.PRESETS["toy"]
@@ -125,7 +135,8 @@ sizes = [(u.numel, u.n_decay) for u in units]                  # (numel, decayed
 N = model.n_params(cfg)
 for shadow in (torch.bfloat16, None):
     for grad_store in (True, False):
-        opt = HostAdamW(sizes, shadow_dtype=shadow, grad_store=grad_store, pinned=page_locked if CUDA else None)
+        opt = HostAdamW(sizes, shadow_dtype=shadow, grad_store=grad_store,
+                        pinned=page_locked if CUDA else None)
         print(f"shadow {str(shadow):<15} grad_store {str(grad_store):<5}: host store "
               f"{opt.nbytes() / 1e6:6.2f} MB = {opt.nbytes() / N:.0f} B/param")
 assert HostAdamW(sizes, shadow_dtype=torch.bfloat16).nbytes() == 18 * N
@@ -168,9 +179,10 @@ ours = [p.clone() for p in init]
 ms, vs = [torch.zeros_like(p) for p in init], [torch.zeros_like(p) for p in init]
 leaves = [p.clone().requires_grad_() for p in init]
 ref = torch.optim.AdamW([{"params": [p for p in leaves if p.dim() >= 2], "weight_decay": WD},
-                         {"params": [p for p in leaves if p.dim() < 2], "weight_decay": 0.0}], **HP, fused=True)
+                         {"params": [p for p in leaves if p.dim() < 2], "weight_decay": 0.0}], **HP,
+                        fused=True)
 host = HostAdamW([(lay.numel, lay.n_decay)], weight_decay=WD, **HP)   # one unit: the whole layer
-host.master[0].copy_(torch.cat([p.flatten() for p in init]))          # layout order = [matrices | vectors]
+host.master[0].copy_(torch.cat([p.flatten() for p in init]))   # layout order = [matrices | vectors]
 gen = torch.Generator().manual_seed(0)
 for t in range(1, 6):
     grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
@@ -189,12 +201,13 @@ print(f"after 5 steps, max |diff| vs torch.optim.AdamW(fused=True): scratch {dif
 # %% [markdown]
 # ## 5. Why the fused kernel matters
 #
-# AdamW does almost no arithmetic per byte: it is **memory-bound**. The minimum traffic is reading p,
-# g, m, v (16 B) and writing p, m, v (12 B) -- ~28 B/param, +6 B for the bf16 shadow. The scratch loop
-# above makes ~8 separate passes over memory per tensor (each op reads and writes whole tensors) and
-# allocates temporaries; `foreach` batches the launches but still makes the passes; the fused kernel
-# makes ONE pass. For a 120B model the optimizer touches ~4 TB per step, so this is the difference
-# between the CPU keeping up with the GPU or not (the time per step is lesson 5's business).
+# AdamW does almost no arithmetic per byte: it is **memory-bound**. The minimum traffic is reading
+# p, g, m, v (16 B) and writing p, m, v (12 B) -- ~28 B/param, +6 B for the bf16 shadow. The scratch
+# loop above makes ~8 separate passes over memory per tensor (each op reads and writes whole
+# tensors) and allocates temporaries; `foreach` batches the launches but still makes the passes; the
+# fused kernel makes ONE pass. For a 120B model the optimizer touches ~4 TB per step, so this is the
+# difference between the CPU keeping up with the GPU or not (the time per step is lesson 5's
+# business).
 #
 # Time all of them on the same ~2.7M parameters (one layer of a d=512 model). The GB/s column is
 # the *useful* traffic (28 B/param per step divided by the time); the unfused versions really move
@@ -214,7 +227,8 @@ def torch_adamw(**kw):
     for p, g in zip(ps, grads):
         p.grad = g
     return torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": WD},
-                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}], **HP, **kw).step
+                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
+                             **HP, **kw).step
 
 
 scratch_state = ([p.clone() for p in params], [torch.zeros_like(p) for p in params],   # p, m, v
@@ -224,7 +238,8 @@ host = HostAdamW([(lay.numel, lay.n_decay) for lay in lays], weight_decay=WD, **
 for u in range(len(lays)):
     host.grad[u].normal_(0, 1e-3)
 contenders = {
-    "scratch loop (section 4)": lambda: adamw_scratch(scratch_state[0], grads, scratch_state[1], scratch_state[2],
+    "scratch loop (section "
+    "4)": lambda: adamw_scratch(scratch_state[0], grads, scratch_state[1], scratch_state[2],
                                                       1, wds=scratch_wds, **HP),
     "torch AdamW(foreach=False)": torch_adamw(foreach=False),
     "torch AdamW(foreach=True)": torch_adamw(foreach=True),
@@ -232,26 +247,29 @@ contenders = {
     "optim.HostAdamW (fused, flat)": lambda: [host.step(u) for u in range(len(lays))],
 }
 for fn in contenders.values():
-    fn()                                                       # warm-up (allocates the optimizer state)
+    fn()                                                   # warm-up (allocates the optimizer state)
 ms_per_step = {name: float("inf") for name in contenders}
-for _ in range(3):                                             # interleaved rounds, best of 3: all see the same machine
+for _ in range(3):                         # interleaved rounds, best of 3: all see the same machine
     for name, fn in contenders.items():
         t0 = time.perf_counter()
         fn()
         ms_per_step[name] = min(ms_per_step[name], (time.perf_counter() - t0) * 1e3)
-print(f"{n_big / 1e6:.1f}M params, {torch.get_num_threads()} threads (times on a shared machine are noisy):")
+print(f"{n_big / 1e6:.1f}M params, {torch.get_num_threads()} threads (times on a "
+      "shared machine are noisy):")
 for name, ms in ms_per_step.items():
-    print(f"  {name:<30} {ms:7.1f} ms/step   ~{28 * n_big / ms / 1e6:5.1f} GB/s useful (28 B/param)")
+    print(f"  {name:<30} {ms:7.1f} ms/step   ~{28 * n_big / ms / 1e6:5.1f} "
+          "GB/s useful (28 B/param)")
 speedup = ms_per_step["scratch loop (section 4)"] / ms_per_step["optim.HostAdamW (fused, flat)"]
-print(f"fused HostAdamW is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py compares it with torch's fused at 50M)")
+print(f"fused HostAdamW is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py compares it with "
+      "torch's fused at 50M)")
 
 # %% [markdown]
 # ## Check
 #
-# The scratch AdamW and `optim.HostAdamW` give the same weights as `torch.optim.AdamW` after 5 steps,
-# and the store really costs 18 B/param with a bf16 shadow and a gradient store, 12 with neither.
-# (Speed is printed, not asserted: a shared machine makes timings noisy. Expect the fused kernel to be
-# several times faster than the loop.)
+# The scratch AdamW and `optim.HostAdamW` give the same weights as `torch.optim.AdamW` after 5
+# steps, and the store really costs 18 B/param with a bf16 shadow and a gradient store, 12 with
+# neither. (Speed is printed, not asserted: a shared machine makes timings noisy. Expect the fused
+# kernel to be several times faster than the loop.)
 
 # %%
 assert diff_scratch < 1e-6, diff_scratch

@@ -172,10 +172,10 @@ wbytes = cfg["layer_params"] * cfg["weight_bytes_per_param"]
 print(f"{'per 7B-width layer':<32}{'median ms':>10}{'min':>8}{'max':>8}")
 for k, v in LAYER.items():
     print(f"{k:<32}{med[k] * 1e3:10.1f}{min(v.values()) * 1e3:8.1f}{max(v.values()) * 1e3:8.1f}")
-print(f"head (forward + backward, all micro-batches): {head * 1e3:.1f} ms; a layer's weight copy: "
-      f"{wbytes / 1e6:.0f} MB at {wbytes / med['H2D of its weights, forward'] / 1e9:.1f} GB/s "
-      f"in the forward, {wbytes / med['H2D of its weights, backward'] / 1e9:.1f} GB/s in the "
-      f"backward")
+print(f"head (forward + backward, all micro-batches): {head * 1e3:.1f} ms; a layer's weight "
+      f"copy: {wbytes / 1e6:.0f} MB at "
+      f"{wbytes / med['H2D of its weights, forward'] / 1e9:.1f} GB/s in the forward, "
+      f"{wbytes / med['H2D of its weights, backward'] / 1e9:.1f} GB/s in the backward")
 
 # %% [markdown]
 # ## 4. The host bandwidth AdamW reached
@@ -195,9 +195,9 @@ print(f"AdamW: 28 B x {P:,} parameters in {med['AdamW (_fused_adamw_)'] * 1e3:.1
 
 # %% [markdown]
 # About 100 GB/s from the optimizer thread's 14 OpenMP threads: half the 200 GB/s that the
-# planner's h200 profile assumes for AdamW (`megatrain_min/plan/hardware.py`, `host_bw_gbs`), one reason
-# its 1.62 s became 2.29 s. And while AdamW streams, the backward's weight copies slow from 55 to
-# ~35 GB/s (section 3): both draw on the host's memory. The CPU does not get faster by asking;
+# planner's h200 profile assumes for AdamW (`megatrain_min/plan/hardware.py`, `host_bw_gbs`), one
+# reason its 1.62 s became 2.29 s. And while AdamW streams, the backward's weight copies slow from
+# 55 to ~35 GB/s (section 3): both draw on the host's memory. The CPU does not get faster by asking;
 # what the schedule can change is how much it is asked to do, and when.
 #
 # ## 5. The rule that follows
@@ -218,9 +218,9 @@ worked = sum(a["end"] - a["start"] for a in adam if a["kind"] != "wait")   # all
 excess = worked - sum(bwd.values())
 print(f"per layer: update {med['update = AdamW + shadow copy'] * 1e3:.0f} ms > backward "
       f"{med['recompute + backward'] * 1e3:.0f} ms, in every one of the {len(upd)} layers")
-print(f"from the head's update ({first['start']:.2f} s) to the step's end the optimizer thread "
-      f"worked {worked:.2f} of {chain:.2f} s: the step is the forward and head, then the host's "
-      f"updates")
+print(f"from the head's update ({first['start']:.2f} s) to the step's end the optimizer "
+      f"thread worked {worked:.2f} of {chain:.2f} s: the step is the forward and head, "
+      "then the host's updates")
 print(f"the updates (head, layers, embedding: {worked:.2f} s) outlast the GPU's backward "
       f"({sum(bwd.values()):.2f} s) by {excess:.2f} s; the GPU waited for slabs "
       f"{idle['slab']:.2f} s and at the boundary {idle['tail']:.2f} s: "
@@ -243,15 +243,15 @@ print(f"a layer's backward grows with the tokens, its update does not: they brea
 #
 # ## 6. What the models say one host pass and resident units change
 #
-# `hardware.HARDWARE["h200"]` is made from this run: the achieved compute rate (frac 0.56 of the bf16
-# peak: the forward, backward and head above), the measured links, AdamW's 101 GB/s and the host's
-# 300 MB last-level cache. On it, `bench/twin_vs_plan.py --measured` replays this very step with the
-# engine as it was measured -- no resident units, the shadow written in a second pass -- through
-# both models: the twin (the real engine's op stream, `megatrain_min/twin.py`) and the planner (an
-# analytic schedule, `megatrain_min/plan/timing.py`); both land within 5% of the measured step
-# (`bench/results/2026-11-27-nvidia-h200/twin_vs_plan.md`). The planner is instant, so this lesson
-# asks it what the engine as it is now would do on the same GPU and host -- predictions, until a GPU
-# measures them (`bench/gpu_run.sh`):
+# `hardware.HARDWARE["h200"]` is made from this run: the achieved compute rate (frac 0.56 of the
+# bf16 peak: the forward, backward and head above), the measured links, AdamW's 101 GB/s and the
+# host's 300 MB last-level cache. On it, `bench/twin_vs_plan.py --measured` replays this very step
+# with the engine as it was measured -- no resident units, the shadow written in a second pass --
+# through both models: the twin (the real engine's op stream, `megatrain_min/twin.py`) and the
+# planner (an analytic schedule, `megatrain_min/plan/timing.py`); both land within 5% of the
+# measured step (`bench/results/2026-11-27-nvidia-h200/twin_vs_plan.md`). The planner is instant, so
+# this lesson asks it what the engine as it is now would do on the same GPU and host -- predictions,
+# until a GPU measures them (`bench/gpu_run.sh`):
 
 # %%
 def twin_says(x):
@@ -264,10 +264,11 @@ def twin_says(x):
     from megatrain_min import plan
     from megatrain_min.plan import hardware
     c = x["config"]
-    cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096,
+    cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32,
+                          d_model=4096,
                           d_ff=11008, max_seq_len=4096)
     host = json.loads((RUN / "results.json").read_text())["meta"]["host_available_gb"]
-    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=host)          # the run's host memory, not 1.5 TB
+    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=host)       # the run's host memory, not 1.5 TB
     n = len(model.units(cfg))
 
     def step(resident, mode="fast", two_passes=False):
@@ -279,7 +280,8 @@ def twin_says(x):
                              skip_nonfinite=False, grad_slabs=3, resident_units=resident)
         finally:
             optim.TILE = tile
-    rows = [("the engine as measured (two host passes, nothing resident)", step(0, two_passes=True)),
+    rows = [("the engine as measured (two host passes, nothing "
+             "resident)", step(0, two_passes=True)),
             ("one host pass (the shadow from cache)", step(0)),
             (f"+ {n // 10} units resident (<= 10%: a 120b run's regime)", step(n // 10)),
             (f"  in lean mode (28 B/param on the host, fp32 over PCIe)", step(n // 10, "lean")),
@@ -287,7 +289,8 @@ def twin_says(x):
     gpu_only = x["meta"]["timed"]["at_min_tokens"]["compute_only_s"]
     print(f"{'engine':<60}{'step s':>8}{'GPU-only/step':>15}  bound by")
     for name, p in rows:
-        print(f"{name:<60}{p['step_time_s']:>8.3f}{gpu_only / p['step_time_s']:>15.2f}  {p['bottleneck']}")
+        print(f"{name:<60}{p['step_time_s']:>8.3f}{gpu_only / p['step_time_s']:>15.2f}  "
+              f"{p['bottleneck']}")
     return {name: p["step_time_s"] for name, p in rows}, gpu_only
 
 
@@ -332,7 +335,8 @@ assert all(upd[i] > bwd[i] for i in upd), "a layer's update fit under its backwa
 assert abs(excess - (idle["slab"] + idle["tail"])) / excess < 0.1, (excess, idle)
 assert worked / chain > 0.95 and cfg["tokens"] < need < x2["tokens"] and x2["overlap"] > 0.9
 times = list(said.values())
-assert abs(times[0] - meta["timed"]["at_min_tokens"]["step_s"]) / meta["timed"]["at_min_tokens"]["step_s"] < 0.1
+measured = meta["timed"]["at_min_tokens"]["step_s"]
+assert abs(times[0] - measured) / measured < 0.1
 assert all(a > b for a, b in zip(times[:3], times[1:3])) and times[3] < times[2]
 assert gpu_only / times[-1] > 0.95, (gpu_only, times)
 print(f"OK  GPU busy {busy:.3f} s of a {STEP:.3f} s step ({busy / STEP:.0%}); waits: slab "

@@ -37,7 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 import model  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min.plan import hardware, memory  # noqa: E402
+from megatrain_min.plan import hardware  # noqa: E402
+from megatrain_min.plan.memory import HOST_USABLE  # noqa: E402
 
 OUT = HERE / "figures"
 OUT.mkdir(exist_ok=True)
@@ -64,8 +65,8 @@ def timeline():
         ax.set_title(f"{B} x 4096 tokens per step: {r['step_time_s'] * 1e3:.0f} ms (planner "
                      f"{p['step_time_s'] * 1e3:.0f} ms), GPU busy {r['overlap']:.0%}, bound by "
                      f"{r['bottleneck']}", fontsize=10, loc="left")
-    axes[-1].set_xlabel("ms: one step of 4 Llama-2-7B layers replayed on the h100 profile "
-                        "(a prediction)")
+    axes[-1].set_xlabel("ms: one step of 4 Llama-2-7B layers replayed on the h100 "
+                        "profile (a prediction)")
     fig.savefig(OUT / "timeline.png", dpi=100)
     plt.close(fig)
 
@@ -84,8 +85,8 @@ def throughput():
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per step = tokens per layer visit (layer-major)")
     ax.set_ylabel("predicted tokens/s")
-    ax.set_title("7b, bf16, seq 1024: dashed = weights hidden (F b / 2BW), dotted = CPU AdamW "
-                 "hidden", fontsize=9)
+    ax.set_title("7b, bf16, seq 1024: dashed = weights hidden (F b / 2BW), dotted = CPU "
+                 "AdamW hidden", fontsize=9)
     ax.legend()
     fig.savefig(OUT / "throughput.png", dpi=100)
     plt.close(fig)
@@ -112,7 +113,7 @@ def memory():
             left += b / 1e12
         ax.text(max(left, 1.5) + 0.02, y, f"{left:.2f} TB, {p['host_bytes_per_param']:.0f} B/param",
                 va="center", fontsize=8)
-    usable = 1536e9 * memory.HOST_USABLE / 1e12
+    usable = 1536e9 * HOST_USABLE / 1e12
     ax.axvline(usable, color="k", ls="--", lw=1)
     ax.text(usable, -0.55, " 1.5 TB host (97% usable)", fontsize=8, va="bottom")
     ax.set_yticks(range(4), ["fast + clip", "fast", "lean + clip", "lean"])
@@ -141,14 +142,16 @@ def measured_step(x):
 
 
 def twin_step(x):
-    """The same step as the twin predicts it on this run's profile (plan.hardware.HARDWARE["h200"], made from
-    it), the engine as measured (nothing resident, the shadow in a second pass): the real engine's op
-    stream at full size replayed (megatrain_min/twin.py; ~20 s), as [(lane, start, end, kind)]."""
+    """The same step as the twin predicts it on this run's profile (plan.hardware.HARDWARE["h200"],
+    made from it), the engine as measured (nothing resident, the shadow in a second pass): the real
+    engine's op stream at full size replayed (megatrain_min/twin.py; ~20 s), as
+    [(lane, start, end, kind)]."""
     import optim
     import torch
     from megatrain_min import record, twin
     c = x["config"]
-    cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096,
+    cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32,
+                          d_model=4096,
                           d_ff=11008, max_seq_len=4096)
     host = json.loads((EXTRACT.parent / "results.json").read_text())["meta"]["host_available_gb"]
     lane = {"host": "main", "cpu_adam": "adamw", "h2d": "h2d", "compute": "compute", "d2h": "d2h"}
@@ -157,27 +160,36 @@ def twin_step(x):
         def op(self, op):
             n = len(self.spans)
             super().op(op)
-            kind = ("adamw" if "adamw" in op.name else "shadow_copy" if "copy_" in op.name else
-                    "scatter") if op.actor == "worker" else op.kind if op.kind in ("h2d", "d2h") else \
-                "head" if "cross_entropy" in op.name or "log_softmax" in op.name else \
-                "backward" if op.autograd else "forward"
+            if op.actor == "worker":
+                kind = "adamw" if "adamw" in op.name else \
+                    "shadow_copy" if "copy_" in op.name else "scatter"
+            elif op.kind in ("h2d", "d2h"):
+                kind = op.kind
+            elif "cross_entropy" in op.name or "log_softmax" in op.name:
+                kind = "head"
+            else:
+                kind = "backward" if op.autograd else "forward"
             for s_ in self.spans[n:]:
                 s_.kind = kind
     tw, tile = Tagged(dict(hardware.HARDWARE["h200"], host_mem_gb=host)), optim.TILE
     optim.TILE = 1 << 40                 # the engine as measured: the shadow in a second pass
     try:
-        record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(c["tokens"] // 4096, 4096),
-                   dtype=torch.bfloat16, micro_batches=c["micro_batches"], grad_clip=0.0, grad_slabs=3,
+        record.run(cfg, [tw], 3, fake=True, sources=False, costs=True,
+                   batch=(c["tokens"] // 4096, 4096),
+                   dtype=torch.bfloat16, micro_batches=c["micro_batches"], grad_clip=0.0,
+                   grad_slabs=3,
                    resident_units=0)
     finally:
         optim.TILE = tile
     t0, t1 = tw.first_compute[-3].start, tw.first_compute[-2].start
-    spans = sorted((lane[s_.actor], max(s_.start, t0) - t0, min(s_.end, t1) - t0, getattr(s_, "kind", ""))
+    spans = sorted(
+        (lane[s_.actor], max(s_.start, t0) - t0, min(s_.end, t1) - t0, getattr(s_, "kind", ""))
                    for s_ in tw.spans if s_.label != "wait" and s_.end > t0 and s_.start < t1
                    and s_.actor in lane)
-    merged = []                          # ~100k ops: one bar per run of a kind on a lane (gaps < 0.5 ms)
+    merged = []                     # ~100k ops: one bar per run of a kind on a lane (gaps < 0.5 ms)
     for sp in spans:
-        if merged and merged[-1][0] == sp[0] and merged[-1][3] == sp[3] and sp[1] - merged[-1][2] < 5e-4:
+        last = merged[-1] if merged else None
+        if last and last[0] == sp[0] and last[3] == sp[3] and sp[1] - last[2] < 5e-4:
             merged[-1] = (sp[0], merged[-1][1], max(merged[-1][2], sp[2]), sp[3])
         else:
             merged.append(sp)
@@ -226,8 +238,8 @@ def measured():
     twin = twin_step(x)
     if twin is not None:
         end = max(b for _, _, b, _ in twin)
-        panels.append((twin, f"the same step as the twin predicts it on the profile made from this run "
-                       f"(plan.hardware.HARDWARE['h200']): {end:.2f} s", ()))
+        panels.append((twin, "the same step as the twin predicts it on the profile made from this "
+                       f"run (plan.hardware.HARDWARE['h200']): {end:.2f} s", ()))
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.0 * len(panels) + 0.6),
                              constrained_layout=True, squeeze=False)
     for ax, (spans, title, notes) in zip(axes[:, 0], panels):

@@ -1,22 +1,27 @@
-"""megatrain_min/plan -- will it fit, and how fast will it go? The memory and throughput plan of a run.
+"""megatrain_min/plan -- will it fit, and how fast will it go? The memory and throughput plan of a
+run.
 
 What it is
-    plan(cfg, hardware, batch_size, ...) works from the config's arithmetic alone (model.units() sizes
-    every unit without allocating it), so `--config 120b --plan` answers in milliseconds. It is composed
-    of named steps, one file each:
+    plan(cfg, hardware, batch_size, ...) works from the config's arithmetic alone (model.units()
+    sizes every unit without allocating it), so `--config 120b --plan` answers in milliseconds. It
+    is composed of named steps, one file each:
       setting.py    the run in numbers: what the caller fixed, checked, and what follows from it
       hardware.py   the GPU and host planned for: HARDWARE's profiles, or this machine (local)
-      memory.py     host and GPU bytes by component: the tile, the boundary activations on the device
-                    or offloaded, the units resident on the GPU, the store, what is page-locked
-      timing.py     each layer visit's seconds, and stream.py's schedule replayed on its lanes for three
-                    steps: step time, tokens/s, the bottleneck, the tokens per step that hide transfers
-    Around the plan: fit.py (check: a plan that does not fit as one line, with the nearest setting that
-    fits; max_context), report.py (the plan as a table, as JSON, as train.py's one line), and the command
-    line (__main__.py). megatrain_min/engine.py turns a plan into the engine's arguments.
+      memory.py     host and GPU bytes by component: the tile, the boundary activations on the
+                    device or offloaded, the units resident on the GPU, the store, what is
+                    page-locked
+      timing.py     each layer visit's seconds, and stream.py's schedule replayed on its lanes for
+                    three steps: step time, tokens/s, the bottleneck, the tokens per step that hide
+                    transfers
+    Around the plan: fit.py (check: a plan that does not fit as one line, with the nearest setting
+    that fits; max_context), report.py (the plan as a table, as JSON, as train.py's one line), and
+    the command line (__main__.py). megatrain_min/engine.py turns a plan into the engine's
+    arguments.
 What it is not
-    Not a profiler: bandwidths and the achievable fraction of peak are the assumptions in HARDWARE until
-    bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps, the data
-    loader, back-pressure of the grad slabs, the transient extra fp32 copy init_weights makes.
+    Not a profiler: bandwidths and the achievable fraction of peak are the assumptions in HARDWARE
+    until bench/ measures them. Not modelled: DRAM contention between DMA and AdamW, launch gaps,
+    the data loader, back-pressure of the grad slabs, the transient extra fp32 copy init_weights
+    makes.
 Reference
     docs/design.md, sections 'Memory modes' and 'The arithmetic'; stream.py and optim.py for what is
     allocated where; MegaTrain (arXiv 2604.05091: 120B on one H200 with 1.5 TB of host memory).
@@ -26,7 +31,7 @@ Try it
     python -m megatrain_min.plan --config 70b --hardware all --batch-size 8 --seq-len 4096   # each
     python -m megatrain_min.plan --config 70b --hardware h100 --gpus 8 --nodes 2 --host-mem 2000 \\
         --batch-size 64 --seq-len 4096
-    python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # long context
+    python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # 512k
     python -m pytest tests/test_plan.py
 """
 import dataclasses
@@ -41,41 +46,42 @@ from megatrain_min.plan.setting import Setting
 
 
 class PlanError(ValueError):
-    """A plan that cannot be made (an argument no run can have) or a run that does not fit, in one line:
-    what, how much, what this machine has, what to try."""
+    """A plan that cannot be made (an argument no run can have) or a run that does not fit, in one
+    line: what, how much, what this machine has, what to try."""
 
 
 def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
          micro_batches=stream.MICRO_BATCHES,
          mode="fast", dtype=None, grad_clip=stream.GRAD_CLIP, offload_activations=None,
          host_mem_gb=None, host_bw_gbs=None, residual_dtype="fp32", grad_slabs=None,
-         skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None, tile_tokens=None, gpus=1,
+         skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None, tile_tokens=None,
+         gpus=1,
          nodes=1, device=None, resident_units=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (report.py prints it).
 
-    hardware: a hardware.HARDWARE name, "local", or a dict like HARDWARE's rows. batch_size: sequences
-    per step (train.py's default: cli.DEFAULTS); seq_len None: cfg.max_seq_len. dtype: "bf16" or "fp32" (None:
-    model.default_dtype of the hardware). grad_clip: the global-norm clip (0 = off, the engine's
-    default); with it the updates are deferred until every gradient is on the host, which keeps an fp32
-    gradient per parameter there; without it each unit is updated as its gradient lands, through
-    gradient slabs (grad_slabs None: as many as hide the D2H + AdamW latency: timing.slabs).
-    offload_activations None: memory.offload_needed decides (p["offload_activations"]). residual_dtype:
-    "fp32" (autocast's arithmetic) or "bf16". skip_nonfinite: train.py's guard; without deferral it
-    costs a host wait for the loss after the head and one more read of each gradient, never a
-    gradient store. p["pinned_bytes"]: the host bytes page-locked (optim.page_locked): what a copy
-    engine reads or writes, never Adam's m and v. tile_tokens: model.block's sequence tile (0 =
-    untiled); None: the planner's choice (memory.tile_for). device: with hardware "local", the device
-    the run trains on (its free memory; None: optim.resolve_device's choice).
-    gpus, nodes: megatrain_min/sharded.py on gpus per node x nodes ranks (N), batch_size the global
-    batch: each rank computes batch_size / N sequences in micro_batches and holds 1/N of the host
-    store; host memory is then per node, GPU memory per GPU. Each visit adds an all_gather of the unit
-    (compute dtype) and a reduce_scatter of its fp32 gradient, (N-1)/N of it per GPU, on a comm lane of
-    their own: NVLink (nvlink_gbs, bus bandwidth) within a node, InfiniBand per GPU (ib_gbs) as soon as
-    the ring crosses nodes. The node's AdamW threads share its DRAM bandwidth. Not modelled: the
-    all_reduce of the loss and norm (a few bytes), collective latency.
-    resident_units: how many units, in the order the forward needs them, stay whole on the GPU (16
-    B/param there, none on the host, AdamW on the GPU); None: as many as fit in the memory the step
-    leaves (one rank).
+    hardware: a hardware.HARDWARE name, "local", or a dict like HARDWARE's rows. batch_size:
+    sequences per step (train.py's default: cli.DEFAULTS); seq_len None: cfg.max_seq_len. dtype:
+    "bf16" or "fp32" (None: model.default_dtype of the hardware). grad_clip: the global-norm clip (0
+    = off, the engine's default); with it the updates are deferred until every gradient is on the
+    host, which keeps an fp32 gradient per parameter there; without it each unit is updated as its
+    gradient lands, through gradient slabs (grad_slabs None: as many as hide the D2H + AdamW
+    latency: timing.slabs). offload_activations None: memory.offload_needed decides
+    (p["offload_activations"]). residual_dtype: "fp32" (autocast's arithmetic) or "bf16".
+    skip_nonfinite: train.py's guard; without deferral it costs a host wait for the loss after the
+    head and one more read of each gradient, never a gradient store. p["pinned_bytes"]: the host
+    bytes page-locked (optim.page_locked): what a copy engine reads or writes, never Adam's m and v.
+    tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice
+    (memory.tile_for). device: with hardware "local", the device the run trains on (its free memory;
+    None: optim.resolve_device's choice). gpus, nodes: megatrain_min/sharded.py on gpus per node x
+    nodes ranks (N), batch_size the global batch: each rank computes batch_size / N sequences in
+    micro_batches and holds 1/N of the host store; host memory is then per node, GPU memory per GPU.
+    Each visit adds an all_gather of the unit (compute dtype) and a reduce_scatter of its fp32
+    gradient, (N-1)/N of it per GPU, on a comm lane of their own: NVLink (nvlink_gbs, bus bandwidth)
+    within a node, InfiniBand per GPU (ib_gbs) as soon as the ring crosses nodes. The node's AdamW
+    threads share its DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few
+    bytes), collective latency. resident_units: how many units, in the order the forward needs them,
+    stay whole on the GPU (16 B/param there, none on the host, AdamW on the GPU); None: as many as
+    fit in the memory the step leaves (one rank).
     """
     # ---- the setting: the hardware and every argument, checked
     try:
@@ -84,12 +90,13 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         if tile_tokens is not None and tile_tokens < 0:
             raise ValueError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
         s = Setting(cfg, hw, batch_size, seq_len or cfg.max_seq_len, micro_batches, mode, dtype,
-                    residual_dtype, grad_clip, skip_nonfinite, chunk_tokens, host_speed, gpus, nodes)
+                    residual_dtype, grad_clip, skip_nonfinite, chunk_tokens, host_speed, gpus,
+                    nodes)
     except ValueError as e:
         raise PlanError(str(e)) from None
     name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
 
-    # ---- memory: the GPU's (the tile, the boundary activations, the resident units), then the host's
+    # ---- memory: the GPU's (tile, boundary activations, resident units), then the host's
     tile = memory.tile(s, tile_tokens, offload_activations)
     gpu, offloaded, resident = memory.gpu(s, tile, offload_activations, resident_units)
     gpu_bytes = sum(gpu.values())
@@ -100,7 +107,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     slabs = 0 if s.defer else grad_slabs or timing.slabs(t, s.tied)
     host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes)
     host_bytes, host_limit = sum(host.values()), memory.host_limit(s)
-    fits_host, fits_gpu = host_bytes <= host_limit, (not s.cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
+    fits_host = host_bytes <= host_limit
+    fits_gpu = (not s.cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
     step_time, busy, critical = timing.simulate(
         s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=slabs,
         guard=skip_nonfinite and not s.defer, overlap=s.cuda, sharded=s.world > 1,
@@ -114,9 +122,11 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         residual_dtype=residual_dtype, batch_size=batch_size, seq_len=s.seq_len,
         micro_batches=micro_batches, tokens_per_step=s.tokens_step, gpus=gpus, nodes=nodes,
         world=s.world, grad_clip=grad_clip, defer_updates=s.defer, chunk_tokens=chunk_tokens,
-        host_speed=host_speed, tile_tokens=tile, tile_asked=tile_tokens, skip_nonfinite=skip_nonfinite,
+        host_speed=host_speed, tile_tokens=tile, tile_asked=tile_tokens,
+                skip_nonfinite=skip_nonfinite,
         grad_slabs=slabs, grad_slabs_asked=grad_slabs, offload_activations=bool(offloaded),
-        offload_asked=offload_activations, resident_units=len(resident), resident_asked=resident_units,
+        offload_asked=offload_activations, resident_units=len(resident),
+                resident_asked=resident_units,
         pinned_bytes=pinned_bytes, params=s.params, host=host, host_bytes=host_bytes,
         host_limit_bytes=host_limit, host_bytes_per_param=store / s.params, fits_host=fits_host,
         gpu=gpu, gpu_bytes=gpu_bytes, gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu,
@@ -149,20 +159,22 @@ def replan(p, **change):
               nodes=p["nodes"], resident_units=p["resident_asked"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
-    # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the maths has no
-    # limit)
+    # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the
+    # arithmetic has no limit)
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, kw["seq_len"]))
     return plan(cfg, **kw)
 
 
 def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
-    """plan() for the command-line flags of megatrain_min/cli.py (hw: --hardware unless given; guarded:
-    train.py's non-finite guard; change: arguments of plan() that replace the flags'). real: the plan
-    of a run about to train here, whose --host-mem may lower this machine's memory, never raise it."""
+    """plan() for the command-line flags of megatrain_min/cli.py (hw: --hardware unless given;
+    guarded: train.py's non-finite guard; change: arguments of plan() that replace the flags').
+    real: the plan of a run about to train here, whose --host-mem may lower this machine's memory,
+    never raise it."""
     if real and a.host_mem is not None and a.host_mem * GB > hardware.host_available_bytes():
-        raise PlanError(f"--host-mem {a.host_mem:g} GB is more than this machine has available "
-                        f"({hardware.host_available_bytes() / GB:.0f} GB); a run is checked against the memory it has: drop "
-                        f"--host-mem, or plan for another machine with --plan")
+        raise PlanError(f"--host-mem {a.host_mem:g} GB is more than this machine has "
+                        f"available ({hardware.host_available_bytes() / GB:.0f} GB); a run is "
+                        "checked against the memory it has: drop --host-mem, or plan for "
+                        "another machine with --plan")
     kw = dict(batch_size=a.batch_size, seq_len=a.seq_len, micro_batches=a.micro_batches,
               mode=a.mode, dtype=a.dtype, grad_clip=a.grad_clip,
               offload_activations=cli.OFFLOAD[a.offload_activations],

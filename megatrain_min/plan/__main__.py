@@ -1,7 +1,8 @@
-"""python -m megatrain_min.plan -- the plan of a run for the flags train.py takes; nothing is allocated.
+"""python -m megatrain_min.plan -- the plan of a run for the flags train.py takes; nothing is
+allocated.
 
-The table (report.format_plan) and the verdict (fit.check), one JSON object (--json), or one line per
-profile (--hardware all). Exit 0 with a verdict, fitting or not; 2 for flags no run can have.
+The table (report.format_plan) and the verdict (fit.check), one JSON object (--json), or one line
+per profile (--hardware all). Exit 0 with a verdict, fitting or not; 2 for flags no run can have.
 """
 import argparse
 import dataclasses
@@ -21,7 +22,8 @@ def main(argv=None):
     cli.add_model(ap)
     cli.add_step(ap)
     cli.add_hardware(ap)
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object instead of the table")
     a = ap.parse_args(argv)
     cli.survive_closed_pipe()
     try:

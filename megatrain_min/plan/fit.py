@@ -2,26 +2,29 @@
 
 What it is
     check(p): None when plan p fits; else PlanError, one line: what is short, by how much, what this
-    machine (or --hardware) has, the nearest setting that fits. suggest(p): that setting, as train.py
-    flags -- the memory modes, activation offload, a smaller loss chunk, a sequence tile, more
-    micro-batches, a smaller batch, a bf16 residual, then smaller presets, each tried by planning again.
-    max_context(p): the longest --seq-len that fits with p's other settings (doubling, then bisection).
+    machine (or --hardware) has, the nearest setting that fits. suggest(p): that setting, as
+    train.py flags -- the memory modes, activation offload, a smaller loss chunk, a sequence tile,
+    more micro-batches, a smaller batch, a bf16 residual, then smaller presets, each tried by
+    planning again.
+    max_context(p): the longest --seq-len that fits with p's other settings (doubling, then
+    bisection).
 What it is not
-    Not an optimiser of throughput: the first setting that fits, in an order that keeps the run closest
-    to what was asked.
+    Not an optimiser of throughput: the first setting that fits, in an order that keeps the run
+    closest to what was asked.
 Try it
     python train.py --config 70b --plan --hardware h100 --batch-size 8 --seq-len 4096
     python train.py --config 7b --plan --max-context --hardware gh200 --host-mem 480 --batch-size 1
 """
 import model
+from megatrain_min.checks import splits
 from megatrain_min.plan import PlanError, replan
 from megatrain_min.plan.hardware import GB
 from megatrain_min.plan.memory import TILE_TOKENS, size
 
 
 def check(p):
-    """None when the plan fits; else raise PlanError with one line: what is short, by how much, what to
-    try."""
+    """None when the plan fits; else raise PlanError with one line: what is short, by how much, what
+    to try."""
     if p["fits"]:
         return
     hw = p["hardware"]
@@ -44,8 +47,8 @@ def check(p):
                f"{size(hw['gpu_mem_gb'] * GB)}")
     longest = max_context(p)[0] if p["seq_len"] > 1024 else 0
     if 0 < longest < p["seq_len"]:  # a long context: say how long one can be with these settings
-        msg += (f"; the longest context that fits at --batch-size {p['batch_size']} is --seq-len "
-                f"{longest}")
+        msg += (f"; the longest context that fits at --batch-size {p['batch_size']} "
+                f"is --seq-len {longest}")
     fix = suggest(p) or (f"--seq-len {longest}" if 0 < longest < p["seq_len"] else None)
     raise PlanError(msg + (f". Try {fix}, or --plan for the breakdown." if fix else
                            ". Nothing smaller fits either; see --plan for the breakdown."))
@@ -65,7 +68,8 @@ def suggest(p):
         tries += [("--grad-clip 0", dict(grad_clip=0.0)),
                   ("--mode lean --grad-clip 0", dict(mode="lean", grad_clip=0.0))]
     tries.append(("--offload-activations off" if p["offload_activations"] else
-                  "--offload-activations on", dict(offload_activations=not p["offload_activations"])))
+                  "--offload-activations "
+                  "on", dict(offload_activations=not p["offload_activations"])))
     # 256 MB of fp32 logits, without the floor
     small_chunk = model.LOSS_CHUNK_LOGITS // p["model"]["vocab_size"]
     if small_chunk < (p["chunk_tokens"] or
@@ -79,11 +83,11 @@ def suggest(p):
     near = {*range(M + 1, min(B // N, M + 64) + 1),
             *(M << k for k in range(1, 64) if M << k <= B // N)}
     tries += [(f"--micro-batches {m}", dict(micro_batches=m))
-              for m in sorted(near) if B // N % m == 0][:4]
+              for m in sorted(near) if splits(B, m, N)][:4]
     tries += [(f"--batch-size {b} --micro-batches {min(M, b // N)}",
                dict(batch_size=b, micro_batches=min(M, b // N)))
               for b in (B // 2, B // 4, B // 8, N)
-              if N <= b < B and b % N == 0 and b // N % min(M, b // N) == 0]
+              if N <= b < B and splits(b, min(M, b // N), N)]
     if p["dtype"] == "bf16" and p["residual_dtype"] == "fp32":   # last: it costs accuracy
         tries.append(("--residual-dtype bf16", dict(residual_dtype="bf16")))
     for flags, change in tries:
@@ -100,9 +104,9 @@ def suggest(p):
 
 def max_context(p, step=1024, limit=1 << 25):
     """The longest sequence, a multiple of `step` tokens up to `limit`, with which plan p's settings
-    fit (its hardware, batch size, micro-batches, modes; the tile the planner's choice unless p asked
-    for one). Returns (tokens, that plan), or (0, None) when not even `step` tokens fit. Memory grows
-    with T: a doubling search, then bisection."""
+    fit (its hardware, batch size, micro-batches, modes; the tile the planner's choice unless p
+    asked for one). Returns (tokens, that plan), or (0, None) when not even `step` tokens fit.
+    Memory grows with T: a doubling search, then bisection."""
     lo, best, hi = 0, None, step
     while hi <= limit:
         q = replan(p, seq_len=hi)

@@ -1,19 +1,20 @@
 """memory.py -- the memory arithmetic of a plan: host and GPU bytes by component.
 
 What it is
-    The plan's memory steps, each from a Setting (setting.py): tile (the sequence tile, the planner's
-    choice unless asked), gpu (the weight and gradient slots, the step's working set, the boundary
-    activations on the device or through a ring to the host, the units kept resident), host (the
-    store: fp32 master, m, v, the bf16 shadow, the fp32 gradient store or slabs; pinned buffers; the
-    runtime) and what of it is page-locked. Below them, what one step holds on the device:
-    block_activation_bytes (one layer's backward, untiled or in tiles: megatrain_min/tiling.py),
-    attention_bytes (the whole sequence's attention at the peak of the tiled backward),
-    step_device_bytes (everything beside the slots and the boundary activations) and offload_needed
-    (the rule that sends the boundary activations to host memory). Estimates from the ops, checked
-    against autograd in tests/test_plan.py; flash / efficient SDPA kernels assumed (no T x T scores).
+    The plan's memory steps, each from a Setting (setting.py): tile (the sequence tile, the
+    planner's choice unless asked), gpu (the weight and gradient slots, the step's working set, the
+    boundary activations on the device or through a ring to the host, the units kept resident), host
+    (the store: fp32 master, m, v, the bf16 shadow, the fp32 gradient store or slabs; pinned
+    buffers; the runtime) and what of it is page-locked. Below them, what one step holds on the
+    device: block_activation_bytes (one layer's backward, untiled or in tiles:
+    megatrain_min/tiling.py), attention_bytes (the whole sequence's attention at the peak of the
+    tiled backward), step_device_bytes (everything beside the slots and the boundary activations)
+    and offload_needed (the rule that sends the boundary activations to host memory). Estimates from
+    the ops, checked against autograd in tests/test_plan.py; flash / efficient SDPA kernels assumed
+    (no T x T scores).
 What it is not
-    Not an allocator trace: stream.py and optim.py allocate; tests/test_plan.py holds these counts to
-    the bytes they allocate.
+    Not an allocator trace: stream.py and optim.py allocate; tests/test_plan.py holds these counts
+    to the bytes they allocate.
 """
 from megatrain_min.activations import RING
 from megatrain_min.cli import DTYPES
@@ -28,9 +29,9 @@ CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-alloc
 # token-local activations is ~2 GB (~140 GB untiled at 512k tokens).
 TILE_HEADROOM = 0.9
 TILE_TOKENS = 8192
-# Resident units (stream.Trainer(resident_units=)): the plan fills the GPU memory the step leaves, up
-# to RESIDENT_HEADROOM of it, with whole units in the order the forward needs them, 16 B/param each
-# (fp32 master, m, v, gradient).
+# Resident units (stream.Trainer(resident_units=)): the plan fills the GPU memory the step leaves,
+# up to RESIDENT_HEADROOM of it, with whole units in the order the forward needs them, 16 B/param
+# each (fp32 master, m, v, gradient).
 RESIDENT_HEADROOM = 0.9
 UNPINNED = {"Adam m (fp32)", "Adam v (fp32)"}   # host components no copy engine reads or writes
 
@@ -52,15 +53,15 @@ def host_limit(s):
 
 
 def tile_for(untiled_bytes, device_bytes):
-    """The default tile_tokens (the one home of this rule): 0 -- no tiling, the fastest layer -- while
-    the plan with the untiled layer needs at most TILE_HEADROOM of the device's memory (on the CPU: of
-    the host's share); else TILE_TOKENS."""
+    """The default tile_tokens (the one home of this rule): 0 -- no tiling, the fastest layer --
+    while the plan with the untiled layer needs at most TILE_HEADROOM of the device's memory (on the
+    CPU: of the host's share); else TILE_TOKENS."""
     return 0 if untiled_bytes <= TILE_HEADROOM * device_bytes else TILE_TOKENS
 
 
 def tile(s, asked, offload=None):
-    """The layer's sequence tile: `asked` (0 = untiled), or None: the planner's choice (tile_for) for
-    the untiled layer beside the boundary activations where `offload` puts them (None: memory
+    """The layer's sequence tile: `asked` (0 = untiled), or None: the planner's choice (tile_for)
+    for the untiled layer beside the boundary activations where `offload` puts them (None: memory
     decides)."""
     if asked is not None:
         return asked
@@ -69,9 +70,10 @@ def tile(s, asked, offload=None):
 
 
 def gpu(s, tile_tokens, offload=None, resident=None):
-    """The GPU's bytes by component (per GPU), where the boundary activations live and the units kept
-    resident: (gpu, offloaded, resident units as indices into s.units). offload None: memory decides
-    (offload_needed); resident None: as many as fit in what the step leaves (one rank, CUDA)."""
+    """The GPU's bytes by component (per GPU), where the boundary activations live and the units
+    kept resident: (gpu, offloaded, resident units as indices into s.units). offload None: memory
+    decides (offload_needed); resident None: as many as fit in what the step leaves (one rank,
+    CUDA)."""
     gpu, offloaded = device(s, tile_tokens, offload)
     held = residents(s, resident, sum(gpu.values()))
     if held:
@@ -89,19 +91,22 @@ def device(s, tile_tokens, offload):
     if s.mode == "lean" and s.dtype == "bf16":
         gpu["lean cast buffer: fp32 unit, cast on GPU"] = n_slot * 4
     gpu["CUDA context, workspaces, slack"] = CUDA_CONTEXT if s.cuda else 0
-    if s.world > 1:  # sharded.py: H2D lands in a weight shard, reduce_scatter writes a grad shard (2
-        # each); the embedding's rows of the whole step cross PCIe before their reduce_scatter, dy is
-        # all_gathered whole (made on the H2D and comm lanes: blocks of their own pools, which
+    # sharded.py: H2D lands in a weight shard, reduce_scatter writes a grad shard (2
+    if s.world > 1:
+        # each); the embedding's rows of the whole step cross PCIe before their reduce_scatter, dy
+        # is all_gathered whole (made on the H2D and comm lanes: blocks of their own pools, which
         # compute's allocations cannot reuse)
         gpu[f"shards: 2 weight + 2 fp32 grad of {count(s.shard(n_slot))}"] = \
             2 * s.shard(n_slot) * (cb + 4)
-        gpu["embedding rows and dy of the whole step"] = s.tokens_step * cfg.d_model * (s.row_b + s.rb)
+        gpu["embedding rows and dy of the whole "
+            "step"] = s.tokens_step * cfg.d_model * (s.row_b + s.rb)
     gpu.update(step_device_bytes(cfg, s.tokens, s.micro_batches, DTYPES[s.dtype],
                                  DTYPES[s.residual_dtype], s.chunk, n_slot, seq_len=s.seq_len,
                                  tile_tokens=tile_tokens))
-    if s.cuda and s.dtype == "fp32" and cfg.n_kv_head != cfg.n_head:  # SDPA on CUDA: GQA in fp32 has
-        # no fused kernel (flash needs bf16), so the math kernel runs: T x T scores, softmax and their
-        # gradient, fp32
+    # SDPA on CUDA: GQA in fp32 has
+    if s.cuda and s.dtype == "fp32" and cfg.n_kv_head != cfg.n_head:
+        # no fused kernel (flash needs bf16), so the math kernel runs: T x T scores, softmax and
+        # their gradient, fp32
         gpu["attention scores: math kernel (fp32 + GQA)"] = \
             3 * 4 * cfg.n_head * s.seq_len * s.tokens // s.micro_batches
     # boundary activations (every layer's input, for the recompute) stay on the GPU when all fits
@@ -126,10 +131,10 @@ def residents(s, asked, gpu_bytes):
 
 
 def host(s, resident, slabs, offloaded, gpu_bytes):
-    """The host's bytes by component, of one node (its gpus ranks, each with 1/N of the store: optim.
-    HostAdamW and stream.py's pinned buffers): (host, the per-parameter store's bytes, the bytes
-    page-locked -- optim.page_locked, what a copy engine reads or writes: not Adam's m and v, nor the
-    fp32 master when a bf16 shadow is what crosses)."""
+    """The host's bytes by component, of one node (its gpus ranks, each with 1/N of the store:
+    optim. HostAdamW and stream.py's pinned buffers): (host, the per-parameter store's bytes, the
+    bytes page-locked -- optim.page_locked, what a copy engine reads or writes: not Adam's m and v,
+    nor the fp32 master when a bf16 shadow is what crosses)."""
     cfg, gpus = s.cfg, s.gpus
 
     def per_unit(bytes_per_param):   # of every unit the host keeps (not the resident ones)
@@ -162,14 +167,14 @@ def host(s, resident, slabs, offloaded, gpu_bytes):
 
 # ---- what one step holds on the device
 def block_activation_bytes(cfg, n_tok, cb, rb=None, tile_tokens=0, seq_len=None):
-    """Bytes of one layer's backward for n_tok tokens (one micro-batch, in sequences of seq_len tokens; default:
-    one sequence). cb: bytes of the compute dtype, rb: of the residual (default cb; 4 with 2 is bf16 autocast on
-    an fp32 residual, the engine's default). The layer input (a boundary activation) and dy / dx are counted
-    apart (step_device_bytes).
-    Untiled: what autograd saves when model.block is recomputed with grad, plus the backward's largest
-    transients. Tiled (tiling.Tiled.block_grad's three phases): the whole sequence's attention
-    (attention_bytes) plus the untiled estimate for one tile of n_tok / seq_len rows x tile_tokens tokens,
-    which bounds part A or part C of one tile with its gradients."""
+    """Bytes of one layer's backward for n_tok tokens (one micro-batch, in sequences of seq_len
+    tokens; default: one sequence). cb: bytes of the compute dtype, rb: of the residual (default cb;
+    4 with 2 is bf16 autocast on an fp32 residual, the engine's default). The layer input (a
+    boundary activation) and dy / dx are counted apart (step_device_bytes).
+    Untiled: what autograd saves when model.block is recomputed with grad, plus the backward's
+    largest transients. Tiled (tiling.Tiled.block_grad's three phases): the whole sequence's
+    attention (attention_bytes) plus the untiled estimate for one tile of n_tok / seq_len rows x
+    tile_tokens tokens, which bounds part A or part C of one tile with its gradients."""
     rb = rb or cb
     if tile_tokens:
         seq_len = seq_len or n_tok
@@ -177,23 +182,26 @@ def block_activation_bytes(cfg, n_tok, cb, rb=None, tile_tokens=0, seq_len=None)
         return attention_bytes(cfg, n_tok, cb) + block_activation_bytes(cfg, tile, cb, rb)
     d, ff = cfg.d_model, cfg.d_ff
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-    # 2 rms_norms: fp32 normalised x (+ the fp32 copy of a bf16 x), the 2nd one's input; the linears' inputs:
-    # shared by q/k/v and by gate/up, or -- autocast on an fp32 residual -- a bf16 cast per linear (5)
+    # 2 rms_norms: fp32 normalised x (+ the fp32 copy of a bf16 x), the 2nd one's input; the
+    # linears' inputs: shared by q/k/v and by gate/up, or -- autocast on an fp32 residual -- a bf16
+    # cast per linear (5)
     norms = 12 * d + (5 if cb != rb else 2) * cb * d
-    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head  # SDPA's q, k, v, its output + the copy o_proj reads; lse
+    # SDPA's q, k, v, its output + the copy o_proj reads; lse
+    attn = cb * (3 * q + 2 * kv) + 4 * cfg.n_head
     if cfg.qk_norm:
         attn += (cb + 4) * (q + kv)
-    mlp = 4 * cb * ff                            # gate (silu's input), silu(gate), up, their product
-    transient = 2 * cb * ff + 8 * d              # two (n, ff) grads alive at once, fp32 norm grads
+    mlp = 4 * cb * ff                           # gate (silu's input), silu(gate), up, their product
+    transient = 2 * cb * ff + 8 * d             # two (n, ff) grads alive at once, fp32 norm grads
     return n_tok * (norms + attn + mlp + transient)
 
 
 def attention_bytes(cfg, n_tok, cb):
-    """Bytes the whole-sequence attention holds at the peak of the tiled backward (SDPA's backward), n_tok
-    tokens: what SDPA saves (q, k, v, its output, the fp32 log-sum-exp per head), the gradient w.r.t. its
-    output, dq, dk, dv, and a flash-attention-2 backward's workspace (an fp32 dq accumulator and an fp32 row
-    statistic; with grouped-query attention dk and dv are made for all n_head heads before the sum over each
-    group). O(n_tok): flash / efficient kernels keep no T x T scores."""
+    """Bytes the whole-sequence attention holds at the peak of the tiled backward (SDPA's backward),
+    n_tok tokens: what SDPA saves (q, k, v, its output, the fp32 log-sum-exp per head), the gradient
+    w.r.t. its output, dq, dk, dv, and a flash-attention-2 backward's workspace (an fp32 dq
+    accumulator and an fp32 row statistic; with grouped-query attention dk and dv are made for all
+    n_head heads before the sum over each group). O(n_tok): flash / efficient kernels keep no T x T
+    scores."""
     q, kv, nh = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_head
     saved = cb * (2 * q + 2 * kv) + 4 * nh
     grads = cb * q + cb * (q + 2 * kv)
@@ -201,30 +209,35 @@ def attention_bytes(cfg, n_tok, cb):
     return n_tok * (saved + grads + workspace)
 
 
-def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot, seq_len=None,
+def step_device_bytes(cfg, tokens, micro_batches, dtype, residual_dtype, chunk_tokens, n_slot,
+                      seq_len=None,
                       tile_tokens=0):
-    """What a step holds on the device beside the weight/grad slots and the boundary activations, by component:
-    plan.py prints it, offload_needed weighs it. tokens: per step; n_slot: elements of a slot; seq_len: tokens
-    per sequence (default: one sequence per micro-batch); tile_tokens: the layer's tile (0 = untiled)."""
+    """What a step holds on the device beside the weight/grad slots and the boundary activations, by
+    component: plan.py prints it, offload_needed weighs it. tokens: per step; n_slot: elements of a
+    slot; seq_len: tokens per sequence (default: one sequence per micro-batch); tile_tokens: the
+    layer's tile (0 = untiled)."""
     cb, rb, per_mb = dtype.itemsize, residual_dtype.itemsize, tokens // micro_batches
     seq_len = seq_len or per_mb
     chunk = min(chunk_tokens, per_mb)
     layer = block_activation_bytes(cfg, per_mb, cb, rb, tile_tokens, seq_len)
     if tile_tokens:  # the whole sequence's attention, and one tile of the token-local parts
         attn = attention_bytes(cfg, per_mb, cb)
-        layer = {f"whole-sequence attention: {per_mb:,} tok": attn,     # q, k, v, out, grads, kernel workspace
-                 f"token-local activations: tiles of {min(tile_tokens, seq_len):,} tok": layer - attn}
+        layer = {f"whole-sequence attention: {per_mb:,} "
+                 "tok": attn,     # q, k, v, out, grads, kernel workspace
+                 "token-local activations: tiles of "
+                 f"{min(tile_tokens, seq_len):,} tok": layer - attn}
     else:
         layer = {f"recompute activations: 1 layer, {per_mb:,} tok": layer}
     return {"residual x and its grad dy": 2 * tokens * cfg.d_model * rb, **layer,
             f"weight grads from autograd ({str(dtype)[6:]}, one unit)": n_slot * cb,
-            f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} logits":  # logits, fp32 copy, log-softmax, grads
+            f"loss chunk: {chunk:,} tokens x {cfg.vocab_size:,} "
+            "logits":  # logits, fp32 copy, log-softmax, grads
                 chunk * cfg.vocab_size * (12 + (2 * cb if cb == 2 else 0)),
             f"RoPE cos, sin: {seq_len:,} positions": 2 * seq_len * cfg.head_dim * rb,
             "targets": tokens * 8}
 
 
 def offload_needed(activation_bytes, working_bytes, free_bytes):
-    """Offload the boundary activations to host memory when, with one layer's working set beside them, they
-    would not fit in the free device memory (the planner decides by it)."""
+    """Offload the boundary activations to host memory when, with one layer's working set beside
+    them, they would not fit in the free device memory (the planner decides by it)."""
     return activation_bytes + working_bytes > free_bytes

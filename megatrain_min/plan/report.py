@@ -1,12 +1,13 @@
-"""report.py -- the plan, printed: the table a person reads, the JSON a program reads, the one-liners.
+"""report.py -- the plan, printed: the table a person reads, the JSON a program reads, the
+one-liners.
 
 What it is
-    format_plan(p): memory by component (host per node, GPU per GPU), the time of each layer visit, the
-    prediction (step time, tokens/s, MFU), the bottleneck, the tokens per step that hide the transfers,
-    the verdict and, when it does not fit, the nearest setting that does (fit.suggest). plan_json(p):
-    every field of the plan as strict JSON, with "fix". describe_run(p): the line train.py prints of the
-    run it is about to make; describe_max_context: the line of --plan --max-context; profile_line: a
-    line per profile (--hardware all).
+    format_plan(p): memory by component (host per node, GPU per GPU), the time of each layer visit,
+    the prediction (step time, tokens/s, MFU), the bottleneck, the tokens per step that hide the
+    transfers, the verdict and, when it does not fit, the nearest setting that does (fit.suggest).
+    plan_json(p): every field of the plan as strict JSON, with "fix". describe_run(p): the line
+    train.py prints of the run it is about to make; describe_max_context: the line of --plan
+    --max-context; profile_line: a line per profile (--hardware all).
 What it is not
     No arithmetic: every number is the plan's (megatrain_min/plan/__init__.py); tests compare them.
 Try it
@@ -23,9 +24,9 @@ from megatrain_min.plan.memory import HOST_USABLE, count, size
 
 
 def plan_json(p):
-    """One JSON object: params, host_bytes, gpu_bytes, fits, step_time_s, tokens_per_s, model_tflops,
-    bottleneck, mode -- and every other field of the plan (components in bytes, times in seconds), and
-    "fix": the nearest setting that fits (train.py flags) when it does not."""
+    """One JSON object: params, host_bytes, gpu_bytes, fits, step_time_s, tokens_per_s,
+    model_tflops, bottleneck, mode -- and every other field of the plan (components in bytes, times
+    in seconds), and "fix": the nearest setting that fits (train.py flags) when it does not."""
     fix = None if p["fits"] else suggest(p)
     return json.dumps(cli.finite_json({**p, "fix": fix})[0], allow_nan=False)
 
@@ -46,13 +47,13 @@ def format_plan(p):
             f"heads={m['n_head']}/{m['n_kv_head']} ff={m['d_ff']} V={m['vocab_size']}) on "
             f"{hw['name']} ({hw['gpu']})",
             f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = "
-            f"{p['tokens_per_step']:,} tokens/step in {p['micro_batches']} micro-batch(es), grad clip "
-            f"{p['grad_clip'] or 'off'}, {p['residual_dtype']} residual, boundary activations "
+            f"{p['tokens_per_step']:,} tokens/step in {p['micro_batches']} micro-batch(es), grad "
+            f"clip {p['grad_clip'] or 'off'}, {p['residual_dtype']} residual, boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}"]
     if many:
         one = p["nodes"] == 1
-        rows.append(f"sharded (megatrain_min/sharded.py): {p['nodes']} node(s) x {p['gpus']} GPUs = "
-                    f"{p['world']} ranks, each {p['batch_size'] // p['world']} sequences and "
+        rows.append(f"sharded (megatrain_min/sharded.py): {p['nodes']} node(s) x {p['gpus']} GPUs "
+                    f"= {p['world']} ranks, each {p['batch_size'] // p['world']} sequences and "
                     f"1/{p['world']} of the host store; collectives over "
                     f"{'NVLink' if one else 'InfiniBand'} at "
                     f"{hw['nvlink_gbs'] if one else min(hw['nvlink_gbs'], hw['ib_gbs']):g} GB/s")
@@ -86,10 +87,11 @@ def format_plan(p):
     rows += ["", f"predicted: {p['step_time_s']:.3g} s/step, {p['tokens_per_s']:,.0f} tokens/s, "
                  f"{p['model_tflops']:.3g} model TFLOP/s = {p['mfu']:.0%} of the {peak} peak "
                  f"(6 N T per step: no recompute, no attention)",
-             f"bottleneck: {p['bottleneck']} (share of the critical path: " + pct(p["critical_path"]) +
+             f"bottleneck: {p['bottleneck']} (share of the critical "
+             "path: " + pct(p["critical_path"]) +
              "; busy: " + pct(p["utilization"]) + ")",
              f"transfers and AdamW hide behind compute from ~{p['min_tokens_per_step']:,.0f} "
-             f"tokens/step (" + ", ".join(f"{k} {v:,.0f}" for k, v in p["min_tokens"].items()) + ")",
+             "tokens/step (" + ", ".join(f"{k} {v:,.0f}" for k, v in p["min_tokens"].items()) + ")",
              f"verdict on {hw['name']}: host RAM {verdict(p['fits_host'])}, GPU memory " +
              (verdict(p["fits_gpu"]) if cuda else "n/a (CPU)") +
              f" -> {'FITS' if p['fits'] else 'does not fit'}"]
@@ -103,31 +105,35 @@ def format_plan(p):
 def resident_line(p):
     """What the plan keeps on the GPU, and why (--resident-units)."""
     k, n = p["resident_units"], len(model.units(model.GPTConfig(**p["model"])))
-    why = "as asked (--resident-units)" if p["resident_asked"] is not None else \
-        "as many as fit beside the step" if p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1 else \
-        "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
+    if p["resident_asked"] is not None:
+        why = "as asked (--resident-units)"
+    elif p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1:
+        why = "as many as fit beside the step"
+    else:
+        why = "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
     if not k:
         return f"resident on the GPU: none ({why}): every unit streams"
-    return (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): updated "
-            f"there, the host updates the other {n - k}")
+    return (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): "
+            f"updated there, the host updates the other {n - k}")
 
 
 def describe_run(p, world=1, gpus=1):
-    """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus per
-    node)."""
+    """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus
+    per node)."""
     many = world > 1
     return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: host "
             f"{p['host_bytes'] / GB:.2f} GB{' per node' if many else ''} "
-            f"({p['host_bytes_per_param']:.1f} B/param in the store, "
-            f"{p['pinned_bytes'] / GB:.2f} GB page-locked), device "
-            f"{p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, boundary activations "
+            f"({p['host_bytes_per_param']:.1f} B/param in the store, {p['pinned_bytes'] / GB:.2f} "
+            f"GB page-locked), device {p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, "
+            "boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}, "
-            f"{p['resident_units']} units resident on the GPU; predicted "
-            f"{p['tokens_per_s']:,.0f} tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
+            f"{p['resident_units']} units resident on the GPU; predicted {p['tokens_per_s']:,.0f} "
+            f"tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
 
 
 def describe_max_context(p, longest, max_seq_len):
-    """The line of train.py --plan --max-context: the longest --seq-len (plan p is the plan at it)."""
+    """The line of train.py --plan --max-context: the longest --seq-len (plan p is the plan at
+    it)."""
     return (f"longest context that fits: --seq-len {longest} ({longest:,} tokens) at --batch-size "
             f"{p['batch_size']} on {p['hardware']['name']}, layer {tiling(p)}; GPU "
             f"{p['gpu_bytes'] / GB:.1f} of {p['gpu_limit_bytes'] / GB:.0f} GB, host "

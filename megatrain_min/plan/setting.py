@@ -1,14 +1,14 @@
 """setting.py -- the run being planned, in the numbers every part of the plan reads.
 
 What it is
-    Setting: what the caller fixed (the config, the hardware profile, the batch, the modes and dtypes,
-    the ranks), checked, and what follows from it alone: the units and their sizes, bytes per element
-    of the compute dtype and of the residual, what crosses H2D, the size of a weight slot, the tokens of
-    the step and of one rank, one (B, T, d) residual tensor. memory.py and timing.py read it; plan()
-    (megatrain_min/plan/__init__.py) makes it.
+    Setting: what the caller fixed (the config, the hardware profile, the batch, the modes and
+    dtypes, the ranks), checked, and what follows from it alone: the units and their sizes, bytes
+    per element of the compute dtype and of the residual, what crosses H2D, the size of a weight
+    slot, the tokens of the step and of one rank, one (B, T, d) residual tensor. memory.py and
+    timing.py read it; plan() (megatrain_min/plan/__init__.py) makes it.
 What it is not
-    No decisions: where the boundary activations live, the tile, the resident units and the slabs are
-    the plan's steps (memory.py, timing.py).
+    No decisions: where the boundary activations live, the tile, the resident units and the slabs
+    are the plan's steps (memory.py, timing.py).
 """
 import dataclasses
 
@@ -27,7 +27,7 @@ class Setting:
     mode: str                  # "fast" (a bf16 shadow streams) or "lean" (the fp32 master streams)
     dtype: str                 # the compute dtype: "bf16" or "fp32"
     residual_dtype: str
-    grad_clip: float           # > 0: the updates wait for the global norm (stream.Trainer.defer_updates)
+    grad_clip: float   # > 0: the updates wait for the global norm (stream.Trainer.defer_updates)
     skip_nonfinite: bool       # train.py's guard
     chunk_tokens: int | None   # the loss chunk (None: model.default_chunk_tokens)
     host_speed: float          # the host issues ops this many times faster than HOST_OP_S says
@@ -38,16 +38,16 @@ class Setting:
         """Check the arguments (ValueError, one line), then derive what every step reads."""
         if self.mode not in ("fast", "lean") or self.dtype not in DTYPES or \
                 self.residual_dtype not in DTYPES:
-            raise ValueError(f"mode must be fast or lean, dtype and residual dtype bf16 or fp32; got "
-                             f"{self.mode!r}, {self.dtype!r} and {self.residual_dtype!r}")
+            raise ValueError("mode must be fast or lean, dtype and residual dtype bf16 or fp32; "
+                             f"got {self.mode!r}, {self.dtype!r} and {self.residual_dtype!r}")
         if self.residual_dtype == "bf16" and self.dtype == "fp32":
-            raise ValueError("a bf16 residual needs bf16 compute (--dtype bf16); with fp32 compute drop "
-                             "--residual-dtype")
+            raise ValueError("a bf16 residual needs bf16 compute (--dtype bf16); with fp32 compute "
+                             "drop --residual-dtype")
         if self.seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {self.seq_len}")
         if not all(checks.integer(n) and n >= 1 for n in (self.gpus, self.nodes)):
-            raise ValueError(f"--gpus and --nodes must be integers >= 1, got {self.gpus!r} and "
-                             f"{self.nodes!r}")
+            raise ValueError("--gpus and --nodes must be integers >= 1, got "
+                             f"{self.gpus!r} and {self.nodes!r}")
         checks.check_split(self.batch_size, self.micro_batches, self.gpus * self.nodes,
                            names=("batch size", "micro_batches"))
         cfg = self.cfg
@@ -57,8 +57,10 @@ class Setting:
         layers = [u for u in self.units if u.name.startswith("layer.")]   # model.Layout each
         self.lay, self.head, self.L = layers[0], self.units[-1], len(layers)
         self.params, self.tied = sum(u.numel for u in self.units), cfg.tie_embeddings
-        self.embed = len(self.units) - 1 if self.tied else 0   # the embedding's unit (tied: the head)
-        self.order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]  # forward's
+        # the embedding's unit (tied: the head)
+        self.embed = len(self.units) - 1 if self.tied else 0
+        # the units in the order the forward needs them (stream.Trainer.order)
+        self.order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]
         self.defer = self.grad_clip > 0                    # stream.Trainer.defer_updates
         self.cb = DTYPES[self.dtype].itemsize              # bytes: compute
         self.rb = DTYPES[self.residual_dtype].itemsize     # bytes: residual
@@ -68,7 +70,7 @@ class Setting:
         self.n_slot = self.world * self.shard(max(self.lay.numel, self.head.numel))
         self.tokens_step = self.batch_size * self.seq_len  # the global batch
         self.tokens = self.tokens_step // self.world       # what one rank (GPU) computes
-        self.act = self.tokens * cfg.d_model * self.rb     # one (B, T, d) residual, all micro-batches
+        self.act = self.tokens * cfg.d_model * self.rb   # one (B, T, d) residual, all micro-batches
         self.row_b = 2 if (self.shadow and self.rb == 2) else 4   # embedding rows: shadow or master
         self.act_step = self.tokens_step * cfg.d_model * self.rb  # (B, T, d) of the whole step
         self.chunk = self.chunk_tokens or model.default_chunk_tokens(cfg)
