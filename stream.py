@@ -431,7 +431,7 @@ class Lane:
 
 
 class Lanes:
-    """The hardware as the engine sees it (sim.SimLanes: the same, every ordering edge recorded)."""
+    """The hardware as the engine sees it (record.SimLanes: the same, every ordering recorded)."""
 
     def __init__(self, device, procs=1, lane=Lane):
         self.device = device = optim.resolve_device(device)
@@ -447,4 +447,4 @@ class Lanes:
     def host_wait(self, event): return event.synchronize() if event is not None else None
     def synchronize(self): return torch.cuda.synchronize(self.device) if self.cuda else None
     def submit(self, fn, *args): return self.worker.submit(fn, *args)   # a Future
-    pool = None   # where the gradient slabs wait: optim's queue (sim.SimLanes: a recorded one)
+    pool = None   # where the gradient slabs wait: optim's queue (record.SimLanes: a recorded one)

@@ -58,8 +58,9 @@ cli.survive_closed_pipe()               # `python train.py --plan --json | head`
 RANK, WORLD, GPUS = rundir.torchrun()   # rank RANK of WORLD processes, GPUS per node; plain: 0 of 1
 launch.heartbeat(RANK)                  # a rank of --nproc-per-node: the launcher sees it is alive
 p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host RAM.")
-for add in (cli.add_model, cli.add_step, cli.add_hardware, cli.add_run):
-    add(p, **(dict(config_default=False) if add is cli.add_model else {}))
+cli.add_model(p, config_default=False)   # no preset by default: --init-from may give the model
+for add in (cli.add_step, cli.add_hardware, cli.add_run):
+    add(p)
 p.error = fail  # argparse's own complaints: one line and exit code 2 too
 warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line, like errors
 signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was "

@@ -6,7 +6,8 @@ What it is
     backward's recompute. stream.OnDevice keeps them on the device. HostRing sends each one to
     pinned host memory as it is made and brings it back just before its layer's backward, through
     RING device slots: the device holds two layers' worth, whatever the depth. The planner decides
-    which (memory.offload_needed); the engine is handed the store (stream.Trainer(activations=)).
+    which (plan/memory.py: offload_needed); the engine is handed the store
+    (stream.Trainer(activations=)).
 The ring, on the lanes
     forward   compute copies layer i's inputs into ring slot i % 2 once that slot's last D2H is done
               (free), then D2H copies the slot to host row i (ready -> D2H, then free again)

@@ -19,8 +19,9 @@ What it is
     The collectives are issued on a fourth lane, comm, and ordered by events like the copies. With
     NCCL, c10d runs a collective on its own stream after the work issued so far on the current
     stream (comm) and makes comm wait for it, so events recorded on comm mark its end: to the stream
-    checker (megatrain_min/sim.py) a collective is an op of the comm lane that reads its input and
-    writes its output (megatrain_min/cost.py names what each c10d op writes: their schemas do not).
+    checker (megatrain_min/record.py, race.py) a collective is an op of the comm lane that reads its
+    input and writes its output (megatrain_min/cost.py names what each c10d op writes: their schemas
+    do not).
     The engine is stream.Trainer handed Shards, the placement of the units over the ranks (which
     part of each unit this rank holds, how big a slot is, which rows of the batch it computes, the
     sums over the ranks); ShardedTrainer replaces the data movement alone: a unit's weights in
@@ -214,7 +215,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         keeping its shard; checked as checks.CheckedTrainer checks them), plus group: the run's
         torch.distributed process group (default: the whole world, initialised). micro_batches are
         per rank: the step's batch is split over the ranks, then each rank's share into
-        micro-batches. lanes: with a comm lane (ShardedLanes, sim.SimLanes)."""
+        micro-batches. lanes: with a comm lane (ShardedLanes, record.SimLanes)."""
         if kw.get("resident_units"):
             raise ValueError("resident_units need one process holding whole units; sharded ranks "
                              "stream every unit (resident_units=0)")
