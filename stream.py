@@ -38,6 +38,7 @@ from concurrent.futures import Future
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 import model
 import optim
@@ -110,8 +111,7 @@ class Trainer:
     def step(self, tokens, targets):
         """tokens, targets: (B, T) int64, -100 = ignored. The mean loss (updates may still run)."""
         b = self._prepare(tokens, targets, train=True)
-        if self.guard:
-            self.guard.reset()
+        self.guard and self.guard.reset()
         with self.comp(), self._autocast():
             x = self._forward(b, keep=True)
             dy, loss_ready = self._head(x, b, backward=True)    # its gradient waits in grad slot 0
@@ -238,8 +238,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ weights in
     def _ready(self, u):  # block until unit u's last update finished (no half-updated copy)
-        if (fut := self.pending.pop(u, None)) is not None:
-            fut.result()
+        return (fut := self.pending.pop(u, None)) is not None and fut.result()
 
     def _prefetch(self, u, busy_slot):
         """Unit u (being) loaded after its update, into the slot the visit does not use."""
@@ -262,9 +261,8 @@ class Trainer:
             self.slot_loaded[slot] = self.h2d.record()
 
     # ------------------------------------------------------------------------------ the embedding
-    # Tied: no embed unit, self.embed is the head, whose first V*d elements are the table; the rows
-    # come from it, its gradient gets dy's scatter on top of the head's own (D2H'd first, on the
-    # same lane), so it goes to the worker after the scatter, and updates first when deferred.
+    # Tied: self.embed is the head, whose first V*d elements are the table; its gradient gets dy's
+    # scatter on top of the head's own (landed first), so it is updated after the scatter.
     def _table(self, flat):  # the (V, d) table in a flat buffer of unit self.embed (first entry)
         return flat[:self.cfg.vocab_size * self.cfg.d_model].view(self.cfg.vocab_size, -1)
 
@@ -299,10 +297,14 @@ class Trainer:
 
     def add_embedding_grad(self, tokens, dy_host):
         """Worker: add dy (B, T, d) into the rows of opt.grad[embed] the tokens (B, T) used."""
-        grad = self._table(self.opt.grad[self.embed])
+        grad, ids = self._table(self.opt.grad[self.embed]), tokens.reshape(-1)
         if self.embed != self.head:
             grad.zero_()            # untied: the scatter is the whole embedding gradient
-        grad.index_add_(0, tokens.reshape(-1), dy_host.reshape(-1, grad.shape[1]).float())
+        dy = dy_host.reshape(-1, grad.shape[1]).float()
+        if self.embed not in self.opt.resident:
+            return grad.index_add_(0, ids, dy)
+        w = grad.detach().requires_grad_()   # a GPU index_add_ adds in no fixed order (atomics):
+        grad.add_(torch.autograd.grad(F.embedding(ids, w), w, dy)[0])   # embedding's own backward
 
     # ------------------------------------------------------------------------------ gradients out
     def _grad_slot(self, u, k):  # grad slot k % 2 for unit u, zeroed once its last D2H is done
@@ -379,8 +381,7 @@ class Trainer:
         """A view of host buffer `name` (page-locked with CUDA), made anew only to grow."""
         buf, n = self.pinned_buffers.get(name), math.prod(shape)
         if buf is None or buf.dtype != dtype or buf.numel() < n:
-            if buf is not None:           # no copy from or into the old one in flight
-                self.lanes.synchronize()
+            buf is not None and self.lanes.synchronize()   # none in flight from or into the old
             buf = self.pinned_buffers[name] = (self.lanes.pinned or torch.zeros)(n, dtype=dtype)
         return buf[:n].view(shape)
 
@@ -443,7 +444,6 @@ class Lanes:
         torch.set_num_threads(self.threads[0])                 # a setting of the calling thread
         self.worker = optim.worker(self.threads[1], device)
 
-    # host waits: for `event`, for every lane; the optimizer thread
     def host_wait(self, event): return event.synchronize() if event is not None else None
     def synchronize(self): return torch.cuda.synchronize(self.device) if self.cuda else None
     def submit(self, fn, *args): return self.worker.submit(fn, *args)   # a Future
