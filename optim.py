@@ -98,7 +98,7 @@ class HostAdamW:
         p, g, m, v, step = self.master[u], self.grad[u], self.m[u], self.v[u], self.steps[u]
         step += 1
         scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, device=p.device)
-        tile = TILE if p.device.type == "cpu" else n   # a GPU: one call per region
+        tile = n if u in self.resident else TILE   # resident: one call per region (the GPU's)
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):  # [matrices | vectors]
             for a, b in ((a, min(a + tile, hi)) for a in range(lo, hi, tile)):
                 torch._fused_adamw_([pt := p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step],

@@ -293,5 +293,3 @@ if args.sample_tokens and n_params < 2e9 and source.prompt and source.decode:
                           window=args.seq_len, seed=args.seed, stop=source.stop)
     rule = "-" * 40
     print(f"{rule} {source.what} (temperature {sample.TEMPERATURE})\n{source.decode(ids)}\n{rule}")
-if WORLD > 1:
-    sharded.dist.destroy_process_group()

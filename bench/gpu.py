@@ -458,13 +458,14 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     del t
     runs = [(f"clip_{c:g}", c, k) for c in clips if c] + [(f"planned_clip_{c:g}", c, None) for c in clips]
     for name, clip, resident in runs:              # train.py clips at 1.0 by default: updates wait for the norm
+        gc.collect()
+        free_memory()                              # before planning: "local" reads the GPU's free memory now
         pr = planner.plan(cfg, "local", **kw(clip, resident))
         if not pr["fits"]:
+            why = "host" if not pr["fits_host"] else f"GPU, {pr['hardware']['gpu_mem_gb']:.0f} GB free"
             out[name] = {"skipped": f"{L} layers, clip {clip:g}, {pr['resident_units']} resident: the plan does "
-                                    f"not fit this machine"}
+                                    f"not fit this machine ({why})"}
             continue
-        gc.collect()
-        free_memory()
         r = stream_case(cfg, B, T, M, S, peak, pr["offload_activations"], resident=pr["resident_units"],
                         grad_clip=clip)
         out[name] = dict(r, planned_step_s=pr["step_time_s"])

@@ -58,26 +58,32 @@ def measured(d):
     res = json.loads((d / "results.json").read_text())
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=res["meta"]["host_available_gb"], name="h200 (measured)")
     wide, peers = res["cases"]["wide"], res["cases"]["peers"]
-    cases = [("wide @ min tokens", wide["at_min_tokens"], wide["at_min_tokens"]["tokens"] // SEQ),
-             ("wide @ 2x tokens", wide["at_2x_tokens"], wide["at_min_tokens"]["tokens"] // SEQ),
-             ("peers: stream", peers["stream"], peers["stream"]["tokens"] // SEQ)]
+    M = wide["at_min_tokens"]["tokens"] // SEQ                # bench/gpu.py: the trainer's micro-batches
+    cases = [(f"wide @ {k.split('_')[1]} tokens", wide[k], M) for k in
+             ("at_min_tokens", "at_2x_tokens", "at_4x_tokens", "at_8x_tokens") if "step_s" in wide.get(k, {})]
+    cases += [(f"peers: {k}", peers[k], peers[k]["tokens"] // SEQ) for k in ("stream", "stream_0_resident")
+              if "step_s" in peers.get(k, {})]
+    two_passes = "resident_units" not in wide["at_min_tokens"]   # the first run: the engine before both
     lines = [f"# twin and planner vs the measured run {d.name} ({datetime.date.today()}, "
              f"`python bench/twin_vs_plan.py --measured {d.relative_to(ROOT) if d.is_relative_to(ROOT) else d}`)",
-             "", f"Profile: plan.hardware.HARDWARE['h200'] (made from this run), host memory {hw['host_mem_gb']:.0f} GB; the engine "
-             "as measured: no resident units, the shadow in a second pass (optim.TILE = whole unit), grad clip 0, "
-             "3 gradient slabs.", "",
-             "| case | layers | tokens | M | measured s | twin s | twin/measured | planner s | planner/measured |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", f"Profile: plan.hardware.HARDWARE['h200'], host memory {hw['host_mem_gb']:.0f} GB; the engine as "
+             "measured: " + ("no resident units, the shadow in a second pass (optim.TILE = whole unit)" if two_passes
+                             else "the resident units each case names, one host pass") +
+             ", grad clip 0, 3 gradient slabs.", "",
+             "| case | layers | tokens | M | resident | measured s | twin s | twin/measured | planner s | "
+             "planner/measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     worst, tile = 0.0, optim.TILE
-    optim.TILE = 1 << 40                   # the measured engine: one kernel call per region, then the shadow copy
+    optim.TILE = 1 << 40 if two_passes else tile   # the first run: one kernel call per region, then the copy
     try:
         for name, r, M in cases:
             cfg = model.GPTConfig(n_layer=r["n_layer"], **WIDE)
             t0 = time.time()
-            tw, p = predict(cfg, hw, r["tokens"] // SEQ, M, offload_activations=bool(r.get("offload")))
+            k = r.get("resident_units", 0)
+            tw, p = predict(cfg, hw, r["tokens"] // SEQ, M, offload_activations=bool(r.get("offload")),
+                            resident_units=k)
             a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
             worst = max(worst, abs(a - 1), abs(b - 1))
-            lines.append(f"| {name} | {r['n_layer']} | {r['tokens']:,} | {M} | {r['step_s']:.3f} | "
+            lines.append(f"| {name} | {r['n_layer']} | {r['tokens']:,} | {M} | {k} | {r['step_s']:.3f} | "
                          f"{tw['step_time_s']:.3f} | {a:.3f} | {p['step_time_s']:.3f} | {b:.3f} |")
             print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
     finally:
@@ -85,7 +91,7 @@ def measured(d):
     verdict = worst <= TOLERANCE
     lines += ["", f"worst |model / measured - 1| = {worst:.3f}: {'within' if verdict else 'OUTSIDE'} "
                   f"{TOLERANCE:.0%}", ""]
-    lines += predictions(hw, res, wide)
+    lines += predictions(hw, res, wide) if two_passes else []
     (d / "twin_vs_plan.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[lines.index("") + 1:]))
     print(f"wrote {d / 'twin_vs_plan.md'}")

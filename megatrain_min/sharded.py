@@ -57,6 +57,7 @@ Try it
     torchrun --standalone --nproc-per-node 2 train.py --micro-batches 2   # two CPU processes, gloo
     python -m pytest tests/test_sharded.py                               # N ranks against one
 """
+import atexit
 import collections
 import datetime
 import os
@@ -444,5 +445,14 @@ def init_from_env(device=None):
     kw = dict(store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     dist.init_process_group("nccl", device_id=dev, **kw) if dev.type == "cuda" else \
         dist.init_process_group("gloo", **kw)
+    atexit.register(leave)   # however the process exits: a stop's sys.exit, a refusal, the end
     return dev
+
+
+def leave():
+    """Destroy the process group while Python is whole: torch does not at exit, and gloo's threads,
+    torn down by a finalizing interpreter, abort the process ("terminate called without an active
+    exception", exit 134) -- a rank that saved and stopped on SIGTERM would report a crash."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 

@@ -61,7 +61,7 @@ class Twin:
         zero = Span("host", 0.0, 0.0)
         # the latest span of each actor (lane FIFO / thread program order)
         self.last = {a: zero for a in ACTORS}
-        self.events, self.task_ends, self.puts, self.prev_writes = {}, {}, {}, []
+        self.events, self.task_ends, self.puts = {}, {}, {}
         self.spans, self.step_starts, self.first_compute = [], [], []
         self.mem, self.live = [], {}                # [(t, issue order, +/-bytes)]; Storage -> bytes
         self.alloc_t = {}
@@ -136,17 +136,8 @@ class Twin:
 
     def op(self, op):
         actor = NAME.get(op.actor, op.actor)
-        # the optimizer thread issues its own ops too; what the op before it on this thread just
-        # wrote is read from the last-level cache (optim.TILE's one pass)
-        if op.actor == "worker":
-            hot = {(id(st), lo, hi) for st, lo, hi in self.prev_writes}
-            cached = sum(hi - lo for st, lo, hi in op.reads if (id(st), lo, hi) in hot)
-            l3 = self.hw.get("host_l3_mb", 32) * 2**20
-            if op.writes:                             # (a view between them writes nothing)
-                self.prev_writes = op.writes if sum(hi - lo
-                                                    for _, lo, hi in op.writes) <= l3 else []
-            self.advance(actor, 0.0, self.issue + (op.nbytes - cached) / self.host_bw, None,
-                         op.name)
+        if op.actor == "worker":                      # the optimizer thread issues its own ops too
+            self.advance(actor, 0.0, self.issue + op.nbytes / self.host_bw, None, op.name)
             return
         issued = self.advance("host", 0.0,
                               self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),

@@ -352,6 +352,28 @@ def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, 
     assert "was killed (signal 9)" in (tmp_path / "lost.stderr").read_text().splitlines()[-1]
 
 
+def test_a_rank_that_exits_any_way_destroys_its_process_group_first(tmp_path):
+    """A rank joined by init_from_env leaves the group at exit whatever the way out (a stop's sys.exit in the
+    training loop, a refusal): torch does not, and a gloo group torn down by the finalizing interpreter aborts
+    the process (exit 134, "terminate called without an active exception": a SIGTERM-stopped run that saved,
+    reported as killed). An atexit handler registered before init_from_env runs after its own (last in, first
+    out) and sees the group gone."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import atexit, sys\n"
+            "import torch.distributed as dist\n"
+            "from megatrain_min import sharded\n"
+            "atexit.register(lambda: print('group at exit:', dist.is_initialized()))\n"
+            "sharded.init_from_env('cpu')\n"
+            "dist.all_reduce(__import__('torch').ones(3))\n"
+            "sys.exit(0)\n")
+    env = {**os.environ, **torchrun_env(world=1, local=1), "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0 and r.stdout.splitlines() == ["group at exit: False"], r.stdout + r.stderr[-2000:]
+
+
 def test_the_trainer_holds_no_process_group_past_its_destruction():
     """dist.destroy_process_group frees the default group while Python is whole: the trainer looks it up and
     never holds it, so its backend's threads are not torn down at interpreter exit (where gloo can abort the

@@ -26,8 +26,7 @@ GB = 1e9  # decimal: "1536 GB" is 1.536e12 bytes (slightly conservative against 
 # Peaks: dense (no sparsity) TFLOP/s from NVIDIA's datasheets. frac: the share of peak a whole layer
 # reaches (matmuls + attention + norms). h2d/d2h: what cudaMemcpyAsync from pinned memory on a copy
 # engine measures, not the link's spec. host_mem: a typical host for one such GPU; host_bw: the DRAM
-# bandwidth a multi-threaded fused CPU AdamW sees (28 B/param); host_l3_mb: its last-level cache
-# (optim.TILE's tiles stay there: the shadow is written from cache). The H200 row is measured
+# bandwidth a multi-threaded fused CPU AdamW sees (28 B/param). The H200 row is measured
 # (bench/results/2026-11-27-nvidia-h200, 16 host cores, torch 2.11): frac 0.56 is its 7B-width
 # layer's forward (15.5 ms), recompute + backward (48 ms) and head (31 ms) at 16,384 tokens; the
 # links 55.2 /
@@ -41,21 +40,21 @@ HARDWARE = {
     # between nodes (50 GB/s spec, ~45).
     "h100": dict(gpu="NVIDIA H100 80GB", gpu_mem_gb=80, bf16_tflops=989, fp32_tflops=67, frac=0.56,
                  hbm_gbs=3350, h2d_gbs=55, d2h_gbs=55, host_mem_gb=1024, host_bw_gbs=200,
-                 host_l3_mb=105, nvlink_gbs=360, ib_gbs=45),
+                 nvlink_gbs=360, ib_gbs=45),
     # H200 SXM: 141 GB HBM3e 4.8 TB/s, same compute as H100, PCIe Gen5; measured (above). Host
     # memory as MegaTrain's: 1.5 TB (the measured VM had 128 GB: --host-mem 128), its measured 16
     # cores' AdamW.
     "h200": dict(gpu="NVIDIA H200 141GB", gpu_mem_gb=141, bf16_tflops=989, fp32_tflops=67,
                  frac=0.56,
                  hbm_gbs=4800, h2d_gbs=55.2, d2h_gbs=55.3, host_mem_gb=1536, host_bw_gbs=101,
-                 host_l3_mb=300, nvlink_gbs=360, ib_gbs=45),
+                 nvlink_gbs=360, ib_gbs=45),
     # GH200: 96 GB HBM3 4 TB/s, H100 compute; NVLink-C2C 900 GB/s spec, ~340 H2D / ~295 D2H
     # measured. Host: Grace's 480 GB LPDDR5X (512 GB/s spec, ~400 achievable). One superchip per
     # node: InfiniBand NDR (~45).
     "gh200": dict(gpu="NVIDIA GH200 96GB", gpu_mem_gb=96, bf16_tflops=989, fp32_tflops=67,
                   frac=0.56,
                   hbm_gbs=4000, h2d_gbs=340, d2h_gbs=295, host_mem_gb=480, host_bw_gbs=400,
-                  host_l3_mb=114, nvlink_gbs=360, ib_gbs=45),
+                  nvlink_gbs=360, ib_gbs=45),
     # A100 SXM4 80 GB: 2.0 TB/s, 312 bf16 / 19.5 fp32 TFLOP/s. PCIe Gen4 x16 (32 GB/s spec) ~25.
     # Host: 2-socket EPYC, 16 x DDR4-3200 (410 GB/s spec). NVLink 3 (300 GB/s per direction, NCCL
     # ~230), HDR IB (~22).
@@ -76,9 +75,9 @@ HARDWARE = {
 # device thread): bench/gpu_run.sh refits it on a GPU (host_op.json). plan(host_speed=) and the
 # twin's --host-speed scale it for a faster host.
 HOST_OP_S = 10.5e-6
-# A resident unit's AdamW is torch's fused CUDA kernel, assumed at GPU_ADAM_FRAC of the HBM
-# bandwidth (28 B/param; bench/gpu.py's pinned case measures it: cuda_adamw_gbs).
-GPU_ADAM_FRAC = 0.7
+# A resident unit's AdamW is torch's fused CUDA kernel, at GPU_ADAM_FRAC of the HBM bandwidth (28
+# B/param): measured 2.70 TB/s of the H200's 4.8 (bench/gpu.py's pinned case: cuda_adamw_gbs).
+GPU_ADAM_FRAC = 0.56
 # matched in a GPU's name: gh200 before h200
 PROFILED = ("gh200", "h200", "h100", "a100", "rtx4090")
 

@@ -43,10 +43,10 @@ def speeds(s):
     v.cast = 6 / (hw["hbm_gbs"] * GB) if not s.shadow and s.dtype == "bf16" else 0
     # AdamW reads p, g, m, v and writes p, m, v; clipped: the kernel writes the scaled g back; the
     # guard without deferral reads g once more (HostAdamW.step(finite_only)); fast: it reads p again
-    # and writes the shadow -- from cache when optim.TILE's tile (18 B/param) fits the host's L3
-    one_pass = optim.TILE * 18 <= hw.get("host_l3_mb", 32) * 2**20
+    # and writes the shadow, 6 B -- also in optim.TILE's one pass, where p is read from cache: on
+    # the measured H200 host the fp32 -> bf16 copy costs the same from cache (bench/NOTES.md)
     v.adam_b = 28 + (4 if s.defer else 0) + (4 if s.skip_nonfinite and not s.defer else 0) + \
-        ((2 if one_pass else 6) if s.shadow else 0)
+        (6 if s.shadow else 0)
     v.net = (hw["nvlink_gbs"] if s.nodes == 1 else min(hw["nvlink_gbs"], hw["ib_gbs"])) * GB
     return v
 
