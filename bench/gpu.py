@@ -408,7 +408,7 @@ def peer_main(name, S, fused, path):
     Path(path).write_text(json.dumps(r, default=str))
 
 
-def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, clips=(0.0, 1.0)):
+def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, clips=(0.0, 1.0), sweep=None):
     """Llama-2-7B-width layers at the deepest depth whose streamed host store fits (or `layers`), run twice: in the
     streaming regime a 120b run is in (the headline: at most 10% of the units resident on the GPU, the embedding and
     layer 0 first) at the planner's minimum tokens, then 2x, 4x, 8x those tokens (the sweep: where the GPU-only
@@ -432,7 +432,7 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     r, t = stream_case(cfg, B, T, M, S, peak, off, keep=True, resident=k)
     out["at_min_tokens"] = r
     save(out)
-    for mult in S["token_sweep"]:                  # the same trainer, more tokens per step (the trainer's M)
+    for mult in S["token_sweep"] if sweep is None else sweep:   # the same trainer, more tokens (its M)
         bm = batch(cfg, mult * B, T)
         rm = time_steps(t.step, bm, 1, 2, drain=lambda: t.weights(copy=False))
         out[f"at_{mult}x_tokens"] = rates(cfg, mult * B, T, dict(rm, engine="stream", n_layer=L, resident_units=k),
@@ -546,6 +546,7 @@ def main():
                     help="the peers case's peers (fsdp2_offload takes ~2 minutes of a GPU session)")
     ap.add_argument("--wide-layers", type=int, help="the wide case's depth (default: the deepest that fits)")
     ap.add_argument("--wide-clips", default="0,1", help="grad_clip values of the wide case at its min tokens")
+    ap.add_argument("--wide-sweep", help="the wide case's token multiples (default 2,4,8; 'none': no sweep)")
     args = ap.parse_args()
     S, only = SMOKE if args.smoke else FULL, args.only.split(",")
     if args.peer:
@@ -573,9 +574,12 @@ def main():
     peak = res["cases"]["pinned"] = pinned_case(S)  # always: the copy peak is the yardstick of every case
     peak = peak if peak and "h2d_gbs" in peak else None
     clips = tuple(float(c) for c in args.wide_clips.split(","))
+    sweep = None if args.wide_sweep is None else () if args.wide_sweep == "none" else \
+        tuple(int(m) for m in args.wide_sweep.split(","))
     for name, fn in (("sweep", lambda: sweep_case(S, peak)),
                      ("peers", lambda: peers_case(S, peak, args.smoke, out, args.peers.split(","))),
-                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, save, args.wide_layers, clips))):
+                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, save, args.wide_layers, clips,
+                                                     sweep))):
         if name in only:
             t0 = time.time()
             print(f"bench: {name} ...", flush=True)

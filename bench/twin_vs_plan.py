@@ -6,11 +6,12 @@
 
 --measured DIR: DIR holds bench/gpu.py's results.json (the run of ../shared/gpu/2026-11-27-h200 is committed as
 bench/results/2026-11-27-nvidia-h200). The twin (the real engine replayed at full size, megatrain_min/twin.py) and
-the planner (megatrain_min/plan/timing.py's analytic schedule) predict each measured stream case -- the wide case at its two token
-counts and the peers' stream run -- on plan.hardware.HARDWARE["h200"] (made from that measurement; the host memory the run
-saw) with the engine as it was measured: no resident units, the shadow refreshed in a second pass over the unit
-(optim.TILE = the whole unit). Exit status 1 when either model is more than 10% off a measured step. Then the
-same models predict the engine as it is now (one host pass, resident units) on that H200: the issue-33 targets.
+the planner (megatrain_min/plan/timing.py's analytic schedule) predict each measured stream case -- the wide case at
+its token counts, clipped and as planned, and the peers' stream runs -- on plan.hardware.HARDWARE["h200"] (made from
+that measurement; the host memory the run saw) with the engine as it was measured: in the first run no resident
+units and the shadow refreshed in a second pass over the unit (optim.TILE = the whole unit); in later runs the
+resident units and grad clip each case names. Exit status 1 when either model is more than 10% off a measured step.
+After the first run's table the same models predict the engine as it is now on that H200: the issue-33 targets.
 Everything after the measured table is a prediction; bench/NOTES.md keeps them beside what a GPU later measures.
 Writes bench/results/twin_vs_plan.md (full depth) or DIR/twin_vs_plan.md (--measured).
 """
@@ -57,11 +58,14 @@ def predict(cfg, hw, B, M, twin_too=True, **kw):
 def measured(d):
     res = json.loads((d / "results.json").read_text())
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=res["meta"]["host_available_gb"], name="h200 (measured)")
-    wide, peers = res["cases"]["wide"], res["cases"]["peers"]
+    wide, peers = res["cases"]["wide"], res["cases"].get("peers", {})
     M = wide["at_min_tokens"]["tokens"] // SEQ                # bench/gpu.py: the trainer's micro-batches
-    cases = [(f"wide @ {k.split('_')[1]} tokens", wide[k], M) for k in
+    cases = [(f"wide @ {k.split('_')[1]} tokens", wide[k], M, 0.0) for k in
              ("at_min_tokens", "at_2x_tokens", "at_4x_tokens", "at_8x_tokens") if "step_s" in wide.get(k, {})]
-    cases += [(f"peers: {k}", peers[k], peers[k]["tokens"] // SEQ) for k in ("stream", "stream_0_resident")
+    cases += [(f"wide @ min tokens{', as planned' if k.startswith('planned') else ''}, clip {k.split('_')[-1]}",
+               wide[k], M, float(k.split("_")[-1])) for k in sorted(wide)
+              if k.startswith(("clip_", "planned_clip_")) and "step_s" in wide[k]]
+    cases += [(f"peers: {k}", peers[k], peers[k]["tokens"] // SEQ, 0.0) for k in ("stream", "stream_0_resident")
               if "step_s" in peers.get(k, {})]
     two_passes = "resident_units" not in wide["at_min_tokens"]   # the first run: the engine before both
     lines = [f"# twin and planner vs the measured run {d.name} ({datetime.date.today()}, "
@@ -69,18 +73,18 @@ def measured(d):
              "", f"Profile: plan.hardware.HARDWARE['h200'], host memory {hw['host_mem_gb']:.0f} GB; the engine as "
              "measured: " + ("no resident units, the shadow in a second pass (optim.TILE = whole unit)" if two_passes
                              else "the resident units each case names, one host pass") +
-             ", grad clip 0, 3 gradient slabs.", "",
+             ", the grad clip each case names (else 0), 3 gradient slabs.", "",
              "| case | layers | tokens | M | resident | measured s | twin s | twin/measured | planner s | "
              "planner/measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     worst, tile = 0.0, optim.TILE
     optim.TILE = 1 << 40 if two_passes else tile   # the first run: one kernel call per region, then the copy
     try:
-        for name, r, M in cases:
+        for name, r, M, clip in cases:
             cfg = model.GPTConfig(n_layer=r["n_layer"], **WIDE)
             t0 = time.time()
             k = r.get("resident_units", 0)
             tw, p = predict(cfg, hw, r["tokens"] // SEQ, M, offload_activations=bool(r.get("offload")),
-                            resident_units=k)
+                            resident_units=k, grad_clip=clip)
             a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
             worst = max(worst, abs(a - 1), abs(b - 1))
             lines.append(f"| {name} | {r['n_layer']} | {r['tokens']:,} | {M} | {k} | {r['step_s']:.3f} | "
