@@ -43,7 +43,8 @@ import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import checkpoint, cli, corpus, engine, hf, launch, plan, rundir, sample, sharded
+from megatrain_min import checkpoint, ckpt_read, cli, corpus, engine, hf, hf_load, launch, plan
+from megatrain_min import rundir, sample, sharded
 from megatrain_min.checks import CheckedTrainer, check_config, check_device
 from megatrain_min.cli import DTYPE_NAMES, DTYPES
 from megatrain_min.plan import fit, hardware, report
@@ -86,9 +87,9 @@ try:
     if init_dir is not None and (init_dir / "meta.json").is_file():     # one of our checkpoints
         if args.engine != "stream":
             fail("--init-from a checkpoint needs --engine stream")
-        base = model.GPTConfig(**checkpoint.read_meta(init_dir)["config"])
+        base = model.GPTConfig(**ckpt_read.read_meta(init_dir)["config"])
     elif init_dir is not None:                                          # a transformers directory
-        base, init_weights = hf.load_hf(init_dir)
+        base, init_weights = hf_load.load_hf(init_dir)
     if init_dir is not None and (init_dir / "tokenizer.json").is_file():
         tokenizer = HFTokenizer(init_dir)       # our checkpoints carry their model's tokenizer
     cfg = check_config(cli.config_of(args, base))
@@ -254,7 +255,7 @@ for step in bar:
         prof.step()
     if run.skips >= args.max_skips:
         fail(f"{run.skips} consecutive steps had a non-finite loss or gradient; stopping. Last "
-             f"good checkpoint: {checkpoint.latest(run.out) or 'none'}. Try a lower --lr or "
+             f"good checkpoint: {ckpt_read.latest(run.out) or 'none'}. Try a lower --lr or "
              f"--grad-clip 1.0.", EXIT["diverged"])
     stop = run.agree_stop(trainer)   # a signal may reach the ranks in different steps: all agree
     if stop or step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0:
@@ -267,7 +268,7 @@ if prof is not None:
     prof.stop()
     print(f"profile: {run.out / 'trace.json'} (open in https://ui.perfetto.dev)")
 run.close()
-last = checkpoint.latest(run.out) if args.engine == "stream" else "none (reference engine)"
+last = ckpt_read.latest(run.out) if args.engine == "stream" else "none (reference engine)"
 print(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val loss {run.val_loss:.4f}"
       " "
       f"(nats/token), checkpoint {last}")
@@ -280,11 +281,11 @@ if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 
         if RANK == 0:
             hf.save_hf(cfg, final, run.hf_dir, dtype=DTYPES[args.save_hf_dtype],
                        tokenizer_from=init_dir, replaces=run.hf_state)   # what it held then
-    except hf.HFError as e:  # the directory changed during the run
-        fail(f"--save-hf: {e}; the run's checkpoint is {checkpoint.latest(run.out) or 'none'}")
+    except hf_load.HFError as e:  # the directory changed during the run
+        fail(f"--save-hf: {e}; the run's checkpoint is {ckpt_read.latest(run.out) or 'none'}")
     except OSError as e:
         fail(f"--save-hf {run.hf_dir}: could not write the export ({e.strerror}); nothing there "
-             f"was replaced, the run's checkpoint is {checkpoint.latest(run.out) or 'none'}",
+             f"was replaced, the run's checkpoint is {ckpt_read.latest(run.out) or 'none'}",
              EXIT["write_failed"])
     print(f"saved a Hugging Face checkpoint to {run.hf_dir} ({args.save_hf_dtype})")
 if args.sample_tokens and n_params < 2e9 and source.prompt and source.decode:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
-from megatrain_min import checkpoint  # noqa: E402
+from megatrain_min import checkpoint, ckpt_read  # noqa: E402
 from optim import HostAdamW  # noqa: E402
 
 GB = 1e9
@@ -49,8 +49,8 @@ def bench(n_layer, where, rounds):
     def raw(mode):  # plain writes (+ fsync) or reads of the same bytes, one file per unit
         for u in range(len(units)):
             with open(root / f"raw-{u}.bin", mode) as f:
-                for s in checkpoint.STATES:
-                    (f.write if mode == "wb" else f.readinto)(checkpoint.bytes_of(opt.state(u)[s]))
+                for s in ckpt_read.STATES:
+                    (f.write if mode == "wb" else f.readinto)(ckpt_read.bytes_of(opt.state(u)[s]))
                 if mode == "wb":
                     f.flush()
                     os.fsync(f.fileno())
@@ -62,7 +62,7 @@ def bench(n_layer, where, rounds):
             os.close(fd)
 
     try:
-        timed("crc32 in memory", lambda: [zlib.crc32(checkpoint.bytes_of(opt.state(u)[s])) for u in range(len(units)) for s in checkpoint.STATES])
+        timed("crc32 in memory", lambda: [zlib.crc32(ckpt_read.bytes_of(opt.state(u)[s])) for u in range(len(units)) for s in ckpt_read.STATES])
         for r in range(rounds):
             print(f"round {r + 1}")
             timed("raw write + fsync", lambda: raw("wb"))
@@ -70,10 +70,10 @@ def bench(n_layer, where, rounds):
             drop_cache()
             timed("raw read, cold", lambda: raw("rb"))
             drop_cache()
-            timed("load, cold (verify, then read)", lambda: checkpoint.load(trainer, checkpoint.latest(root)))
+            timed("load, cold (verify, then read)", lambda: checkpoint.load(trainer, ckpt_read.latest(root)))
             drop_cache()
-            timed("load, cold, verify_first=False", lambda: checkpoint.load(trainer, checkpoint.latest(root), verify_first=False))
-        assert all(bool((opt.state(u)[s] == u + 0.5).all()) for u in range(len(units)) for s in checkpoint.STATES)
+            timed("load, cold, verify_first=False", lambda: checkpoint.load(trainer, ckpt_read.latest(root), verify_first=False))
+        assert all(bool((opt.state(u)[s] == u + 0.5).all()) for u in range(len(units)) for s in ckpt_read.STATES)
     finally:
         shutil.rmtree(root)
 

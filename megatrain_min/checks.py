@@ -145,8 +145,8 @@ def all_finite(t):
 class Weights(Mapping):
     """weights, its keys checked now (check_weights(tensors=False)) and each tensor as it is read
     (check_tensor, check_finite): what the engines read a model through. A lazy mapping's read_into
-    (hf.HFWeights) is kept, its view checked for finite values once filled (load_hf checked every
-    header's shape and dtype)."""
+    (hf_load.HFWeights) is kept, its view checked for finite values once filled (load_hf checked
+    every header's shape and dtype)."""
 
     def __init__(self, cfg, weights):
         check_weights(cfg, weights, tensors=False)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_min import checkpoint, checks, rundir
+from megatrain_min import checks, ckpt_read, rundir
 
 EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell reports it
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
@@ -248,7 +248,7 @@ def ranks(n, argv, out=None):
                     pass
     shutil.rmtree(beats, ignore_errors=True)
     if frozen:
-        last = checkpoint.latest(out) if out else None
+        last = ckpt_read.latest(out) if out else None
         print(f"error: rank {frozen[0]} (pid {frozen[1]}) stopped answering: no heartbeat for "
               f"{frozen[2]:.0f} s (a frozen process: SIGSTOP, a paused VM); the run was "
               f"ended, every finished checkpoint is whole (the last: {last or 'none'}); "

@@ -20,7 +20,7 @@ What it is
       writers(out)  the PIDs of live processes staging into out (another prepare or export)
       alive(pid)    whether the PID at the tail of a staging directory's name is running
 What it is not
-    Not a transaction over several directories, and not a run's lock (checkpoint.lock is that).
+    Not a transaction over several directories, and not a run's lock (runlock.py is that).
 """
 import fcntl
 import os

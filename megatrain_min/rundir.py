@@ -10,8 +10,8 @@ What it is
                   The data's samplers are wrapped: a data file found damaged while training
                   (prepare.TokenFile: truncated, bit rot) ends the run with one line naming it and
                   the last checkpoint, exit 2
-      claim()     the run lock (one run per --out; the kernel drops it even on SIGKILL), and a new
-                  run never writes into a directory that holds another run's files
+      claim()     the run lock (runlock.py: one run per --out; the kernel drops it even on SIGKILL),
+                  and a new run never writes into a directory that holds another run's files
       record()    config.json (the resolved settings) written atomically; on --resume metrics.jsonl
                   is cut to the checkpoint's step by a new file renamed over it; then one flushed
                   line per step (log)
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatrain_min import checkpoint, cli, hf, prepare
+from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepare, runlock
 
 EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, rank_lost=5, interrupted=130)
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
@@ -183,7 +183,7 @@ class Run:
         for flag, path in (("--out", out), ("--save-hf", hf_dir)):
             if path is not None:
                 check_path(path, flag)
-        holder = checkpoint.lock_holder(out) if self.rank == 0 else None
+        holder = runlock.lock_holder(out) if self.rank == 0 else None
         if holder is not None:      # a live run (the ranks of a killed launcher, say) writes there
             fail(f"--out {out} is in use by another run (pid {holder}); wait for it to finish (or "
                  f"stop it: kill -TERM {holder}), or pass another --out")
@@ -192,7 +192,7 @@ class Run:
             if a.engine != "stream":
                 fail("--resume needs --engine stream (the reference engine keeps no "
                      "host store to checkpoint)")
-            self.resume_from = checkpoint.latest(out) if a.resume == "latest" else Path(a.resume)
+            self.resume_from = ckpt_read.latest(out) if a.resume == "latest" else Path(a.resume)
             if self.resume_from is None and (out / "config.json").is_file():
                 fail(f"--resume: {out} holds a run that stopped before its first checkpoint: "
                      f"nothing to resume. To start over, remove {out}/config.json and "
@@ -205,7 +205,7 @@ class Run:
         if hf_dir is not None:
             try:
                 hf.check_export_dir(hf_dir)
-            except hf.HFError as e:
+            except hf_load.HFError as e:
                 fail(f"--save-hf: {e}")
             if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
                 fail(f"--save-hf {hf_dir} holds --out {out}; an export replaces its whole "
@@ -236,7 +236,7 @@ class Run:
     def _resume(self, cfg, batches, init_dir):
         a, path = self.a, self.resume_from
         try:
-            doc = checkpoint.read_meta(path)    # its tokenizer files verified: its copy is intact
+            doc = ckpt_read.read_meta(path)     # its tokenizer files verified: its copy is intact
             ck = doc["meta"]
             ours = path / "tokenizer.json"
             theirs = init_dir / "tokenizer.json" if init_dir else None
@@ -252,7 +252,7 @@ class Run:
                     '--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
                 fail(f"--resume: {path.name} was made with other settings ({was}); pass the same "
                      "flags to continue bit-exactly")
-            checkpoint.check_model(path, doc, cfg)
+            ckpt_read.check_model(path, doc, cfg)
             if was is not None and was != self.fingerprint:
                 other = "" if was["bytes"] != self.fingerprint["bytes"] else ", other content"
                 fail(f"--resume: the data changed since {path.name} was saved "
@@ -263,7 +263,7 @@ class Run:
             self.skips = int(ck["skips"])
             batches.load_state_dict(ck["data"])
             checkpoint.set_rng_state(ck["rng"])
-        except checkpoint.CheckpointError as e:
+        except ckpt_read.CheckpointError as e:
             fail(str(e))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
             # an edited meta.json
@@ -291,8 +291,8 @@ class Run:
         if (path / "meta.json").is_file():  # ours (a Hugging Face model's weights made the trainer)
             try:
                 checkpoint.load(trainer, path)
-            except checkpoint.CheckpointError as e:
-                before = checkpoint.before(path) if self.resume_from else None
+            except ckpt_read.CheckpointError as e:
+                before = ckpt_read.before(path) if self.resume_from else None
                 fail(f"{e}" + (f"; the checkpoint before it may be intact: --resume {before}"
                                if before else ""))
             if self.resume_from is None:   # --init-from: the weights only
@@ -307,13 +307,13 @@ class Run:
         out = self.out
         try:
             # held until this process ends
-            self.lock = checkpoint.lock(out) if self.rank == 0 else None
+            self.lock = runlock.lock(out) if self.rank == 0 else None
             out.mkdir(parents=True, exist_ok=True)       # (rank 0 made it in lock(), maybe not yet)
             # the lock file may exist already: can we create files?
             probe = out / f".probe-{os.getpid()}"
             probe.touch()
             probe.unlink()
-        except checkpoint.LockError as e:
+        except runlock.LockError as e:
             fail(f"{e}; wait for it to finish, or pass another --out")
         except OSError as e:
             fail(f"--out {out}: cannot write there ({e.strerror})")
@@ -322,17 +322,17 @@ class Run:
                 fail(f"--out {out}: {p.name} is not a file (a directory?); the run writes its "
                      "record there: move it away, or pass another --out")
         broken = sorted(p.name for p in out.glob("ckpt-*")
-                        if checkpoint.NAME.fullmatch(p.name) and not (p / "meta.json").is_file())
+                        if ckpt_read.NAME.fullmatch(p.name) and not (p / "meta.json").is_file())
         if broken:
             fail(f"--out {out}: {broken[0]} is not a finished checkpoint (no meta.json: "
                  f"damaged, or copied incompletely); move it out of {out} (nothing there is "
                  "deleted), then run again")
         held = [p for p in (out / "config.json", out / "metrics.jsonl") if p.is_file()] + \
-            [p for _, p in checkpoint.checkpoints(out)] if self.rank == 0 else []
+            [p for _, p in ckpt_read.checkpoints(out)] if self.rank == 0 else []
         for p in held:  # under the lock: nobody else writes here now
             try:
                 owner = (json.loads(p.read_text()).get("run") if p.name == "config.json" else
-                         checkpoint.read_meta(p, tokenizer=False)["meta"].get("run")
+                         ckpt_read.read_meta(p, tokenizer=False)["meta"].get("run")
                          if p.name.startswith("ckpt-") else self.run_id)
             except (OSError, ValueError, AttributeError):
                 owner = "unknown"
@@ -379,7 +379,7 @@ class Run:
             self.metrics.flush()
         except OSError as e:
             fail(f"could not write {self.out / 'metrics.jsonl'} ({e.strerror}); the last "
-                 f"checkpoint is {checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
+                 f"checkpoint is {ckpt_read.latest(self.out) or 'none'}", EXIT["write_failed"])
 
     def save(self, trainer, step, state, tokenizer_from=None):
         """checkpoint.save of the trainer at `step`, with train.py's state (the data sampler's, the
@@ -397,15 +397,15 @@ class Run:
             self.stop_saved = path if self.stop else None
         except checkpoint.NonFiniteError as e:
             fail(f"{e}; the last good checkpoint is "
-                 f"{checkpoint.latest(self.out) or 'none'}. Try a lower --lr",
+                 f"{ckpt_read.latest(self.out) or 'none'}. Try a lower --lr",
                  EXIT["diverged"])
         except checkpoint.SaveError as e:
             fail(f"{e}. Free space (or fix the permission), then continue with "
                  "--resume", EXIT["write_failed"])
-        except checkpoint.CheckpointError as e:
+        except ckpt_read.CheckpointError as e:
             # its name taken by a directory that is not this run's
             fail(f"{e}; the last checkpoint is "
-                 f"{checkpoint.latest(self.out) or 'none'}", EXIT["write_failed"])
+                 f"{ckpt_read.latest(self.out) or 'none'}", EXIT["write_failed"])
         took, wait = time.time() - t0, shutdown_s()
         if self.world > 1 and not self.saved and not os.environ.get(LAUNCHED_ENV):
             self.saved.append(took)
@@ -429,7 +429,7 @@ class Run:
                 return
             if self.stop and signum == signal.SIGINT:
                 print("error: interrupted twice: exiting now without a save; the last checkpoint "
-                      f"is {checkpoint.latest(self.out) or 'none'}", file=sys.stderr)
+                      f"is {ckpt_read.latest(self.out) or 'none'}", file=sys.stderr)
                 # where the main thread is: a save cleans up after itself
                 raise SystemExit(EXIT["interrupted"])
             self.stop.append(signum)
@@ -449,7 +449,7 @@ class Run:
             return sys.__excepthook__(kind, e, tb)
         print(f"error: rank {self.rank}: another rank stopped answering "
               f"({(str(e).splitlines() or [''])[0][:160]}); this rank stops too. The last "
-              f"checkpoint is {checkpoint.latest(self.out) or 'none'}",
+              f"checkpoint is {ckpt_read.latest(self.out) or 'none'}",
               file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -466,7 +466,7 @@ class Run:
 
     def data_failed(self, e):
         """A data file found damaged while training (truncated, bit rot): one line, exit 2."""
-        last = checkpoint.latest(self.out) or "none"
+        last = ckpt_read.latest(self.out) or "none"
         fail(f"{e}; the run stops here, the last checkpoint is {last}: continue with --resume once "
              f"the data is whole")
 

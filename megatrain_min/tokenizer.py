@@ -109,7 +109,7 @@ def copy_tokenizer_files(src, dst):
     directory dst. Returns {"files": [names copied], "config_ids": config_ids(src),
     "sha256": {file: its sha256}}: what dst needs to be the same tokenizer source as src
     (hf.save_hf writes the ids into its config.json, checkpoint.save all of it into its meta.json,
-    and checkpoint.check_tokenizer then verifies the files)."""
+    and ckpt_read.check_tokenizer then verifies the files)."""
     src, dst = Path(src), Path(dst)
     files = [f for f in TOKENIZER_FILES if (src / f).is_file()]
     for f in files:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import model
 from conftest import ROOT, make_bpe_tokenizer, train_py
 from megatrain_min import chat, data
-from megatrain_min.hf import load_hf
+from megatrain_min.hf_load import load_hf
 from megatrain_min.tokenizer import HFTokenizer, load_template
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out

@@ -15,8 +15,8 @@ import torch
 
 import model
 from conftest import ROOT, engine, random_batch
-from megatrain_min import checkpoint, data
-from megatrain_min.checkpoint import CheckpointError
+from megatrain_min import checkpoint, ckpt_read, data
+from megatrain_min.ckpt_read import CheckpointError
 from megatrain_min.schedule import lr_at
 
 CFG = model.PRESETS["toy"]
@@ -50,7 +50,7 @@ def trained(steps=3, seed=0, cfg=CFG):
 def test_round_trip_is_bit_exact_and_refreshes_the_shadow(tmp_path):
     a = trained(3)
     path = checkpoint.save(a, tmp_path, 3, {"note": "hi"})   # updates still pending: save must wait for them
-    assert path == tmp_path / "ckpt-00000003" and checkpoint.latest(tmp_path) == path
+    assert path == tmp_path / "ckpt-00000003" and ckpt_read.latest(tmp_path) == path
     b = trained(1, seed=1)
     meta = checkpoint.load(b, path)
     assert meta == {"note": "hi", "step": 3}
@@ -100,7 +100,7 @@ def test_resume_equals_straight_run(tmp_path):
 
     resumed = engine(CFG, model.init_weights(CFG, 1), device="cpu", **HP)
     batches = data.Batches(tokens, 4, 32, seed=99)
-    meta = checkpoint.load(resumed, checkpoint.latest(tmp_path))
+    meta = checkpoint.load(resumed, ckpt_read.latest(tmp_path))
     batches.load_state_dict(meta["data"])
     checkpoint.set_rng_state(meta["rng"])
     got += run(resumed, batches, meta["step"], 20)
@@ -226,10 +226,10 @@ def test_keep_last_k(tmp_path):
     for step in range(1, 6):
         checkpoint.save(t, tmp_path, step, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000004", "ckpt-00000005"]
-    assert [s for s, _ in checkpoint.checkpoints(tmp_path)] == [4, 5]
+    assert [s for s, _ in ckpt_read.checkpoints(tmp_path)] == [4, 5]
     checkpoint.save(t, tmp_path, 5, keep=2)                 # the same step again replaces it
-    assert checkpoint.load(t, checkpoint.latest(tmp_path))["step"] == 5
-    assert checkpoint.latest(tmp_path / "nothing-here") is None
+    assert checkpoint.load(t, ckpt_read.latest(tmp_path))["step"] == 5
+    assert ckpt_read.latest(tmp_path / "nothing-here") is None
 
 
 # the child: a ~6.6M-param model (79 MB per checkpoint) whose whole state is set to k before save k
@@ -267,7 +267,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_whole(tmp_path):
         child.kill()
     assert child.returncode == -signal.SIGKILL
     assert list(out.glob(".tmp-ckpt-*")), "the kill should have landed in the middle of a save"
-    path = checkpoint.latest(out)
+    path = ckpt_read.latest(out)
     cfg = model.GPTConfig(n_layer=8, d_model=256, d_ff=704)
     t = engine(cfg, model.init_weights(cfg, 1), device="cpu")
     k = checkpoint.load(t, path)["k"]

@@ -1,5 +1,5 @@
 """Checkpoints that carry their tokenizer (checkpoint.save(..., tokenizer_from=MODEL_DIR)), their weights read without
-a trainer (checkpoint.read_weights), and `python -m megatrain_min.hf export CKPT OUT_DIR` to a transformers directory.
+a trainer (ckpt_read.read_weights), and `python -m megatrain_min.hf export CKPT OUT_DIR` to a transformers directory.
 
 Oracles: transformers, for the export -- AutoModelForCausalLM's logits equal model.forward on the trained weights
 (fp32, 1e-5 relative, as tests/test_finetune.py), AutoTokenizer's apply_chat_template from the export equals the
@@ -18,9 +18,9 @@ import torch
 import model
 from conftest import ROOT, engine, make_bpe_tokenizer, random_batch
 import ranks
-from megatrain_min import checkpoint, data, prepare, sharded
+from megatrain_min import checkpoint, ckpt_read, data, prepare, sharded
 from megatrain_min.tokenizer import CONFIG_IDS, HFTokenizer
-from megatrain_min.hf import load_hf
+from megatrain_min.hf_load import load_hf
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -107,7 +107,7 @@ def test_checkpoint_carries_the_tokenizer(trained, llama_dir, tmp_path):
     assert (ours.vocab_size, ours.eos_id, ours.bos_id, ours.chat_template, ours.special_tokens) == \
         (src.vocab_size, src.eos_id, src.bos_id, src.chat_template, src.special_tokens)
     src_conf = json.loads((llama_dir / "config.json").read_text())
-    assert checkpoint.read_meta(ck)["tokenizer"]["config_ids"] == {k: src_conf[k] for k in CONFIG_IDS}
+    assert ckpt_read.read_meta(ck)["tokenizer"]["config_ids"] == {k: src_conf[k] for k in CONFIG_IDS}
     t = engine(cfg, model.init_weights(cfg, 5), device="cpu")                # load() reads it as before
     assert checkpoint.load(t, ck) == {"run": "a", "step": 2}
     assert all(torch.equal(t.weights()[k], weights[k]) for k in weights)
@@ -136,7 +136,7 @@ def test_eos_named_only_in_config_json_is_carried(tmp_path):
 # ----------------------------------------------------------------------------- read_weights
 def test_read_weights_is_the_trainers_weights(trained, tmp_path):
     cfg, weights, ck = trained
-    cfg2, w = checkpoint.read_weights(ck)
+    cfg2, w = ckpt_read.read_weights(ck)
     assert cfg2 == cfg and list(w) == list(weights) and len(w) == len(weights)
     assert all(w[k].dtype == torch.float32 and torch.equal(w[k], weights[k]) for k in weights)
     t = engine(cfg2, w, device="cpu")                                         # fills its store with read_into
@@ -150,9 +150,9 @@ def test_read_weights_is_the_trainers_weights(trained, tmp_path):
     b = bytearray(unit.read_bytes())
     b[-5] ^= 1                                                                 # a bit of Adam's v, not the master
     unit.write_bytes(bytes(b))
-    with pytest.raises(checkpoint.CheckpointError, match="layer.0.bin fails its CRC-32 check"):
-        checkpoint.read_weights(bad)
-    assert checkpoint.read_weights(bad, verify=False)[1][key].shape == weights[key].shape
+    with pytest.raises(ckpt_read.CheckpointError, match="layer.0.bin fails its CRC-32 check"):
+        ckpt_read.read_weights(bad)
+    assert ckpt_read.read_weights(bad, verify=False)[1][key].shape == weights[key].shape
 
 
 def _save_sharded(cfg_dict, out):
@@ -172,9 +172,9 @@ def test_read_weights_of_a_sharded_checkpoint(tmp_path):
     export loads in transformers."""
     cfg = model.GPTConfig(vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=32)
     got, _ = ranks.spawn(_save_sharded, 2, cfg.to_dict(), str(tmp_path / "run"))
-    ck = checkpoint.latest(tmp_path / "run")
-    assert checkpoint.read_meta(ck)["version"] == checkpoint.SHARDED
-    cfg2, w = checkpoint.read_weights(ck)
+    ck = ckpt_read.latest(tmp_path / "run")
+    assert ckpt_read.read_meta(ck)["version"] == ckpt_read.SHARDED
+    cfg2, w = ckpt_read.read_weights(ck)
     assert cfg2 == cfg and all(torch.equal(w[k], got[0][k]) for k in got[0])
     r = hf_export(ck, tmp_path / "hf", "--dtype", "fp32")
     assert r.returncode == 0 and "tokenizer files: none in the checkpoint" in r.stdout, r.stderr

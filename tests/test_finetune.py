@@ -9,7 +9,7 @@ import torch
 
 import model
 from conftest import make_bpe_tokenizer, train_py
-from megatrain_min.hf import load_hf
+from megatrain_min.hf_load import load_hf
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 

@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 import model  # noqa: E402
 from conftest import engine, random_batch, update_rel  # noqa: E402
-from megatrain_min import checks, hf  # noqa: E402
-from megatrain_min.hf import HFError, load_hf, save_hf  # noqa: E402
+from megatrain_min import checks, hf_load  # noqa: E402
+from megatrain_min.hf import save_hf  # noqa: E402
+from megatrain_min.hf_load import HFError, load_hf  # noqa: E402
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -195,7 +196,7 @@ def test_llama3_rope_without_original_context(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_source(tmp_path, dtype, monkeypatch):
     """bf16/fp16 tensors on disk come out as fp32 holding exactly the stored values (read in slices)."""
-    monkeypatch.setattr(hf, "CHUNK", 1000)         # several slices per tensor, as for a real model
+    monkeypatch.setattr(hf_load, "CHUNK", 1000)         # several slices per tensor, as for a real model
     d = make_hf(tmp_path / "hf", FAMILIES["qwen2-bias-tied"](), dtype=dtype)
     cfg, w = load_hf(d)
     ref = hf_model(d)                              # transformers upcasts the same stored values

@@ -30,7 +30,7 @@ import torch
 
 import model
 from conftest import engine, files_under, lost, make_bpe_tokenizer
-from megatrain_min import checkpoint, checks, hf, launch, prepare
+from megatrain_min import checkpoint, checks, hf, hf_load, launch, prepare, runlock
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
 
@@ -547,7 +547,7 @@ def _resume_lock_held(t, w):
     (t / "o").mkdir()
     (t / "o" / "config.json").write_text('{"run": "abc", "args": {}}\n')
     (t / "o" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5, "lr": 0.001, "tokens_per_s": 100.0}\n')
-    held = checkpoint.lock(t / "o")
+    held = runlock.lock(t / "o")
     return ["--resume", "--out", t / "o"], 2, ["in use by another run", f"pid {os.getpid()}"], [], \
         dict(after=held.close)
 
@@ -809,7 +809,7 @@ def _save_hf_over_dir_with_user_file(tmp):
 def _load_hf_null_config(tmp):
     hf.save_hf(CFG, w0(), tmp / "exp")
     (tmp / "exp" / "config.json").write_text("null")
-    hf.load_hf(tmp / "exp")
+    hf_load.load_hf(tmp / "exp")
 
 
 def _export_appeared_meanwhile(tmp):

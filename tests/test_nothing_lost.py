@@ -22,8 +22,9 @@ import torch
 
 import model
 from conftest import assert_refused, engine, files_under, lost, make_bpe_tokenizer, update_rel, wait_for_training
-from megatrain_min import checkpoint, checks, hf
-from megatrain_min.checkpoint import CheckpointError, NonFiniteError, SaveError
+from megatrain_min import checkpoint, checks, ckpt_read, hf, hf_load
+from megatrain_min.checkpoint import NonFiniteError, SaveError
+from megatrain_min.ckpt_read import CheckpointError
 from megatrain_min.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
@@ -141,7 +142,7 @@ def test_pruning_touches_only_the_same_runs_checkpoints(tmp_path):
     before = files_under(tmp_path)
     for step in (3, 4, 5):
         checkpoint.save(t, tmp_path, step, {"run": "b"}, keep=1)
-    assert [s for s, _ in checkpoint.checkpoints(tmp_path)] == [1, 2, 5] and not lost(before)
+    assert [s for s, _ in ckpt_read.checkpoints(tmp_path)] == [1, 2, 5] and not lost(before)
     with pytest.raises(CheckpointError, match="ckpt-00000002 exists and is not this run's"):
         checkpoint.save(t, tmp_path, 2, {"run": "b"})
     assert not lost(before)
@@ -165,10 +166,10 @@ def test_one_run_per_out_and_sigkill_leaves_no_stale_lock(cli, tmp_path):
     print(f"second run refused in {dt:.2f} s: {r.stderr.strip()}")
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"pid {first.pid}" in r.stderr and record == (out / "config.json").read_bytes() and dt < 30
-    step = checkpoint.checkpoints(out)[-1][0]
+    step = ckpt_read.checkpoints(out)[-1][0]
     r = cli(*LONG[:1], str(step + 1), *LONG[2:], "--save-every", "1", "--resume", "--out", out, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert checkpoint.checkpoints(out)[-1][0] == step + 1
+    assert ckpt_read.checkpoints(out)[-1][0] == step + 1
 
 
 def test_outputs_are_checked_writable_before_training(cli, tmp_path, finished):
@@ -197,10 +198,10 @@ def test_write_error_during_a_save_exits_4_with_the_previous_checkpoint_whole(cl
     """A write error during a save (here EFBIG: `ulimit -f` of 100 kB, a unit file is bigger) ends with one
     line and exit code 4; the previous checkpoint is intact and the temporary directory removed."""
     run = copy_run(finished, tmp_path)
-    ckpts = files_under(*(p for _, p in checkpoint.checkpoints(run)))
+    ckpts = files_under(*(p for _, p in ckpt_read.checkpoints(run)))
     r = cli(*TINY[:1], "3", *TINY[2:], "--save-every", "1", "--resume", "--out", run, cwd=tmp_path, fsize=100_000)
     assert_refused(r, ckpts, code=4, words=["could not write checkpoint", "File too large", "--resume"])
-    assert not list(run.glob(".tmp-*")) and checkpoint.latest(run).name == "ckpt-00000002"
+    assert not list(run.glob(".tmp-*")) and ckpt_read.latest(run).name == "ckpt-00000002"
 
 
 def test_save_error_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -308,7 +309,7 @@ def test_nonfinite_master_weights_are_never_saved_nor_loaded(tmp_path):
 def test_save_hf_refuses_nonfinite_weights(tmp_path):
     w = model.init_weights(CFG)
     w[model.NORM][3] = float("nan")
-    with pytest.raises(hf.HFError, match="model.norm.weight"):
+    with pytest.raises(hf_load.HFError, match="model.norm.weight"):
         hf.save_hf(CFG, w, tmp_path / "exp")
     assert not list(tmp_path.iterdir())
 
@@ -541,15 +542,15 @@ def test_a_data_file_truncated_under_a_run_ends_it_in_one_line(cli, tmp_path):
     out = tmp_path / "o"
     run = cli.start(*LONG, "--save-every", "1", "--data", tmp_path / "prep", "--out", out, cwd=tmp_path)
     deadline = time.time() + 120
-    while checkpoint.latest(out) is None and time.time() < deadline:
+    while ckpt_read.latest(out) is None and time.time() < deadline:
         time.sleep(0.01)
     os.truncate(tmp_path / "prep" / "train.npy", 128)             # the header and a few ids are left
     r = cli.wait(run)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "train.npy shrank" in err[0] and "--resume" in err[0] and str(checkpoint.latest(out)) in err[0], err
-    for _, ck in checkpoint.checkpoints(out):
-        checkpoint.read_weights(ck)                               # every file there, every CRC right
+    assert "train.npy shrank" in err[0] and "--resume" in err[0] and str(ckpt_read.latest(out)) in err[0], err
+    for _, ck in ckpt_read.checkpoints(out):
+        ckpt_read.read_weights(ck)                               # every file there, every CRC right
 
 
 def test_a_frozen_rank_is_named_within_the_heartbeat_bound(cli, tmp_path):
@@ -561,7 +562,7 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_bound(cli, tmp_path):
     run = cli.start("--nproc-per-node", "2", *LONG, "--save-every", "1", "--out", out, cwd=tmp_path,
                     env={launch.HEARTBEAT_ENV: str(bound), "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
-    while checkpoint.latest(out) is None and time.time() < deadline:
+    while ckpt_read.latest(out) is None and time.time() < deadline:
         time.sleep(0.05)
     pids = [int(p) for f in (Path("/proc") / str(run.pid) / "task").glob("*/children") for p in f.read_text().split()]
     env = {pid: dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
@@ -580,5 +581,5 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_bound(cli, tmp_path):
     stat = Path(f"/proc/{ranks[1]}/stat")
     state = stat.read_text().split(")")[1].split()[0] if stat.exists() else "gone"
     assert state in ("Z", "gone"), state       # the frozen rank was ended too
-    for _, ck in checkpoint.checkpoints(out):
-        checkpoint.read_weights(ck)
+    for _, ck in ckpt_read.checkpoints(out):
+        ckpt_read.read_weights(ck)

@@ -23,7 +23,7 @@ import cuda_doubles
 import model
 from conftest import ROOT, SPECIAL, engine, random_batch, train_py, wait_for_training
 import ranks
-from megatrain_min import checkpoint, sharded
+from megatrain_min import checkpoint, ckpt_read, sharded
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
 
@@ -109,7 +109,7 @@ def _shard_states(t):
     out = []
     for u in range(len(t.units)):
         lo, hi = t.placement.part(t.units[u])
-        out.append(({s: v[:hi - lo].clone() for s, v in t.opt.state(u).items() if s in checkpoint.STATES},
+        out.append(({s: v[:hi - lo].clone() for s, v in t.opt.state(u).items() if s in ckpt_read.STATES},
                     t.opt.step_count(u)))
     return out
 
@@ -127,7 +127,7 @@ def _ckpt_rank(cfg_dict, kw, out):
     res = {"at3": at3, "states3": states3, "first": (first, t.weights())}
     for name in ("n2", "n1"):
         r = sharded.ShardedTrainer(cfg, model.init_weights(cfg, 1), device="cpu", **kw)
-        checkpoint.load(r, checkpoint.latest(f"{out}/{name}"))
+        checkpoint.load(r, ckpt_read.latest(f"{out}/{name}"))
         res[f"from_{name}_states"] = _shard_states(r)
         res[f"from_{name}"] = ([r.step(x, y) for x, y in batches[3:]], r.weights())
     return res
@@ -148,9 +148,9 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
 
     got, _ = ranks.spawn(_ckpt_rank, 2, cfg.to_dict(), kw, str(tmp_path))
     r0 = got[0]
-    n2 = checkpoint.latest(tmp_path / "n2")
-    doc = checkpoint.read_meta(n2)
-    assert doc["version"] == checkpoint.SHARDED and all(len(u["parts"]) == 2 for u in doc["units"])
+    n2 = ckpt_read.latest(tmp_path / "n2")
+    doc = ckpt_read.read_meta(n2)
+    assert doc["version"] == ckpt_read.SHARDED and all(len(u["parts"]) == 2 for u in doc["units"])
     assert not list((tmp_path / "n2").glob(".tmp-*"))
     # same world size: bit-exact
     assert r0["from_n2"][0] == r0["first"][0]
@@ -169,7 +169,7 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
     back = engine(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw)
     checkpoint.load(back, n2)
     for u in range(len(back.units)):
-        for s in checkpoint.STATES:
+        for s in ckpt_read.STATES:
             assert torch.equal(back.opt.state(u)[s], torch.cat([r["states3"][u][0][s] for r in got]))
     assert all(torch.equal(back.weights()[k], r0["at3"][k]) for k in r0["at3"])
     back_rest = ([back.step(x, y) for x, y in batches[3:]], back.weights())
@@ -182,7 +182,7 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
     lost = tmp_path / "lost" / n2.name
     shutil.copytree(n2, lost)
     (lost / "layer.1.part1.bin").unlink()
-    with pytest.raises(checkpoint.CheckpointError, match=r"layer\.1\.part1\.bin is missing"):
+    with pytest.raises(ckpt_read.CheckpointError, match=r"layer\.1\.part1\.bin is missing"):
         checkpoint.load(engine(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw), lost)
 
 
@@ -338,7 +338,7 @@ def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, 
     wait_for_training(tmp_path / "stop")
     stop.send_signal(signal.SIGTERM)
     assert stop.wait(timeout=120) == 0, (tmp_path / "stop.stderr").read_text()[-3000:]
-    saved = checkpoint.latest(tmp_path / "stop")
+    saved = ckpt_read.latest(tmp_path / "stop")
     assert saved is not None and f"checkpoint {saved}; continue with --resume" in (
         tmp_path / "stop.stdout").read_text()
     assert [p.name for p in (tmp_path / "stop").iterdir() if p.name.startswith("ckpt-")] == [saved.name]

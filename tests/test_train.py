@@ -13,7 +13,7 @@ import torch
 
 import model
 from conftest import ROOT, runner, train_py, wait_for_training
-from megatrain_min import checkpoint
+from megatrain_min import ckpt_read
 from megatrain_min.plan import hardware
 
 pytestmark = pytest.mark.slow   # the whole module: `python -m pytest -m "not slow"` leaves it out
@@ -187,7 +187,7 @@ def test_consecutive_nonfinite_steps_stop_training(tmp_path):
     skipped = [m.get("skipped") for m in recs]
     assert all(s is True or (isinstance(s, list) and s and set(s) <= units) for s in skipped[-3:]), skipped
     assert len(recs) == 3 or not skipped[-4], skipped          # the run stops at the third in a row
-    latest = checkpoint.latest(out)                             # saved after every step but the one that stops
+    latest = ckpt_read.latest(out)                             # saved after every step but the one that stops
     assert latest is not None and latest.name == f"ckpt-{recs[-2]['step']:08d}", (latest, recs[-2:])
     assert f"Last good checkpoint: {latest}." in err[0], err[0]
     assert all(math.isfinite(m["loss"]) for m in recs[:-3] if not m.get("skipped"))

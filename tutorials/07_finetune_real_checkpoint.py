@@ -4,8 +4,8 @@
 # **What you will learn**
 #
 # * that a Hugging Face Llama checkpoint *is* the project's weights dict: `model.py` names every
-#   tensor like transformers does, so `megatrain_min.hf.load_hf` is a rename-free, lazy copy into
-#   the host store;
+#   tensor like transformers does, so `megatrain_min.hf_load.load_hf` is a rename-free, lazy copy
+#   into the host store;
 # * how supervised fine-tuning data is built: chat or prompt/completion lines in a `.jsonl` file,
 #   one example per row, conversations rendered in the model's *own* chat template (the jinja
 #   program in its tokenizer_config.json), the loss only on the answer tokens (targets `-100`
@@ -38,7 +38,8 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from megatrain_min import chat, data  # noqa: E402
-from megatrain_min.hf import load_hf, save_hf  # noqa: E402
+from megatrain_min.hf import save_hf  # noqa: E402
+from megatrain_min.hf_load import load_hf  # noqa: E402
 from megatrain_min.tokenizer import HFTokenizer  # noqa: E402
 from megatrain_min.schedule import lr_at  # noqa: E402
 from stream import Trainer  # noqa: E402

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import optim  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min import checkpoint, sharded  # noqa: E402
+from megatrain_min import ckpt_read, sharded  # noqa: E402
 
 # %% [markdown]
 # ## 1. Who owns what
@@ -177,7 +177,7 @@ for v in visits:
 # default) does not quite: one process sums every unit's squares in one order, 2 ranks each their
 # shards' and then the two partial sums -- the last bits of the clip factor differ, and the loss a
 # step later in the 7th digit. Each run writes its losses to metrics.jsonl and its weights to a
-# checkpoint; `checkpoint.read_weights` stitches the 2 ranks' parts back into one model.
+# checkpoint; `ckpt_read.read_weights` stitches the 2 ranks' parts back into one model.
 
 # %%
 B, T, STEPS = 8, 16, 3
@@ -195,7 +195,7 @@ for n, micro in ((N, 1), (1, N)):
                    check=True,
                    capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    runs[n] = metrics, checkpoint.read_weights(checkpoint.latest(out))[1]
+    runs[n] = metrics, ckpt_read.read_weights(ckpt_read.latest(out))[1]
 (m_n, w_n), (m_1, w_1) = runs[N], runs[1]
 for a, b in zip(m_n, m_1):
     print(f"step {a['step']}: loss {a['loss']:.7f} on {N} ranks, {b['loss']:.7f} in one process")
