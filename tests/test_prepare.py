@@ -1,4 +1,4 @@
-"""megatrain_min/prepare.py: a corpus tokenized once into token files, and read back.
+"""megatrain_min/prepare.py: a corpus tokenized once into token files; megatrain_min/prepared.py: read back.
 
 Oracles: the tokenizer's own encode() of each line (text) or document (.jsonl "text", + eos); data.py's in-memory
 path for SFT (load_sft_jsonl's (x, y) per example, example_tokens' masks, SFTBatches over its list); data.Batches
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import ROOT, make_bpe_tokenizer
-from megatrain_min import data, prepare
-from megatrain_min.prepare import PreparedTokens, PrepareError
+from megatrain_min import data, prepare, prepared
+from megatrain_min.prepared import PreparedTokens, PrepareError
 from megatrain_min.tokenizer import HFTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -95,9 +95,9 @@ def test_text_ids_are_encode_of_each_line(tmp_path, tok_dirs, small_batches, sty
     assert ids_of(tmp_path / "out", "train") == train and ids_of(tmp_path / "out", "val") == val
     assert len(val) > 0 and len(train) > 3 * len(val) - 200       # about a quarter, in whole lines
     p = PreparedTokens(tmp_path / "out")
-    assert p.kind == "tokens" and p.dtype == np.uint16 and isinstance(p.tokens("train"), prepare.TokenFile)
+    assert p.kind == "tokens" and p.dtype == np.uint16 and isinstance(p.tokens("train"), prepared.TokenFile)
     assert meta["splits"]["train"]["tokens"] == len(train) and meta["splits"]["val"]["max_id"] == max(val)
-    assert p.tokenizer_hash == ("bytes" if tok_dir is None else prepare.tokenizer_hash(tok_dir))
+    assert p.tokenizer_hash == ("bytes" if tok_dir is None else prepared.tokenizer_hash(tok_dir))
     assert [s["path"] for s in meta["sources"]] == [str(a.resolve()), str(b.resolve())]
     if style == "llama3":                     # why "line by line" is said: Llama 3 merges newlines across lines
         whole = HFTokenizer(tok_dir).encode(a.read_text(encoding="utf-8") + b.read_text(encoding="utf-8"))
@@ -249,13 +249,13 @@ def test_check_model(tmp_path, tok_dirs):
     bpe_.check_model(tok_dirs["gpt2"], vocab_size=bpe_.vocab_size)
     bytes_.check_model(None, vocab_size=256)
     bpe_.check_model(None, vocab_size=bpe_.vocab_size)              # a preset trained from scratch on these ids
-    for prepared, args, words in [
+    for directory, args, words in [
             (bpe_, (tok_dirs["llama3"],), "was tokenized with a tokenizer.json, sha256"),
             (bytes_, (tok_dirs["gpt2"],), "was tokenized with the byte tokenizer"),
             (bytes_, (None, 100), f"holds token id {max(TEXT.encode())}, beyond the model's vocabulary of 100"),
             (bytes_, (tmp_path,), "has no tokenizer.json")]:
         with pytest.raises(PrepareError) as e:
-            prepared.check_model(*args)
+            directory.check_model(*args)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     # SFT in the native format: the chat template is part of what must match
     (tmp_path / "c.jsonl").write_text(json.dumps(CONVS[2]) + "\n")
