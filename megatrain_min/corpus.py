@@ -3,10 +3,10 @@ anything runs.
 
 What it is
     open_data(path, cfg, ...) takes what train.py's --data names and returns a Source: the train and
-    val samplers (data.Batches or data.SFTBatches, or the same over a prepared directory's memory
-    maps), the lines train.py prints of them, a fingerprint of the data (a checkpoint keeps it;
-    --resume refuses other data), and what the run's closing sample needs (a prompt, the token that
-    ends a reply, a decoder).
+    val samplers (data.Batches or data.SFTBatches, or the same over a prepared directory's token
+    files, read with os.pread as batches ask: prepared.TokenFile), the lines train.py prints of
+    them, a fingerprint of the data (a checkpoint keeps it; --resume refuses other data), and what
+    the run's closing sample needs (a prompt, the token that ends a reply, a decoder).
       None         the shipped corpus, bytes
       FILE.txt     UTF-8 text: bytes (byte presets) or the model's tokenizer; larger than RAW_LIMIT:
                    refused, naming the prepare command (a whole-file encode needs the corpus several

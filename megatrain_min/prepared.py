@@ -2,8 +2,8 @@
 
 What it is
     The reading half of prepare, and the on-disk format both halves share: prepare.py writes the
-    directory (`python -m megatrain_min.prepare`) and takes the format from here, never the other
-    way round. A prepared DIR holds:
+    directory (`python -m megatrain_min.prepare`; encode.py the token arrays in it) and takes the
+    format from here, never the other way round. A prepared DIR holds:
         train.npy, val.npy              token ids, uint16 when the vocabulary fits, else uint32
         train.mask.npy, val.mask.npy    SFT only: bool per token, True where it is supervised
         train.examples.npy, val.examples.npy    SFT only: int64 (n, 3): start, end, first target
@@ -21,9 +21,9 @@ What it is
     vocab_size): the same tokenizer (and chat template) as the model that will train on them;
     fingerprint(): what a checkpoint keeps of the data -- the digests of the ids, not when or from
     which paths they were prepared.
-    Shared with prepare.py: FORMAT and VERSION, META, SPLITS, PrepareError (the one error of both
-    halves), digest, tokenizer_hash, chat_template_hash, read_meta (a directory without a complete
-    meta.json of this format and version is refused).
+    Shared with prepare.py (and encode.py: SPLITS, PrepareError): FORMAT and VERSION, META, SPLITS,
+    PrepareError (the one error of both halves), digest, tokenizer_hash, chat_template_hash,
+    read_meta (a directory without a complete meta.json of this format and version is refused).
 What it is not
     No writing: prepare.py makes the directory (written aside, meta.json last, put in place whole).
     No memory map (TokenFile says why); no CRC of the token files beyond the digests above.

@@ -30,7 +30,7 @@ import torch
 
 import model
 from conftest import engine, files_under, lost, make_bpe_tokenizer
-from megatrain_min import checkpoint, checks, hf, launch, prepare, prepared
+from megatrain_min import checkpoint, checks, encode, hf, launch, prepare, prepared
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
 
@@ -916,13 +916,13 @@ def _input_moved_midway(tmp):
     """An input moved away while prepare reads it: bad input (one line, exit 2), not a write error (exit 4)."""
     from unittest import mock
     (tmp / "t.txt").write_text("What is two plus two? Four.\n" * 200)
-    add = prepare._Corpus.add
+    add = encode.Corpus.add
 
     def moving(self, path, *a):      # the first piece is read: the file goes elsewhere
         if path.exists():
             path.rename(tmp / "moved.txt")
         return add(self, path, *a)
-    with mock.patch.object(prepare._Corpus, "add", moving):
+    with mock.patch.object(encode.Corpus, "add", moving):
         prepare.prepare([tmp / "t.txt"], tmp / "p")
 
 

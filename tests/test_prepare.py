@@ -1,4 +1,5 @@
-"""megatrain_min/prepare.py: a corpus tokenized once into token files; megatrain_min/prepared.py: read back.
+"""megatrain_min/prepare.py: a corpus tokenized once into token files (the streaming: megatrain_min/encode.py);
+megatrain_min/prepared.py: read back.
 
 Oracles: the tokenizer's own encode() of each line (text) or document (.jsonl "text", + eos); data.py's in-memory
 path for SFT (load_sft_jsonl's (x, y) per example, example_tokens' masks, SFTBatches over its list); data.Batches
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, make_bpe_tokenizer
-from megatrain_min import data, prepare, prepared
+from megatrain_min import data, encode, prepare, prepared
 from megatrain_min.prepared import PreparedTokens, PrepareError
 from megatrain_min.tokenizer import HFTokenizer
 
@@ -55,7 +56,7 @@ def tok_dirs(tmp_path_factory):
 
 @pytest.fixture
 def small_batches(monkeypatch):
-    monkeypatch.setattr(prepare, "BATCH_BYTES", 61)     # many batches, lines across their edges
+    monkeypatch.setattr(encode, "BATCH_BYTES", 61)     # many batches, lines across their edges
 
 
 def lines_of(b):
@@ -283,8 +284,8 @@ def test_an_error_midway_leaves_nothing(tmp_path, small_batches):
 KILLED = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from megatrain_min import prepare
-prepare.BATCH_BYTES, seen, add = 61, [], prepare._Corpus.add
+from megatrain_min import encode, prepare
+encode.BATCH_BYTES, seen, add = 61, [], encode.Corpus.add
 def dying_add(self, *a):
     seen.append(1)
     if len(seen) == 20:
@@ -292,7 +293,7 @@ def dying_add(self, *a):
             s.ids.f.flush()                  # what was written so far is on disk: a half-written output
         os.kill(os.getpid(), signal.SIGKILL)
     return add(self, *a)
-prepare._Corpus.add = dying_add
+encode.Corpus.add = dying_add
 prepare.prepare([{src!r}], {out!r})
 """
 
