@@ -3,19 +3,19 @@ anything runs.
 
 What it is
     open_data(path, cfg, ...) takes what train.py's --data names and returns a Source: the train and
-    val samplers (data.Batches or data.SFTBatches, or the same over a prepared directory's memory
-    maps), the lines train.py prints of them, a fingerprint of the data (a checkpoint keeps it;
-    --resume refuses other data), and what the run's closing sample needs (a prompt, the token that
-    ends a reply, a decoder).
+    val samplers (data.Batches or data.SFTBatches, or the same over a prepared directory's token
+    files, read with os.pread as batches ask: prepared.TokenFile), the lines train.py prints of
+    them, a fingerprint of the data (a checkpoint keeps it; --resume refuses other data), and what
+    the run's closing sample needs (a prompt, the token that ends a reply, a decoder).
       None         the shipped corpus, bytes
       FILE.txt     UTF-8 text: bytes (byte presets) or the model's tokenizer; larger than RAW_LIMIT:
                    refused, naming the prepare command (a whole-file encode needs the corpus several
                    times in RAM)
       FILE.npy     token ids (uint16, uint32, int64), memory-mapped
       FILE.jsonl   SFT examples, loss on the answers only (data.py: the formats)
-      DIR          made by `python -m megatrain_min.prepare` (prepare.py): its files' digests
-                   verified, read as batches ask (every id checked), its tokenizer, chat format and
-                   vocabulary checked against the model's and the flags
+      DIR          made by `python -m megatrain_min.prepare` (prepare.py), read by prepared.py:
+                   its files' digests verified, read as batches ask (every id checked), its
+                   tokenizer, chat format and vocabulary checked against the model's and the flags
     Any other input (a .npz, a .json array, a binary file, a FIFO, a directory prepare did not make)
     is refused with one line that says what would be accepted.
 What it is not
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain_min import data, prepare
+from megatrain_min import data, prepared
 from megatrain_min.checks import check_token_ids
 
 RAW_LIMIT = 512 << 20        # bytes of .txt or .jsonl read whole; beyond: the prepare command
@@ -56,13 +56,13 @@ class Source:
 
 
 def fingerprint(path):
-    """{"bytes", "sha256"} of a data file (prepare.digest: whole up to prepare.DIGEST_WHOLE, else
+    """{"bytes", "sha256"} of a data file (prepared.digest: whole up to prepared.DIGEST_WHOLE, else
     sampled), or of a prepared directory's ids (PreparedTokens.fingerprint: the same ids prepared
     again are the same data)."""
     path = Path(path)
     if path.is_dir():
-        return prepare.PreparedTokens(path, verify=False).fingerprint()
-    return prepare.digest(path)
+        return prepared.PreparedTokens(path, verify=False).fingerprint()
+    return prepared.digest(path)
 
 
 def _check_path(path):
@@ -71,8 +71,8 @@ def _check_path(path):
         raise ValueError(f"data file {path} does not exist; pass --data with a .txt, .npy or "
                          ".jsonl file, or a directory made by python -m megatrain_min.prepare")
     if path.is_dir():
-        if not (path / prepare.META).is_file():
-            raise ValueError(f"--data {path} is a directory without {prepare.META}: not one made "
+        if not (path / prepared.META).is_file():
+            raise ValueError(f"--data {path} is a directory without {prepared.META}: not one made "
                              "by python -m megatrain_min.prepare (or that preparation did not "
                              "finish); pass a file, or prepare the directory")
         return
@@ -223,7 +223,7 @@ def _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_pr
     """A Source over a prepared directory: its tokenizer is the model's (or both are bytes), its ids
     fit, its chat format is the one asked for (it was fixed when it was prepared)."""
     try:
-        d = prepare.PreparedTokens(path)
+        d = prepared.PreparedTokens(path)
         if tokenizer is None and d.tokenizer_hash != "bytes":
             made = d.meta.get("tokenizer_dir") or "MODEL_DIR"
             raise ValueError(f"{path} was tokenized with a model's tokenizer.json ({made}); "
@@ -242,7 +242,7 @@ def _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_pr
         seeds = (seed, 10_000 + seed)
         if d.kind == "sft":
             train, val = (d.sft_batches(s, batch_size, seq_len, seed=k)
-                          for s, k in zip(prepare.SPLITS, seeds))
+                          for s, k in zip(prepared.SPLITS, seeds))
             lines = [f"data {path}: prepared SFT examples, {len(train.examples):,} train / "
                      f"{len(val.examples):,} val (read as batches ask)"]
             prompt, stop = (_asked_prompt(sample_prompt, tok, d.meta["chat_format"])
@@ -250,10 +250,10 @@ def _prepared(path, cfg, batch_size, seq_len, seed, tokenizer, source, sample_pr
                             else _held_out_prompt(val.examples))
             return Source(train, val, lines, d.fingerprint(), prompt, stop, decode, "reply")
         train, val = (d.batches(s, batch_size, seq_len, seed=k)
-                      for s, k in zip(prepare.SPLITS, seeds))
+                      for s, k in zip(prepared.SPLITS, seeds))
         lines = [f"data {path}: prepared, {len(train.tokens):,} train / {len(val.tokens):,} val "
                  "tokens (read as batches ask)"]
         prompt = _text_prompt(tok, sample_prompt)
         return Source(train, val, lines, d.fingerprint(), prompt, None, decode)
-    except prepare.PrepareError as e:
+    except prepared.PrepareError as e:
         raise ValueError(str(e)) from None

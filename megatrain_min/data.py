@@ -9,8 +9,9 @@ What it is
     only, and a padded batch sampler. Conversations are rendered in the model's own chat_template by
     chat.py (chat_tokens), or in a fixed format when the directory has none.
     A model directory's tokenizer.json and chat template: tokenizer.py (HFTokenizer). A corpus
-    tokenized once into token files: prepare.py (`python -m megatrain_min.prepare`). What --data
-    names, opened: corpus.py.
+    tokenized once into token files: prepare.py (`python -m megatrain_min.prepare`; the streaming
+    through the tokenizer: encode.py), read back by prepared.py. What --data names, opened:
+    corpus.py.
 What it is not
     No BPE training (fine-tuning uses the model directory's tokenizer.json through the `tokenizers`
     package), no multi-process loading: a pretraining batch is B random windows of T+1 tokens, which

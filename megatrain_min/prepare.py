@@ -5,98 +5,49 @@ What it is
                                          [--val-fraction 0.1]
     streams text (.txt) or JSON lines (.jsonl) through a tokenizer (MODEL_DIR's tokenizer.json -- a
     Hugging Face model directory or one of our checkpoints that carries it -- else bytes) into DIR:
-        train.npy, val.npy              token ids, uint16 when the vocabulary fits, else uint32
-        train.mask.npy, val.mask.npy    SFT only: bool per token, True where it is supervised
-        train.examples.npy, val.examples.npy    SFT only: int64 (n, 3): start, end, first target
-        meta.json                       written last: format version, tokenizer sha256 ("bytes"
-                                        without --tokenizer), vocabulary size, dtype, per split the
-                                        tokens, the .jsonl records (documents or examples) and the
-                                        largest id, the sources with sizes and mtimes, the settings,
-                                        per file its size and sha256 (digest(): whole up to
-                                        DIGEST_WHOLE, else sampled)
-    What an input becomes:
-    * .txt: the text line by line -- each line with its newline encoded on its own, the ids
-      concatenated, as transformers' run_clm.py does with keep_linebreaks. A tokenizer that merges
-      across a line end (Llama 3 makes one token of "\\n\\n") gives a few other ids there than one
-      encode() of the whole file would. Nothing is put between files.
-    * .jsonl lines {"text": ...}: one document per line, encoded whole, then eos (a newline for a
-      tokenizer without one, as data.example_tokens ends a turn): documents never run together.
-    * .jsonl lines {"messages": [...]} or {"prompt", "completion"} (whatever else they hold, "text"
-      too): SFT examples through data.example_tokens -- the model's own chat template (chat.py) and
-      its supervised mask, what data.load_sft_jsonl trains on -- stored one after the other with
-      their boundaries, so that each batch row holds one example (SFTBatches). One directory holds
-      one kind: mixing them is refused.
+    token ids (uint16 when the vocabulary fits, else uint32: id_dtype), for SFT data a mask and an
+    index of the examples, and meta.json last. encode.py does the streaming: what a .txt or .jsonl
+    input becomes (text line by line, "text" documents each ending in eos, SFT examples with their
+    mask), memory bounded by a batch, the line limits. prepared.py lists the files, holds the
+    format both halves share (META, FORMAT, digest, ...) and reads them back (PreparedTokens).
     The validation split is the tail of the input: the last floor(F * total) bytes of all inputs
     (in the order given), widened to whole lines and records -- a line goes to val when its last
     byte lies there. The same contiguous tail that data.split takes of a token array, fixed before
     anything is tokenized, so it streams. A --val-fraction above 0 that leaves it empty is refused
     (train.py evaluates on it).
-    Memory is bounded by a batch, never by the corpus: input is read BATCH_BYTES at a time cut at a
-    line end, encoded by the tokenizers package's encode_batch on all usable cores
-    (RAYON_NUM_THREADS = the CPUs this process may run on), and appended to the output files. A
-    line (or record) is one sequence, which costs the tokenizers package ~200 bytes of memory per
-    byte of it (measured: 1.6 GB for 8 MiB): a line is at most TOKENIZED_LINE_MAX through a
-    tokenizer (LINE_MAX as bytes). Measured: bench/prepare_throughput.py, bench/NOTES.md.
     Nothing half-written is ever taken for finished: everything is written aside (publish.stage),
     fsynced, meta.json last, and put in place whole (publish.publish: a new DIR renamed into place,
     an existing one -- empty, a mount point, the working directory -- filled, never replaced); the
-    reader refuses a directory without a complete meta.json, and a rerun removes what a killed one
-    left. Two prepares into one DIR at once: the second is refused (or, when both got past their
-    checks, the one that finishes second replaces nothing). A rerun into a finished DIR does nothing
-    when the sources, tokenizer and settings are the same (like make); otherwise it refuses unless
-    --force, which replaces only a directory that prepare wrote.
-    PreparedTokens(DIR): each file's size and digest checked against meta.json (a foreign or
-    bit-rotten file is refused); the arrays read as batches ask (TokenFile: os.pread, nothing in RAM
-    before, and a file truncated under a run is an error naming it, never a SIGBUS as from a memory
-    map), every id read checked against the split's largest; vocab_size and tokenizer_hash,
-    data.Batches over the ids, data.SFTBatches over the examples; check_model(MODEL_DIR,
-    vocab_size): the same tokenizer (and chat template) as the model that will train on them;
-    fingerprint(): what a checkpoint keeps of the data -- the digests of the ids, not when or from
-    which paths they were prepared.
+    reader (prepared.PreparedTokens) refuses a directory without a complete meta.json, and a rerun
+    removes what a killed one left. Two prepares into one DIR at once: the second is refused (or,
+    when both got past their checks, the one that finishes second replaces nothing). A rerun into a
+    finished DIR does nothing when the sources, tokenizer and settings are the same (like make);
+    otherwise it refuses unless --force, which replaces only a directory that prepare wrote.
 What it is not
-    No shuffling, deduplication or filtering; no packing of SFT examples (data.py says why); no CRC
-    of the token files beyond the digests above. SFT examples are rendered one at a time in Python
-    (a chat template is a jinja program); text goes through encode_batch.
+    No shuffling, deduplication or filtering; no packing of SFT examples (data.py says why). No
+    tokenizing here: encode.py. No reading back: prepared.py.
 Reference
     nanoGPT's data/openwebtext/prepare.py (flat uint16 ids, np.memmap to read them); Megatron-LM's
-    tools/preprocess_data.py (documents with an index, an end-of-document token); transformers'
-    run_clm.py.
+    tools/preprocess_data.py (documents with an index, a tokenized corpus beside its metadata).
 Try it
     python -m megatrain_min.prepare data/tinyshakespeare.txt --out /tmp/shakespeare   # ~1 s
     python -m pytest tests/test_prepare.py
     python bench/prepare_throughput.py    # against Tokenizer.encode_batch, with peak RSS of each
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-import warnings
-from collections.abc import Sequence
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
-from megatrain_min import data, publish
+from megatrain_min import data, encode, publish
+from megatrain_min.prepared import (FORMAT, META, SPLITS, VERSION, PreparedTokens, PrepareError,
+                                    chat_template_hash, digest, read_meta, tokenizer_hash)
 from megatrain_min.tokenizer import HFTokenizer
-
-FORMAT, VERSION = "megatrain-min prepared tokens", 1
-META = "meta.json"
-# input per encode_batch call: ~1M tokens, ~100 MB of the package's Encodings in flight
-BATCH_BYTES = 4 << 20
-# a line is never cut: a longer one would make a batch that large, and is refused
-LINE_MAX = 64 << 20
-TOKENIZED_LINE_MAX = 8 << 20   # ... through a tokenizer: ~200 B of memory per byte of a sequence
-DIGEST_WHOLE = 256 << 20       # files up to this size are hashed whole; larger: 64 spread-out MiB
-SPLITS = ("train", "val")
-
-
-class PrepareError(ValueError):
-    """Input, tokenizer or output that prepare refuses, or a directory that the reader refuses. One
-    line."""
 
 
 def id_dtype(n_ids):
@@ -107,17 +58,6 @@ def id_dtype(n_ids):
     if n_ids <= 1 << 32:
         return np.dtype(np.uint32)
     raise PrepareError(f"a vocabulary of {n_ids:,} ids does not fit uint32 token files")
-
-
-def tokenizer_hash(model_dir):
-    """sha256 (hex) of model_dir/tokenizer.json's bytes; "bytes" for the byte tokenizer (model_dir
-    None)."""
-    if model_dir is None:
-        return "bytes"
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise PrepareError(f"{model_dir} has no tokenizer.json")
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def check_tokenizer_dir(model_dir, flag="--tokenizer"):
@@ -139,299 +79,6 @@ def check_tokenizer_dir(model_dir, flag="--tokenizer"):
         raise PrepareError(f"{flag} {d}: no tokenizer.json there (a directory is a tokenizer only "
                            f"when it holds one); pass a model directory or one of our checkpoints"
                            if d.is_dir() else f"{flag} {d} does not exist")
-
-
-def digest(path):
-    """{"bytes", "sha256"} of a file: hashed whole up to DIGEST_WHOLE, else 64 spread-out 1 MiB
-    blocks ("sampled": true) -- a file of other content but the same size is told apart (but for
-    blocks it shares)."""
-    size, h = os.stat(path).st_size, hashlib.sha256()
-    with open(path, "rb") as f:
-        if size <= DIGEST_WHOLE:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        else:
-            for k in range(64):
-                f.seek(k * (size - (1 << 20)) // 63)
-                h.update(f.read(1 << 20))
-    sampled = {"sampled": True} if size > DIGEST_WHOLE else {}
-    return {"bytes": size, "sha256": h.hexdigest(), **sampled}
-
-
-def _sha(text):
-    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
-
-
-def _read_meta(path):
-    """DIR/meta.json of a finished prepare (format and version checked), else PrepareError."""
-    try:
-        meta = json.loads((path / META).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PrepareError(f"{path} is not a prepared directory (no {META}; a prepare that did "
-                           "not finish leaves none): run `python -m megatrain_min.prepare ... "
-                           f"--out {path}`") from None
-    except (OSError, ValueError) as e:
-        raise PrepareError(f"{path}/{META} cannot be read ({e}); prepare the data again") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PrepareError(f"{path}/{META} is not a prepared-tokens meta.json "
-                           f"(no format {FORMAT!r})")
-    if meta.get("version") != VERSION:
-        raise PrepareError(f"{path} has prepared-tokens format version {meta.get('version')!r}; "
-                           f"this code reads version {VERSION}: prepare the data again")
-    return meta
-
-
-# ----------------------------------------------------------------------------- writing
-class _Npy:
-    """A .npy file written front to back: the header of an empty array first, rows appended, the
-    real shape written over it at the end (numpy leaves room in the header for the length to grow:
-    its size stays)."""
-
-    def __init__(self, path, dtype, row=()):
-        self.f, self.dtype, self.row, self.n = open(path, "wb",
-                                                    buffering=1 << 20), np.dtype(dtype), row, 0
-        self._header()
-        self.start = self.f.tell()
-
-    def _header(self):
-        np.lib.format.write_array_header_1_0(self.f,
-                                             {"descr": np.lib.format.dtype_to_descr(self.dtype),
-                                              "fortran_order": False,
-                                              "shape": (self.n, *self.row)})
-
-    def append(self, a):
-        a = np.ascontiguousarray(a, dtype=self.dtype)
-        self.f.write(memoryview(a.reshape(-1).view(np.uint8)))
-        self.n += len(a)
-
-    def close(self):
-        """Final header, fsync, close; returns the file's size in bytes."""
-        end = self.f.tell()
-        self.f.seek(0)
-        self._header()
-        assert self.f.tell() == self.start, "the .npy header changed size"
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return end
-
-
-class _Split:
-    """The files of one split in the temporary directory: ids, and for SFT data the mask and the
-    example index."""
-
-    def __init__(self, d, name, dtype, sft):
-        self.ids = _Npy(d / f"{name}.npy", dtype)
-        self.mask = _Npy(d / f"{name}.mask.npy", bool) if sft else None
-        self.index = _Npy(d / f"{name}.examples.npy", np.int64, (3,)) if sft else None
-        self.name, self.limit = name, np.iinfo(dtype).max
-        self.max_id, self.examples, self.supervised = -1, 0, 0
-
-    def add_tokens(self, ids, documents=0):
-        if len(ids):
-            self.max_id = max(self.max_id, int(ids.max()))
-            # the tokenizer made an id beyond the vocabulary it declared
-            if self.max_id > self.limit:
-                raise PrepareError(f"token id {self.max_id} does not fit {self.ids.dtype}; the "
-                                   "tokenizer's vocabulary size understates its ids")
-        self.ids.append(ids)
-        self.examples += documents
-
-    def add_example(self, ids, supervised):
-        """One SFT example: its ids, its mask, and (start, end, first target) -- the first i with
-        supervised[i + 1], the position of its first supervised target in data.example_xy's y, or
-        -1."""
-        start, targets = self.ids.n, np.flatnonzero(supervised[1:])
-        self.add_tokens(ids, documents=1)
-        self.mask.append(supervised)
-        self.index.append(np.array([[start, self.ids.n, targets[0] if len(targets) else -1]]))
-        self.supervised += int(supervised.sum())
-
-    def close(self):
-        files = {f"{self.name}.npy": self.ids.close()}
-        if self.mask is not None:
-            files.update({f"{self.name}.mask.npy": self.mask.close(),
-                          f"{self.name}.examples.npy": self.index.close()})
-        stats = {"tokens": self.ids.n, "examples": self.examples, "max_id": self.max_id}
-        return files, stats if self.mask is None else {**stats, "supervised": self.supervised}
-
-
-def _sources(inputs):
-    """[{"path", "bytes", "mtime_ns"}] of the inputs, each a readable non-empty .txt or .jsonl
-    file."""
-    out = []
-    for name in inputs:
-        p = Path(name)
-        if p.is_dir():
-            raise PrepareError(f"{p} is a directory; pass the files in it, e.g. {p / '*.txt'}")
-        if p.suffix not in (".txt", ".jsonl"):
-            raise PrepareError(f"{p}: expected a .txt (text) or .jsonl (one JSON "
-                               "object per line) file")
-        if not p.is_file():
-            raise PrepareError(f"{p} {'is not a file' if p.exists() else 'does not exist'}")
-        try:
-            open(p, "rb").close()
-        except OSError as e:
-            raise PrepareError(f"{p}: cannot read it ({e.strerror})") from None
-        st = p.stat()
-        if st.st_size == 0:
-            raise PrepareError(f"{p} is empty")
-        out.append({"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
-
-
-def _chunks(path, line_max=LINE_MAX):
-    """(offset, bytes) of the file in pieces of about BATCH_BYTES, each ending at a line end (or the
-    file's end); a line longer than line_max (> BATCH_BYTES) is refused. A read error is a
-    PrepareError (an error of the caller's, between the pieces, is not caught here)."""
-    def read(f):
-        try:
-            return f.read(BATCH_BYTES)
-        except OSError as e:
-            raise PrepareError(f"{path}: cannot read it ({e.strerror})") from None
-
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise PrepareError(f"{path} was moved or deleted while the inputs were being prepared; put "
-                           f"it back (or leave it out), then run again") from None
-    with f:
-        rest, at = b"", 0
-        while block := read(f):
-            buf = rest + block
-            end = buf.rfind(b"\n") + 1
-            first = buf.find(b"\n") + 1 or len(buf)  # only the first line can outgrow a block
-            if first > line_max:
-                why = ("a line is encoded as one sequence, ~200 bytes of memory per byte"
-                       if line_max < LINE_MAX else "text is read line by line")
-                raise PrepareError(f"{path}: a line of more than {line_max >> 20} MiB at byte "
-                                   f"{at:,} ({why}); break it into lines (or records) of at most "
-                                   f"{line_max >> 20} MiB")
-            if end:
-                yield at, buf[:end]
-                at, rest = at + end, buf[end:]
-            else:
-                rest = buf
-        if rest:
-            yield at, rest
-
-
-def _decode(piece, path, line, at):
-    """piece as text, or PrepareError naming the line and byte of the first byte that is not
-    UTF-8."""
-    try:
-        return piece.decode("utf-8")
-    except UnicodeDecodeError as e:
-        n = line + piece.count(b"\n", 0, e.start) + 1
-        raise PrepareError(f"{path}:{n}: not UTF-8 text (byte {piece[e.start]:#04x} at offset "
-                           f"{at + e.start:,}); convert the file to UTF-8 (nothing is "
-                           "replaced silently)") from None
-
-
-class _Corpus:
-    """The loop over the inputs: kind ("tokens" or "sft", fixed by the first record), the two
-    splits, the cut."""
-
-    def __init__(self, tmp, tok, dtype, chat_format, cut):
-        self.tmp, self.tok, self.dtype = tmp, tok, dtype
-        self.chat_format, self.cut = chat_format, cut
-        self.t0, self.lines = time.time(), 0
-        self.kind, self.first, self.splits = None, None, None
-        # after each "text" document
-        self.end = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")
-        # the same ids, no offsets
-        fast = getattr(getattr(tok, "tok", None), "encode_batch_fast", None)
-        self.encode_batch = fast or getattr(getattr(tok, "tok", None), "encode_batch", None)
-        self.line_max = LINE_MAX if self.encode_batch is None else TOKENIZED_LINE_MAX
-
-    def _split(self, kind, where):
-        if self.kind is None:
-            self.kind, self.first = kind, where
-            self.splits = {s: _Split(self.tmp, s, self.dtype, kind == "sft") for s in SPLITS}
-        elif kind != self.kind:
-            what = {"tokens": "pretraining text", "sft": "SFT examples"}
-            raise PrepareError(f"{where}: {what[kind]} in a corpus of {what[self.kind]} (from "
-                               f"{self.first}); prepare them into separate directories")
-        return self.splits
-
-    def _encode(self, texts, end=()):
-        """Token ids (int64) of texts, each followed by `end`: encode_batch on all cores, or
-        bytes."""
-        if self.encode_batch is None:                                  # the byte tokenizer
-            return np.frombuffer(b"".join(t.encode() + bytes(end) for t in texts), dtype=np.uint8)
-        encs = self.encode_batch(texts, add_special_tokens=False)
-        ids = chain.from_iterable(
-            chain(e.ids, end) for e in encs) if end else chain.from_iterable(e.ids for e in encs)
-        return np.fromiter(ids, dtype=np.int64, count=sum(map(len, encs)) + len(end) * len(encs))
-
-    def add(self, path, start, piece, line, split):
-        """Tokenize piece (whole lines of path, from byte `start`, after `line` lines) into
-        split."""
-        text = _decode(piece, path, line, start)
-        if path.suffix == ".txt":
-            splits = self._split("tokens", f"{path}:{line + 1}")
-            if self.encode_batch is None:                              # bytes are their own ids
-                splits[split].add_tokens(np.frombuffer(piece, dtype=np.uint8))
-            else:
-                lines = text.split("\n")
-                lines = [s + "\n" for s in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
-                splits[split].add_tokens(self._encode(lines))
-            return
-        docs = []
-        for n, record in enumerate(text.split("\n"), line + 1):
-            if not record.strip():
-                continue
-            try:
-                obj = json.loads(record)
-                if isinstance(obj, dict) and not (
-                    {"messages", "prompt", "completion"} & set(obj)) and "text" in obj:
-                    if not isinstance(obj["text"], str):
-                        raise ValueError('"text" must be a string, got '
-                                         f'{type(obj["text"]).__name__}')
-                    self._split("tokens", f"{path}:{n}")
-                    docs.append(obj["text"])
-                else:
-                    ids, supervised = data.example_tokens(obj, self.tok, self.chat_format)
-                    self._split("sft", f"{path}:{n}")[split].add_example(ids, supervised)
-            except PrepareError:
-                raise
-            except ValueError as e:
-                # JSON, a malformed example, a chat template that fails: one line
-                raise PrepareError(f"{path}:{n}: "
-                                   f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
-        if docs:
-            self.splits[split].add_tokens(self._encode(docs, self.end), documents=len(docs))
-
-    def run(self, inputs, sources, bar):
-        base = 0
-        for path, src in zip(map(Path, inputs), sources):     # messages name a file as it was given
-            line = 0
-            for at, chunk in _chunks(path, self.line_max):
-                # the split point: lines whose last byte lies before self.cut go to train, the rest
-                # to val
-                lo = base + at
-                p = (len(chunk) if lo + len(chunk) <= self.cut else 0 if lo >= self.cut
-                     else chunk.rfind(b"\n", 0, self.cut - lo) + 1)
-                for split, a, b in (("train", 0, p), ("val", p, len(chunk))):
-                    if b > a:
-                        self.add(path, lo + a, chunk[a:b], line + chunk.count(b"\n", 0, a), split)
-                line += chunk.count(b"\n") + (not chunk.endswith(b"\n"))
-                bar.update(len(chunk))
-                n_tok = sum(s.ids.n for s in (self.splits or {}).values())
-                bar.set_postfix_str(f"{n_tok / max(time.time() - self.t0, 1e-9) / 1e6:.2f}M "
-                                    "tokens/s", refresh=False)
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                raise PrepareError(f"{path} was moved or deleted while it was being prepared; put "
-                                   f"it back, then run again") from None
-            if (st.st_size, st.st_mtime_ns) != (src["bytes"], src["mtime_ns"]):
-                raise PrepareError(f"{path} changed while it was being prepared; run "
-                                   "again when it is written")
-            base, self.lines = base + src["bytes"], self.lines + line
-        if self.kind is None:
-            raise PrepareError(f"{', '.join(map(str, inputs))}: no records, only blank lines")
-        return {s: self.splits[s].close() for s in SPLITS}
 
 
 def _existing(out, given, differs, force):
@@ -484,7 +131,8 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
     from tqdm import tqdm
     if str(out) == "":
         raise PrepareError("--out is an empty path; name the directory to write, e.g. --out tokens")
-    sources, given, out = _sources(inputs), out, Path(out).resolve()    # messages name out as given
+    # messages name out as given
+    sources, given, out = encode.sources(inputs), out, Path(out).resolve()
     if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
         raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {val_fraction}")
     if chat_format not in (None, "native", "fixed"):
@@ -501,7 +149,7 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
     dtype = id_dtype(n_ids)
     settings = {"version": VERSION, "sources": sources, "val_fraction": val_fraction,
                 "tokenizer": {"sha256": tokenizer_hash(tokenizer), "vocab_size": n_ids,
-                              "chat_template_sha256": _sha(tok.chat_template)}}
+                              "chat_template_sha256": chat_template_hash(tok.chat_template)}}
     chat_format = chat_format or ("native" if tok.chat_template is not None else "fixed")
 
     def differs(m):
@@ -517,16 +165,13 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
                 m.get("chat_format") != chat_format else None)
 
     if _existing(out, given, differs, force):
-        return {**_read_meta(out), "up_to_date": True}
+        return {**read_meta(out), "up_to_date": True}
     was = _state(out)                               # what out holds now: only that is replaced
-    old = list(_read_meta(out)["files"]) + [META] if was else []
-    # the tokenizers package runs encode_batch on a thread pool sized when it is first used
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ.setdefault("RAYON_NUM_THREADS", str(cpus))
+    old = list(read_meta(out)["files"]) + [META] if was else []
     total = sum(s["bytes"] for s in sources)
     tmp, t0 = publish.stage(out), time.time()
     try:
-        corpus = _Corpus(tmp, tok, dtype, chat_format, cut=total - int(val_fraction * total))
+        corpus = encode.Corpus(tmp, tok, dtype, chat_format, cut=total - int(val_fraction * total))
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=f"prepare {out.name}",
                   disable=None if progress is None else not progress, dynamic_ncols=True) as bar:
@@ -585,218 +230,6 @@ def _fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ----------------------------------------------------------------------------- reading
-class TokenFile:
-    """A 1-D array in a .npy file, read with os.pread as it is sliced (f[a:b] -> a new ndarray;
-    np.asarray(f): all of it): as with a memory map nothing is in RAM before it is asked for, but a
-    file truncated under a run is a PrepareError naming it, where touching a memory map past a
-    file's new end kills the process (SIGBUS). top: the largest value the file may hold (meta.json's
-    max_id); a larger one read is bit rot, refused."""
-
-    def __init__(self, path, n, dtype, top=None):
-        self.path, self.n, self.dtype, self.top = Path(path), n, np.dtype(dtype), top
-        with open(self.path, "rb") as f:
-            try:
-                version = np.lib.format.read_magic(f)
-                read = {(1, 0): np.lib.format.read_array_header_1_0,
-                        (2, 0): np.lib.format.read_array_header_2_0}[version]
-                shape, _, dt = read(f)
-            except (ValueError, KeyError, OSError) as e:
-                raise PrepareError(f"{self.path}: not a .npy file ({e}); prepare "
-                                   "the data again") from None
-            self.offset = f.tell()
-        if dt != self.dtype or shape != (n,):
-            raise PrepareError(f"{self.path} holds {dt} {shape}, meta.json "
-                               f"says {n} of {self.dtype}")
-        self.fd = os.open(self.path, os.O_RDONLY)
-
-    def __del__(self):
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, s):
-        if not isinstance(s, slice) or s.step not in (None, 1):
-            raise TypeError("a TokenFile is read in slices [a:b]")
-        a, b, _ = s.indices(self.n)
-        k, size = max(b - a, 0), self.dtype.itemsize
-        buf = bytearray(k * size)
-        got = 0
-        while got < len(buf):                    # pread returns at most ~2 GB per call
-            piece = os.pread(self.fd, min(len(buf) - got, 1 << 30), self.offset + a * size + got)
-            if not piece:
-                now = os.fstat(self.fd).st_size
-                raise PrepareError(f"{self.path} shrank while this run read it ({now:,} bytes "
-                                   f"now, {self.offset + self.n * size:,} when it was opened): it "
-                                   f"was truncated or rewritten; prepare the data again")
-            buf[got:got + len(piece)] = piece
-            got += len(piece)
-        ids = np.frombuffer(buf, self.dtype)
-        if self.top is not None and k and int(ids.max()) > self.top:
-            i = int(np.argmax(ids > self.top))
-            raise PrepareError(f"{self.path} holds id {int(ids[i])} at index {a + i:,}, above the "
-                               f"largest id meta.json records ({self.top}): the file is damaged; "
-                               f"prepare the data again")
-        return ids
-
-    def __array__(self, dtype=None, copy=None):
-        ids = self[0:self.n]
-        return ids if dtype is None else ids.astype(dtype)
-
-
-class PreparedTokens:
-    """A prepared directory: nothing of the corpus is read into RAM until a batch asks for it.
-
-    kind: "tokens" (pretraining) or "sft"; vocab_size: ids below it (the tokenizer's);
-    tokenizer_hash: sha256 of its tokenizer.json or "bytes"; meta: all of meta.json. Refuses
-    (PrepareError) a directory without a complete meta.json of this format, whose files do not have
-    the sizes it records, or (verify) not the digests: a file replaced by another one of the same
-    size, bit rot (sampled beyond DIGEST_WHOLE)."""
-
-    def __init__(self, path, verify=True):
-        self.path = Path(path)
-        self.meta = _read_meta(self.path)
-        try:
-            meta, tok = self.meta, self.meta["tokenizer"]
-            self.kind, self.dtype = meta["kind"], np.dtype(meta["dtype"])
-            self.vocab_size, self.tokenizer_hash = tok["vocab_size"], tok["sha256"]
-            kinds = {"tokens": (".npy",), "sft": (".npy", ".mask.npy", ".examples.npy")}
-            want = sorted(f"{s}{x}" for s in SPLITS for x in kinds.get(self.kind, ()))
-            if self.kind not in kinds or sorted(meta["files"]) != want:
-                raise PrepareError(f"{self.path}/{META}: kind {self.kind!r} with files "
-                                   f"{sorted(meta['files'])} is not what prepare writes (it was "
-                                   f"edited); prepare the data again")
-            for name, size in self.meta["files"].items():
-                f = self.path / name
-                if not f.is_file() or f.stat().st_size != size:
-                    what = "missing" if not f.is_file() else "of another size than meta.json says"
-                    raise PrepareError(f"{f} is {what}; the directory is damaged: prepare it again")
-                sha = self.meta.get("sha256", {}).get(name)
-                if verify and sha is not None and digest(f)["sha256"] != sha:
-                    raise PrepareError(f"{f} is not the file prepare wrote (its sha256 "
-                                       "differs from meta.json's): replaced or damaged since; "
-                                       "prepare the data again")
-        except (KeyError, TypeError, AttributeError) as e:
-            raise PrepareError(f"{self.path}/{META} lacks {e}; prepare the data again") from None
-
-    def _array(self, name, n, dtype, top=None):
-        return TokenFile(self.path / name, n, dtype, top) if n else np.zeros((0,), dtype)
-
-    def fingerprint(self):
-        """{"bytes", "sha256"}: what a checkpoint keeps of this data (--resume compares it). The
-        digests of the token files -- the ids themselves, not when or from which paths they were
-        prepared (a directory from before digests were recorded: its meta.json but the time)."""
-        what = self.meta.get("sha256") or {k: v for k, v in self.meta.items() if k != "seconds"}
-        return {"bytes": sum(self.meta["files"].values()),
-                "sha256": hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()}
-
-    def tokens(self, split="train"):
-        """The split's token ids: a TokenFile of uint16 or uint32, every id read checked against
-        the split's largest."""
-        s = self.meta["splits"][split]
-        return self._array(f"{split}.npy", s["tokens"], self.dtype, s["max_id"])
-
-    def supervised(self, split="train"):
-        """SFT: per token, whether it is supervised (a TokenFile of bool)."""
-        self._want("sft", "supervised")
-        return self._array(f"{split}.mask.npy", self.meta["splits"][split]["tokens"],
-                           np.dtype(bool))
-
-    def _want(self, kind, what):
-        if self.kind != kind:
-            raise PrepareError(f"{self.path} holds "
-                               f"{'SFT examples' if self.kind == 'sft' else 'pretraining text'}: "
-                               f"{what} needs "
-                               f"{'SFT examples' if kind == 'sft' else 'pretraining text'}")
-
-    def _nonempty(self, split):
-        if not self.meta["splits"][split]["tokens"]:
-            raise PrepareError(f"{self.path}: the {split} split is empty (val_fraction "
-                               f"{self.meta['val_fraction']}), and a run evaluates on it; prepare "
-                               f"the data again with --val-fraction 0.1")
-
-    def batches(self, split, batch_size, seq_len, seed=0):
-        """data.Batches over the split's ids: random windows, exactly as over the same ids in
-        memory."""
-        self._want("tokens", "batches")
-        self._nonempty(split)
-        return data.Batches(self.tokens(split), batch_size, seq_len, seed=seed, name=split)
-
-    def examples(self, split, seq_len):
-        """The split's SFT examples as data.load_sft_jsonl gives them: Examples, a sequence of (x,
-        y)."""
-        self._want("sft", "examples")
-        self._nonempty(split)
-        n, f = self.meta["splits"][split]["examples"], self.path / f"{split}.examples.npy"
-        index = np.load(f) if n else np.zeros((0, 3), np.int64)   # O(examples): read whole, once
-        if index.dtype != np.int64 or index.shape != (n, 3):
-            raise PrepareError(f"{f} holds {index.dtype} {index.shape}, meta.json "
-                               f"says ({n}, 3) of int64")
-        return Examples(self.tokens(split), self.supervised(split), index, seq_len, f"{self.path} "
-                                                                                    f"{split}")
-
-    def sft_batches(self, split, batch_size, seq_len, seed=0, pad_id=0):
-        """data.SFTBatches over the split's examples: one example per row, padded."""
-        return data.SFTBatches(self.examples(split, seq_len), batch_size, seq_len, seed=seed,
-                               name=split,
-                               pad_id=pad_id)
-
-    def check_model(self, model_dir=None, vocab_size=None):
-        """PrepareError (one line) unless a model may train on these ids: model_dir (a directory
-        with the model's tokenizer.json, or None to skip this) has the tokenizer they were made with
-        -- and, for SFT examples in the native format, the same chat template; vocab_size (the
-        model's) exceeds every id here."""
-        if model_dir is not None:
-            theirs = tokenizer_hash(model_dir)
-            if theirs != self.tokenizer_hash:
-
-                def name(h):
-                    return "the byte tokenizer" if h == "bytes" else \
-                        f"a tokenizer.json, sha256 {h[:12]}"
-                raise PrepareError(f"{self.path} was tokenized with {name(self.tokenizer_hash)}, "
-                                   f"{model_dir} has {name(theirs)}; prepare it again with "
-                                   f"--tokenizer {model_dir}")
-            if self.kind == "sft" and self.meta["chat_format"] == "native":
-                rendered = self.meta["tokenizer"]["chat_template_sha256"]
-                if _sha(HFTokenizer(model_dir).chat_template) != rendered:
-                    raise PrepareError(f"{self.path} was rendered with another chat template "
-                                       f"than {model_dir}'s; prepare it again with "
-                                       f"--tokenizer {model_dir}")
-        top = max(self.meta["splits"][s]["max_id"] for s in SPLITS)
-        if vocab_size is not None and top >= vocab_size:
-            raise PrepareError(f"{self.path} holds token id {top}, beyond the model's vocabulary "
-                               f"of {vocab_size}")
-
-
-class Examples(Sequence):
-    """(x, y) int32 of each SFT example with a supervised target within seq_len (data.example_xy),
-    read from the files as asked for: the sequence data.load_sft_jsonl returns, for data.SFTBatches.
-    The same warning for examples cut to seq_len, the same dropping of those left with no answer
-    token."""
-
-    def __init__(self, ids, supervised, index, seq_len, where):
-        self.ids, self.sup, self.index, self.T = ids, supervised, index, seq_len
-        # O(examples), not tokens
-        first, length = np.asarray(index[:, 2]), np.asarray(index[:, 1] - index[:, 0])
-        self.keep = np.flatnonzero((first >= 0) & (first < seq_len))
-        cut, dropped = int((length - 1 > seq_len).sum()), len(index) - len(self.keep)
-        if not len(self.keep):
-            raise PrepareError(f"{where}: no example with a supervised token within "
-                               f"seq_len={seq_len}")
-        if cut:
-            warnings.warn(f"{where}: {cut} of {len(index)} examples longer than seq_len={seq_len} "
-                          f"were cut, {dropped} of them dropped (no answer token left)")
-
-    def __len__(self):
-        return len(self.keep)
-
-    def __getitem__(self, i):
-        start, end, _ = self.index[self.keep[i]]
-        return data.example_xy(self.ids[start:end], np.asarray(self.sup[start:end]), self.T)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -8,7 +8,7 @@ What it is
                   disk holds a checkpoint (12 B/param) and the export; --resume reads the
                   checkpoint's meta.json (its tokenizer files verified) and refuses other settings.
                   The data's samplers are wrapped: a data file found damaged while training
-                  (prepare.TokenFile: truncated, bit rot) ends the run with one line naming it and
+                  (prepared.TokenFile: truncated, bit rot) ends the run with one line naming it and
                   the last checkpoint, exit 2
       claim()     the run lock (runlock.py: one run per --out; the kernel drops it even on SIGKILL),
                   and a new run never writes into a directory that holds another run's files
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepare, runlock
+from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock
 
 EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, rank_lost=5, interrupted=130)
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
@@ -485,7 +485,7 @@ class Run:
 
 class _Sampler:
     """A data sampler (data.Batches, data.SFTBatches) whose next() ends the run with one line
-    (Run.data_failed) when its file turns out damaged under the run (prepare.PrepareError:
+    (Run.data_failed) when its file turns out damaged under the run (prepared.PrepareError:
     truncated, an id beyond the largest); the rest (state_dict, its fields) is the sampler's own."""
 
     def __init__(self, sampler, run):
@@ -494,7 +494,7 @@ class _Sampler:
     def next(self):
         try:
             return self.sampler.next()
-        except prepare.PrepareError as e:
+        except prepared.PrepareError as e:
             self.run.data_failed(e)
 
     def __getattr__(self, name):

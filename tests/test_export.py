@@ -18,7 +18,7 @@ import torch
 import model
 from conftest import ROOT, engine, make_bpe_tokenizer, random_batch
 import ranks
-from megatrain_min import checkpoint, ckpt_read, data, prepare, sharded
+from megatrain_min import checkpoint, ckpt_read, data, prepare, prepared, sharded
 from megatrain_min.tokenizer import CONFIG_IDS, HFTokenizer
 from megatrain_min.hf_load import load_hf
 
@@ -113,7 +113,7 @@ def test_checkpoint_carries_the_tokenizer(trained, llama_dir, tmp_path):
     assert all(torch.equal(t.weights()[k], weights[k]) for k in weights)
     (tmp_path / "t.txt").write_text("What is two plus two?\n" * 4)             # data prepared with the model's
     prepare.prepare([tmp_path / "t.txt"], tmp_path / "tok", llama_dir)          # tokenizer fits the checkpoint
-    prepare.PreparedTokens(tmp_path / "tok").check_model(ck, cfg.vocab_size)
+    prepared.PreparedTokens(tmp_path / "tok").check_model(ck, cfg.vocab_size)
 
 
 def test_eos_named_only_in_config_json_is_carried(tmp_path):

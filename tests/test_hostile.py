@@ -30,7 +30,7 @@ import torch
 
 import model
 from conftest import engine, files_under, lost, make_bpe_tokenizer
-from megatrain_min import checkpoint, checks, hf, hf_load, launch, prepare, runlock
+from megatrain_min import checkpoint, checks, encode, hf, hf_load, launch, prepare, prepared, runlock
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
 
@@ -707,7 +707,7 @@ def _two_prepares(t, w):
     argv = [[t / n, "--out", t / "p", "--tokenizer", w / "hf"] for n in ("a.txt", "b.txt")]
 
     def whole(t):
-        return prepare.PreparedTokens(t / "p").meta["sources"][0]["path"] in (str(t / "a.txt"), str(t / "b.txt"))
+        return prepared.PreparedTokens(t / "p").meta["sources"][0]["path"] in (str(t / "a.txt"), str(t / "b.txt"))
     return argv, dict(module=PREPARE), whole
 
 
@@ -909,20 +909,20 @@ def _bit_rot_found_by_a_batch(tmp):
     prepare.prepare([tmp / "t.txt"], tmp / "p")
     ids = np.load(tmp / "p" / "train.npy")
     npy(tmp / "p" / "train.npy", np.full_like(ids, 999))
-    prepare.PreparedTokens(tmp / "p", verify=False).batches("train", 2, 16).next()
+    prepared.PreparedTokens(tmp / "p", verify=False).batches("train", 2, 16).next()
 
 
 def _input_moved_midway(tmp):
     """An input moved away while prepare reads it: bad input (one line, exit 2), not a write error (exit 4)."""
     from unittest import mock
     (tmp / "t.txt").write_text("What is two plus two? Four.\n" * 200)
-    add = prepare._Corpus.add
+    add = encode.Corpus.add
 
     def moving(self, path, *a):      # the first piece is read: the file goes elsewhere
         if path.exists():
             path.rename(tmp / "moved.txt")
         return add(self, path, *a)
-    with mock.patch.object(prepare._Corpus, "add", moving):
+    with mock.patch.object(encode.Corpus, "add", moving):
         prepare.prepare([tmp / "t.txt"], tmp / "p")
 
 

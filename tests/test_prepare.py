@@ -1,4 +1,5 @@
-"""megatrain_min/prepare.py: a corpus tokenized once into token files, and read back.
+"""megatrain_min/prepare.py: a corpus tokenized once into token files (the streaming: megatrain_min/encode.py);
+megatrain_min/prepared.py: read back.
 
 Oracles: the tokenizer's own encode() of each line (text) or document (.jsonl "text", + eos); data.py's in-memory
 path for SFT (load_sft_jsonl's (x, y) per example, example_tokens' masks, SFTBatches over its list); data.Batches
@@ -19,8 +20,8 @@ import pytest
 import torch
 
 from conftest import ROOT, make_bpe_tokenizer
-from megatrain_min import data, prepare
-from megatrain_min.prepare import PreparedTokens, PrepareError
+from megatrain_min import data, encode, prepare, prepared
+from megatrain_min.prepared import PreparedTokens, PrepareError
 from megatrain_min.tokenizer import HFTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -55,7 +56,7 @@ def tok_dirs(tmp_path_factory):
 
 @pytest.fixture
 def small_batches(monkeypatch):
-    monkeypatch.setattr(prepare, "BATCH_BYTES", 61)     # many batches, lines across their edges
+    monkeypatch.setattr(encode, "BATCH_BYTES", 61)     # many batches, lines across their edges
 
 
 def lines_of(b):
@@ -95,9 +96,9 @@ def test_text_ids_are_encode_of_each_line(tmp_path, tok_dirs, small_batches, sty
     assert ids_of(tmp_path / "out", "train") == train and ids_of(tmp_path / "out", "val") == val
     assert len(val) > 0 and len(train) > 3 * len(val) - 200       # about a quarter, in whole lines
     p = PreparedTokens(tmp_path / "out")
-    assert p.kind == "tokens" and p.dtype == np.uint16 and isinstance(p.tokens("train"), prepare.TokenFile)
+    assert p.kind == "tokens" and p.dtype == np.uint16 and isinstance(p.tokens("train"), prepared.TokenFile)
     assert meta["splits"]["train"]["tokens"] == len(train) and meta["splits"]["val"]["max_id"] == max(val)
-    assert p.tokenizer_hash == ("bytes" if tok_dir is None else prepare.tokenizer_hash(tok_dir))
+    assert p.tokenizer_hash == ("bytes" if tok_dir is None else prepared.tokenizer_hash(tok_dir))
     assert [s["path"] for s in meta["sources"]] == [str(a.resolve()), str(b.resolve())]
     if style == "llama3":                     # why "line by line" is said: Llama 3 merges newlines across lines
         whole = HFTokenizer(tok_dir).encode(a.read_text(encoding="utf-8") + b.read_text(encoding="utf-8"))
@@ -249,13 +250,13 @@ def test_check_model(tmp_path, tok_dirs):
     bpe_.check_model(tok_dirs["gpt2"], vocab_size=bpe_.vocab_size)
     bytes_.check_model(None, vocab_size=256)
     bpe_.check_model(None, vocab_size=bpe_.vocab_size)              # a preset trained from scratch on these ids
-    for prepared, args, words in [
+    for directory, args, words in [
             (bpe_, (tok_dirs["llama3"],), "was tokenized with a tokenizer.json, sha256"),
             (bytes_, (tok_dirs["gpt2"],), "was tokenized with the byte tokenizer"),
             (bytes_, (None, 100), f"holds token id {max(TEXT.encode())}, beyond the model's vocabulary of 100"),
             (bytes_, (tmp_path,), "has no tokenizer.json")]:
         with pytest.raises(PrepareError) as e:
-            prepared.check_model(*args)
+            directory.check_model(*args)
         assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     # SFT in the native format: the chat template is part of what must match
     (tmp_path / "c.jsonl").write_text(json.dumps(CONVS[2]) + "\n")
@@ -283,8 +284,8 @@ def test_an_error_midway_leaves_nothing(tmp_path, small_batches):
 KILLED = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from megatrain_min import prepare
-prepare.BATCH_BYTES, seen, add = 61, [], prepare._Corpus.add
+from megatrain_min import encode, prepare
+encode.BATCH_BYTES, seen, add = 61, [], encode.Corpus.add
 def dying_add(self, *a):
     seen.append(1)
     if len(seen) == 20:
@@ -292,7 +293,7 @@ def dying_add(self, *a):
             s.ids.f.flush()                  # what was written so far is on disk: a half-written output
         os.kill(os.getpid(), signal.SIGKILL)
     return add(self, *a)
-prepare._Corpus.add = dying_add
+encode.Corpus.add = dying_add
 prepare.prepare([{src!r}], {out!r})
 """
 
