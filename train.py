@@ -44,19 +44,19 @@ from tqdm import tqdm
 
 import model
 from megatrain_min import checkpoint, ckpt_read, cli, corpus, engine, hf, hf_load, launch, plan
-from megatrain_min import rundir, sample, sharded
+from megatrain_min import exits, rundir, sample, sharded
 from megatrain_min.checks import CheckedTrainer, check_config, check_device
 from megatrain_min.cli import DTYPE_NAMES, DTYPES
 from megatrain_min.plan import fit, hardware, report
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
-from megatrain_min.rundir import EXIT, fail
+from megatrain_min.exits import EXIT, fail
 from megatrain_min.schedule import lr_at
 from megatrain_min.tokenizer import HFTokenizer
 
 # --- flags ----------------------------------------------------------------------------------------
 cli.survive_closed_pipe()               # `python train.py --plan --json | head`: no traceback
-RANK, WORLD, GPUS = rundir.torchrun()   # rank RANK of WORLD processes, GPUS per node; plain: 0 of 1
+RANK, WORLD, GPUS = exits.torchrun()   # rank RANK of WORLD processes, GPUS per node; plain: 0 of 1
 launch.heartbeat(RANK)                  # a rank of --nproc-per-node: the launcher sees it is alive
 p = argparse.ArgumentParser(description="Train a GPT whose weights and optimizer live in host RAM.")
 cli.add_model(p, config_default=False)   # no preset by default: --init-from may give the model
@@ -173,7 +173,7 @@ if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RA
         fail(str(e))
     print(f"torchrun: {WORLD} ranks, each holding 1/{WORLD} of the host store and computing "
           f"{args.batch_size // WORLD} of the {args.batch_size} sequences of a step; "
-          + run.describe_checkpoints(n_params))
+          + run.stops.describe(n_params))
 weights = init_weights if init_weights is not None else LazyInit(cfg, seed=args.seed)  # per unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
 try:  # a tensor of --init-from that is not finite, say: one line naming it
@@ -204,7 +204,7 @@ def save(step_done):
 
 
 # --- the loop -------------------------------------------------------------------------------------
-run.catch_signals()    # SIGTERM, SIGHUP, a first Ctrl-C: finish the step, save, exit 0
+run.stops.catch()    # SIGTERM, SIGHUP, a first Ctrl-C: finish the step, save, exit 0
 run.record({"args": vars(args), "model": cfg.to_dict(), "params": n_params, "device": str(device),
             "dtype": str(dtype), "world_size": WORLD})      # config.json; metrics.jsonl opened
 peak = hardware.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
@@ -257,7 +257,7 @@ for step in bar:
         fail(f"{run.skips} consecutive steps had a non-finite loss or gradient; stopping. Last "
              f"good checkpoint: {ckpt_read.latest(run.out) or 'none'}. Try a lower --lr or "
              f"--grad-clip 1.0.", EXIT["diverged"])
-    stop = run.agree_stop(trainer)   # a signal may reach the ranks in different steps: all agree
+    stop = run.stops.agree(trainer)   # a signal may reach the ranks in different steps: all agree
     if stop or step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0:
         path = save(step + 1)
         if stop:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_min import checks, ckpt_read, rundir
+from megatrain_min import checks, ckpt_read, exits, stops
 
 EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell reports it
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
@@ -189,7 +189,7 @@ def outcome(codes, passed):
     stops the others with SIGTERM, which is no news. Else a rank killed by a signal not passed on
     from here is named (128 + s; a SIGTERM last, being the agent's), one killed by a signal passed
     on from here is not; else 5 (another rank was lost), or 0."""
-    own = sorted(r for r, c in codes.items() if c > 0 and c != rundir.EXIT["rank_lost"])
+    own = sorted(r for r, c in codes.items() if c > 0 and c != exits.EXIT["rank_lost"])
     if own:
         return codes[own[0]], None
     killed = sorted((r for r, c in codes.items() if c < 0),
@@ -198,7 +198,7 @@ def outcome(codes, passed):
         r, sig = killed[0], -codes[killed[0]]
         said = f"rank {r} was killed (signal {sig}); the other ranks stopped"
         return EXIT_OF_SIGNAL + sig, None if sig in passed else said
-    return (rundir.EXIT["rank_lost"] if codes else 0), None
+    return (exits.EXIT["rank_lost"] if codes else 0), None
 
 
 def ranks(n, argv, out=None):
@@ -215,7 +215,7 @@ def ranks(n, argv, out=None):
         if name.startswith("torch.distributed.elastic"):  # (each module's logger has its own level)
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share this machine's cores
-    os.environ[rundir.LAUNCHED_ENV] = "1"   # the ranks say what a signal to this process does
+    os.environ[stops.LAUNCHED_ENV] = "1"   # the ranks say what a signal to this process does
     beats = os.environ[BEATS_ENV] = tempfile.mkdtemp(prefix="megatrain-min-beats-")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
@@ -254,12 +254,12 @@ def ranks(n, argv, out=None):
               f"ended, every finished checkpoint is whole (the last: {last or 'none'}); "
               "continue with --resume",
               file=sys.stderr)
-        return rundir.EXIT["rank_lost"]
+        return exits.EXIT["rank_lost"]
     if -1 in codes:
         print(f"error: could not start the ranks ({codes[-1]}); try torchrun --standalone "
               f"--nproc-per-node {n}",
               file=sys.stderr)
-        return rundir.EXIT["rank_lost"]
+        return exits.EXIT["rank_lost"]
     code, line = outcome(codes, passed)
     if line:
         print(f"error: {line}", file=sys.stderr)

@@ -1,5 +1,4 @@
-"""rundir.py -- a training run's output directory: nothing lost, one line per refusal, documented
-exit codes.
+"""rundir.py -- a training run's output directory: nothing lost, one line per refusal.
 
 What it is
     Run(args) owns --out (and --save-hf) for train.py:
@@ -16,88 +15,26 @@ What it is
                   is cut to the checkpoint's step by a new file renamed over it; then one flushed
                   line per step (log)
       save()      a checkpoint (megatrain_min/checkpoint.py), its failures turned into exit codes
-      signals     SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0; a second Ctrl-C:
-                  out at once (once that save is written, a second Ctrl-C changes nothing: the run
-                  is leaving)
-    fail(msg, code) is the one way out of train.py on an error: one line on stderr, an exit code
-    (EXIT).
-Exit codes (README: Troubleshooting)
-    0 done, or stopped by a signal after a save; 2 bad input, refused before anything is trained,
-    nothing lost (or a data file found damaged while training: Run.data_failed); 3 training diverged
-    (non-finite steps in a row, or non-finite weights, which are never saved); 4 an output could not
-    be written (disk full, file too large, no permission), every earlier checkpoint whole; 5 under
-    torchrun, another rank failed or was killed (torchrun itself exits 1 and names it); 130 Ctrl-C
-    before the first step or a second one while training: out at once, no save.
+      stops       a stops.Stops: SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0
+    Every refusal goes through exits.fail: one line, an exit code of exits.EXIT (0 done or stopped
+    after a save, 2 bad input, 3 diverged, 4 an output not written, 5 a rank lost, 130 interrupted;
+    README: Troubleshooting).
 """
 import json
-import math
 import os
 import shutil
-import signal
-import sys
 import time
 import uuid
-import warnings
 from pathlib import Path
 
-import torch.distributed as dist
-from tqdm import tqdm
 
-from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock
+from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock, stops
+from megatrain_min.exits import EXIT, fail, state
 
-EXIT = dict(done=0, bad_input=2, diverged=3, write_failed=4, rank_lost=5, interrupted=130)
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
             "seed", "data",
             "init_from", "chat_format")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
-# torchrun's default wait between its SIGTERM to the ranks and SIGKILL (--shutdown-timeout)
-SHUTDOWN_S = 30
-SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"   # that wait when set here (torchrun reads it)
-LAUNCHED_ENV = "MEGATRAIN_MIN_LAUNCHED"   # set for ranks started by launch.py, which waits for them
-# this process's rank under torchrun; quiet: a rank other than 0 while every rank finds the same
-# errors
-state = dict(rank=0, quiet=False)
-
-
-def fail(msg, code=EXIT["bad_input"]):
-    """One line on stderr and an exit code: 2 = bad input, refused before training, nothing
-    half-written."""
-    if not state["quiet"]:
-        rank = state["rank"]
-        sys.stderr.write("error: "
-                         # one write: ranks interleave
-                         f"{f'rank {rank}: ' if rank else ''}{msg}\n")
-        sys.stderr.flush()
-    sys.exit(code)
-
-
-def torchrun():
-    """(rank, world, gpus per node) of this process from torchrun's RANK, WORLD_SIZE and
-    LOCAL_WORLD_SIZE (a plain run: 0, 1, 1), checked: one line and exit 2 when they are not what
-    torchrun sets. A rank other than 0 prints nothing (its errors: fail) and, until the run
-    directory is checked, says no error the others say."""
-    env, names = os.environ, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    try:
-        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        gpus, local = int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))
-    except ValueError:
-        fail(f"{', '.join(names)} must be integers (torchrun sets them); launch with torchrun, or "
-             "unset them for a plain run")
-    missing = [k for k in names + ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-    if world > 1 and missing:
-        fail(f"WORLD_SIZE={world} but {', '.join(missing)} not set: that is not a torchrun "
-             f"launch; launch with torchrun --nproc-per-node {world} train.py ..., or unset "
-             "WORLD_SIZE for a plain run")
-    if not (world >= 1 and 0 <= rank < world and 1 <= gpus <= world and world % gpus == 0 and
-            (world == 1 or 0 <= local < gpus)):
-        fail(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}, LOCAL_WORLD_SIZE={gpus} do not "
-             "describe a torchrun launch (0 <= RANK < WORLD_SIZE, a whole number of nodes of "
-             "LOCAL_WORLD_SIZE ranks); launch with torchrun, or unset them for a plain run")
-    state.update(rank=rank, quiet=rank > 0)
-    if rank:
-        sys.stdout = open(os.devnull, "w")   # only rank 0 prints, warnings too
-        warnings.simplefilter("ignore")
-    return rank, world, gpus
 
 
 def same(flag, then, now, fingerprinted):
@@ -109,13 +46,6 @@ def same(flag, then, now, fingerprinted):
     if flag == "init_from" and then and now and os.path.exists(then) and os.path.exists(now):
         return os.path.samefile(then, now)
     return then == now
-
-
-def shutdown_s():
-    """Seconds between a SIGTERM to the launcher (torchrun, launch.py) and its SIGKILL of the ranks,
-    as far as a rank can see: SHUTDOWN_ENV when it is a whole number, else torchrun's default."""
-    wait = os.environ.get(SHUTDOWN_ENV, "")
-    return int(wait) if wait.isdigit() else SHUTDOWN_S
 
 
 def check_path(path, flag):
@@ -165,8 +95,8 @@ class Run:
         self.out = Path(args.out)
         self.hf_dir = Path(args.save_hf) if args.save_hf else None
         self.run_id, self.start_step, self.val_loss, self.skips = uuid.uuid4().hex[:12], 0, None, 0
-        self.resume_from, self.metrics, self.stop, self.saved = None, None, [], []
-        self.stop_saved = None                        # the checkpoint a stop (a signal) saved
+        self.resume_from, self.metrics = None, None
+        self.stops = stops.Stops(self.out, rank, world, gpus)   # signals: save, then exit
         self.fingerprint, self.hf_state = None, None  # of the data; of what --save-hf would replace
         self.lock = None                              # the run lock's open file (claim)
 
@@ -394,7 +324,7 @@ class Run:
         try:
             path = checkpoint.save(trainer, self.out, step, meta, keep=self.a.keep,
                                    tokenizer_from=tokenizer_from)
-            self.stop_saved = path if self.stop else None
+            self.stops.saved(path)
         except checkpoint.NonFiniteError as e:
             fail(f"{e}; the last good checkpoint is "
                  f"{ckpt_read.latest(self.out) or 'none'}. Try a lower --lr",
@@ -406,82 +336,18 @@ class Run:
             # its name taken by a directory that is not this run's
             fail(f"{e}; the last checkpoint is "
                  f"{ckpt_read.latest(self.out) or 'none'}", EXIT["write_failed"])
-        took, wait = time.time() - t0, shutdown_s()
-        if self.world > 1 and not self.saved and not os.environ.get(LAUNCHED_ENV):
-            self.saved.append(took)
-            tqdm.write(f"checkpoint {path.name} took {took:.1f} s" + (
-                f": more than half of the {wait} s torchrun waits between its SIGTERM and SIGKILL; "
-                f"launch it with --shutdown-timeout {math.ceil(3 * took)} so that a stop can save "
-                "(or train.py --nproc-per-node)"
-                if took > wait / 2 else ""))
+        self.stops.timed(time.time() - t0, path.name)
         return path
 
     def close(self):
         if self.metrics is not None:
             self.metrics.close()
 
-    # ------------------------------------------------------------------ signals
-    def catch_signals(self):
-        """SIGTERM, SIGHUP or the first Ctrl-C: finish the step, save, exit (self.stop holds the
-        signal); a second Ctrl-C interrupts at once."""
-        def request_stop(signum, frame):
-            if self.stop_saved is not None:   # the stop's checkpoint is written: the run is leaving
-                return
-            if self.stop and signum == signal.SIGINT:
-                print("error: interrupted twice: exiting now without a save; the last checkpoint "
-                      f"is {ckpt_read.latest(self.out) or 'none'}", file=sys.stderr)
-                # where the main thread is: a save cleans up after itself
-                raise SystemExit(EXIT["interrupted"])
-            self.stop.append(signum)
-            tqdm.write(f"signal {signal.Signals(signum).name}: saving at the end of "
-                       "this step, then exiting")
-        # SIGHUP: the terminal or ssh went away
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, request_stop)
-        if self.world > 1:
-            sys.excepthook = self._rank_lost
-
-    def _rank_lost(self, kind, e, tb):
-        """Under torchrun: a collective that failed because another rank went away (killed, or
-        failed) is one line and exit 5 -- torchrun then names the rank that failed first. Anything
-        else: the traceback."""
-        if not (isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e)):
-            return sys.__excepthook__(kind, e, tb)
-        print(f"error: rank {self.rank}: another rank stopped answering "
-              f"({(str(e).splitlines() or [''])[0][:160]}); this rank stops too. The last "
-              f"checkpoint is {ckpt_read.latest(self.out) or 'none'}",
-              file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT["rank_lost"])
-
-    def agree_stop(self, trainer):
-        """Whether to stop after this step. A signal may reach the ranks in different steps (or
-        between this question and the answer): they agree on a value that they all act on, and stop
-        (and save) together."""
-        if self.world == 1:
-            return bool(self.stop)
-        return any(s is not None
-                   for s in trainer.placement.gather_object(self.stop[0] if self.stop else None))
-
     def data_failed(self, e):
         """A data file found damaged while training (truncated, bit rot): one line, exit 2."""
         last = ckpt_read.latest(self.out) or "none"
         fail(f"{e}; the run stops here, the last checkpoint is {last}: continue with --resume once "
              f"the data is whole")
-
-    def describe_checkpoints(self, n_params):
-        """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM
-        window."""
-        stop = ("A SIGTERM or Ctrl-C to train.py stops the ranks with a save; a second "
-                "Ctrl-C at once, unsaved"
-                if os.environ.get(LAUNCHED_ENV) else
-                "A SIGTERM to torchrun stops the ranks with a save, and torchrun SIGKILLs them "
-                f"{shutdown_s()} s later ({SHUTDOWN_ENV} or --shutdown-timeout): the first save "
-                "says how long one takes")
-        per_node = 12 * n_params / max(1, self.world // self.gpus) / 1e9
-        return f"a checkpoint writes {per_node:.1f} GB per node. {stop}"
-
 
 class _Sampler:
     """A data sampler (data.Batches, data.SFTBatches) whose next() ends the run with one line

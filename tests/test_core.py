@@ -92,6 +92,17 @@ def test_periphery_within_100_columns():
     assert not found, f"lines wider than {COLUMNS} columns (line, width): {found}"
 
 
+# a file of megatrain_min/ is one concept read in one sitting: about 400 lines (the longest: sharded.py, 458;
+# record.py, 450)
+PERIPHERY_LINES = 460
+
+
+def test_periphery_files_read_in_one_sitting():
+    long = {str(p.relative_to(ROOT)): n for p in LIBRARY
+            if (n := len(p.read_text().splitlines())) > PERIPHERY_LINES}
+    assert not long, f"over {PERIPHERY_LINES} lines: split by concept: {long}"
+
+
 def test_model_and_optim_import_nothing_of_ours_and_stream_only_them():
     mine = {name: imports(ROOT / f"{name}.py") - {name} for name in ("model", "optim", "stream")}
     assert mine["model"] == set() and mine["optim"] == set(), mine

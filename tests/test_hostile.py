@@ -936,12 +936,11 @@ def _outcome(codes, passed, want):
 def _second_ctrl_c_after_the_stop_save(tmp):
     """A second Ctrl-C that comes after the stop's checkpoint is written changes nothing (no exit 130, 'unsaved');
     before it, it still exits at once."""
-    import argparse
-    from megatrain_min import rundir
-    run = rundir.Run(argparse.Namespace(out=str(tmp / "o"), save_hf=None))
+    from megatrain_min import stops
+    run = stops.Stops(tmp / "o")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        run.catch_signals()
+        run.catch()
         handler = signal.getsignal(signal.SIGINT)
         handler(signal.SIGINT, None)                          # the first: save at the end of the step
         try:
@@ -949,7 +948,7 @@ def _second_ctrl_c_after_the_stop_save(tmp):
             raise AssertionError("a second Ctrl-C before the save did not exit")
         except SystemExit as e:
             assert e.code == 130
-        run.stop_saved = tmp / "o" / "ckpt-00000003"         # the stop's checkpoint is written
+        run.saved(tmp / "o" / "ckpt-00000003")               # the stop's checkpoint is written
         handler(signal.SIGINT, None)                          # ... then a second Ctrl-C: nothing
     finally:
         for s, h in handlers.items():

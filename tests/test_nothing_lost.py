@@ -508,16 +508,17 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
 
 def test_readme_and_train_py_name_the_same_exit_codes():
     """README Troubleshooting and docs/troubleshooting.md have a row per exit code, train.py's docstring names
-    each, and train.py and rundir.py (its run directory) use no other: every code given to fail / exit /
-    SystemExit is a number or a name of rundir.EXIT, the codes' one home."""
+    each, and train.py, rundir.py (its run directory), stops.py (its signals) and exits.py use no other: every
+    code given to fail / exit /
+    SystemExit is a number or a name of exits.EXIT, the codes' one home."""
     import ast, re
     from conftest import ROOT
-    from megatrain_min import rundir
+    from megatrain_min import exits
     readme = (ROOT / "README.md").read_text().split("## Troubleshooting")[1]
     table = {int(c) for c in re.findall(r"^\| (\d+) \|", readme, re.M)}
     doc = (ROOT / "train.py").read_text().split('"""')[1].split("Exit codes")[1]
     used = {2}                                          # fail(msg) defaults to 2
-    for path in (ROOT / "train.py", ROOT / "megatrain_min" / "rundir.py"):
+    for path in (ROOT / "train.py", *(ROOT / "megatrain_min" / f"{m}.py" for m in ("rundir", "stops", "exits"))):
         for call in ast.walk(ast.parse(path.read_text())):   # every fail(msg, N), sys.exit(N), SystemExit(N)
             if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) in (
                     "fail", "exit", "_exit", "SystemExit"):
@@ -525,8 +526,8 @@ def test_readme_and_train_py_name_the_same_exit_codes():
                     if isinstance(a, ast.Constant) and isinstance(a.value, int):
                         used.add(a.value)
                     elif isinstance(a, ast.Subscript) and getattr(a.value, "id", None) == "EXIT":
-                        used.add(rundir.EXIT[a.slice.value])
-    assert table == used == set(rundir.EXIT.values()) == {0, 2, 3, 4, 5, 130}, (table, used)
+                        used.add(exits.EXIT[a.slice.value])
+    assert table == used == set(exits.EXIT.values()) == {0, 2, 3, 4, 5, 130}, (table, used)
     page = (ROOT / "docs" / "troubleshooting.md").read_text()
     assert {int(c) for c in re.findall(r"^\| (\d+) \|", page, re.M)} == table, page
     assert all(re.search(rf"\b{c} ", doc) for c in table), doc
