@@ -92,8 +92,8 @@ class HostAdamW:
 
     def step(self, u, lr=None, clip_coef=1.0):
         """AdamW on unit u with the gradient in grad[u] multiplied by clip_coef, in tiles of TILE
-        elements, each tile's shadow written while the tile is in cache: one pass over the unit's
-        memory. The kernel writes the scaled gradient back: grad[u] then holds the clipped one."""
+        elements (resident: one call), each tile's shadow written while the tile is in cache: one
+        pass over the unit's memory. The kernel writes the scaled gradient back into grad[u]."""
         n, n_decay = self.sizes[u]
         p, g, m, v, step = self.master[u], self.grad[u], self.m[u], self.v[u], self.steps[u]
         step += 1

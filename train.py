@@ -262,6 +262,7 @@ for step in bar:
         path = save(step + 1)
         if stop:
             print(f"stopped at step {step + 1}; checkpoint {path}; continue with --resume")
+            sharded.leave()                      # every rank is here: the group goes cleanly
             sys.exit(EXIT["done"])
 bar.close()
 if prof is not None:
@@ -294,3 +295,4 @@ if args.sample_tokens and n_params < 2e9 and source.prompt and source.decode:
                           window=args.seq_len, seed=args.seed, stop=source.stop)
     rule = "-" * 40
     print(f"{rule} {source.what} (temperature {sample.TEMPERATURE})\n{source.decode(ids)}\n{rule}")
+sharded.leave()   # N ranks: the process group, destroyed while Python is whole

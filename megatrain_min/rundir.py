@@ -27,7 +27,6 @@ import time
 import uuid
 from pathlib import Path
 
-
 from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock, stops
 from megatrain_min.exits import EXIT, fail, state
 
@@ -348,6 +347,7 @@ class Run:
         last = ckpt_read.latest(self.out) or "none"
         fail(f"{e}; the run stops here, the last checkpoint is {last}: continue with --resume once "
              f"the data is whole")
+
 
 class _Sampler:
     """A data sampler (data.Batches, data.SFTBatches) whose next() ends the run with one line

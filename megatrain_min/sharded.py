@@ -445,14 +445,16 @@ def init_from_env(device=None):
     kw = dict(store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     dist.init_process_group("nccl", device_id=dev, **kw) if dev.type == "cuda" else \
         dist.init_process_group("gloo", **kw)
-    atexit.register(leave)   # however the process exits: a stop's sys.exit, a refusal, the end
+    if dev.type != "cuda":   # gloo: however the process exits (a stop's sys.exit, a refusal)
+        atexit.register(leave)
     return dev
 
 
 def leave():
-    """Destroy the process group while Python is whole: torch does not at exit, and gloo's threads,
-    torn down by a finalizing interpreter, abort the process ("terminate called without an active
-    exception", exit 134) -- a rank that saved and stopped on SIGTERM would report a crash."""
+    """Destroy the process group while Python is whole: gloo's threads, torn down by a finalizing
+    interpreter, abort the process (exit 134, "terminate called without an active exception").
+    NCCL's destroy waits for this rank's queued collectives (a rank failing alone would hang), so
+    on GPUs train.py calls it on its clean ways out only: the end, a stop after its save."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

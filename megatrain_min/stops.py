@@ -45,7 +45,8 @@ def shutdown_s():
 class Stops:
     def __init__(self, out, rank=0, world=1, gpus=1):
         self.out, self.rank, self.world, self.gpus = out, rank, world, gpus
-        self.requested, self.saved_at, self.timed_once = [], None, False   # signals; the checkpoint
+        self.requested, self.agreed = [], False          # signals; this step ends the run
+        self.saved_at, self.timed_once = None, False      # the stop's checkpoint
 
     def catch(self):
         """SIGTERM, SIGHUP or the first Ctrl-C: finish the step, save, exit (self.requested holds
@@ -68,8 +69,9 @@ class Stops:
             sys.excepthook = self._rank_lost
 
     def saved(self, path):
-        """A checkpoint was written: the stop's, when a stop was requested."""
-        self.saved_at = path if self.requested else None
+        """A checkpoint was written: the stop's when the ranks agreed to stop after this step (not a
+        periodic save during which a signal came: the run trains one more step)."""
+        self.saved_at = path if self.agreed else None
 
     def _rank_lost(self, kind, e, tb):
         """Under torchrun: a collective that failed because another rank went away (killed, or
@@ -87,9 +89,11 @@ class Stops:
     def agree(self, trainer):
         """Whether to stop after this step, the same answer on every rank."""
         if self.world == 1:
-            return bool(self.requested)
-        mine = self.requested[0] if self.requested else None
-        return any(s is not None for s in trainer.placement.gather_object(mine))
+            self.agreed = bool(self.requested)
+        else:
+            mine = self.requested[0] if self.requested else None
+            self.agreed = any(s is not None for s in trainer.placement.gather_object(mine))
+        return self.agreed
 
     def timed(self, took, name):
         """Under torchrun (not launch.py, which waits), the first save's time, against the window

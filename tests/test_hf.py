@@ -1,4 +1,5 @@
-"""megatrain_min/hf.py against Hugging Face transformers (the oracle), on tiny random models made here.
+"""megatrain_min/hf_load.py and hf.py (in and out) against Hugging Face transformers (the oracle), on tiny
+random models made here.
 
 Tolerances: our logits vs transformers' on the same weights <= 1e-4 relative (fp32, CPU; the two
 compute attention differently); save_hf output loaded by transformers vs our logits <= 1e-5; fp32

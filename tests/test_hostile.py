@@ -105,7 +105,7 @@ def edit_meta(ck, fn):
     doc = json.loads((ck / "meta.json").read_text())
     doc.pop("crc32")
     fn(doc)
-    doc["crc32"] = zlib.crc32(json.dumps(doc, sort_keys=True).encode())   # as checkpoint.py computes it
+    doc["crc32"] = zlib.crc32(json.dumps(doc, sort_keys=True).encode())   # as ckpt_read.doc_crc computes it
     (ck / "meta.json").write_text(json.dumps(doc))
 
 
@@ -935,20 +935,28 @@ def _outcome(codes, passed, want):
 
 def _second_ctrl_c_after_the_stop_save(tmp):
     """A second Ctrl-C that comes after the stop's checkpoint is written changes nothing (no exit 130, 'unsaved');
-    before it, it still exits at once."""
+    before it, it still exits at once. A periodic save during which the first came is not the stop's (the run
+    trains one more step): a second Ctrl-C after it still exits at once."""
     from megatrain_min import stops
     run = stops.Stops(tmp / "o")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+    def second_exits():
+        try:
+            handler(signal.SIGINT, None)
+        except SystemExit as e:
+            return e.code == 130
+        return False
     try:
         run.catch()
         handler = signal.getsignal(signal.SIGINT)
-        handler(signal.SIGINT, None)                          # the first: save at the end of the step
-        try:
-            handler(signal.SIGINT, None)                      # the second, before the save: out at once
-            raise AssertionError("a second Ctrl-C before the save did not exit")
-        except SystemExit as e:
-            assert e.code == 130
-        run.saved(tmp / "o" / "ckpt-00000003")               # the stop's checkpoint is written
+        assert not run.agree(None)                            # this step goes on ...
+        handler(signal.SIGINT, None)                          # ... the first Ctrl-C comes during its save
+        run.saved(tmp / "o" / "ckpt-00000002")               # a periodic save, not the stop's
+        assert second_exits(), "a second Ctrl-C after a periodic save did not exit"
+        assert run.agree(None)                                # the next step: stop here
+        assert second_exits(), "a second Ctrl-C before the stop's save did not exit"
+        run.saved(tmp / "o" / "ckpt-00000003")               # the stop's checkpoint is written ...
         handler(signal.SIGINT, None)                          # ... then a second Ctrl-C: nothing
     finally:
         for s, h in handlers.items():

@@ -71,7 +71,7 @@ def recrc(ck, fn=None):
         u["crc32"] = zlib.crc32((ck / u["file"]).read_bytes())
     if fn is not None:
         fn(doc)
-    doc["crc32"] = zlib.crc32(json.dumps(doc, sort_keys=True).encode())   # as checkpoint.py computes it
+    doc["crc32"] = zlib.crc32(json.dumps(doc, sort_keys=True).encode())   # as ckpt_read.doc_crc computes it
     (ck / "meta.json").write_text(json.dumps(doc))
 
 
@@ -508,9 +508,9 @@ def test_all_ignored_targets_still_decay_and_move_with_momentum(clip):
 
 def test_readme_and_train_py_name_the_same_exit_codes():
     """README Troubleshooting and docs/troubleshooting.md have a row per exit code, train.py's docstring names
-    each, and train.py, rundir.py (its run directory), stops.py (its signals) and exits.py use no other: every
-    code given to fail / exit /
-    SystemExit is a number or a name of exits.EXIT, the codes' one home."""
+    each, and train.py, rundir.py (its run directory), stops.py (its signals), exits.py and launch.py
+    (--nproc-per-node) use no other: every code given to fail / exit / SystemExit is a number or a name of
+    exits.EXIT, the codes' one home."""
     import ast, re
     from conftest import ROOT
     from megatrain_min import exits
@@ -518,14 +518,16 @@ def test_readme_and_train_py_name_the_same_exit_codes():
     table = {int(c) for c in re.findall(r"^\| (\d+) \|", readme, re.M)}
     doc = (ROOT / "train.py").read_text().split('"""')[1].split("Exit codes")[1]
     used = {2}                                          # fail(msg) defaults to 2
-    for path in (ROOT / "train.py", *(ROOT / "megatrain_min" / f"{m}.py" for m in ("rundir", "stops", "exits"))):
+    mods = ("rundir", "stops", "exits", "launch")
+    for path in (ROOT / "train.py", *(ROOT / "megatrain_min" / f"{m}.py" for m in mods)):
         for call in ast.walk(ast.parse(path.read_text())):   # every fail(msg, N), sys.exit(N), SystemExit(N)
             if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) in (
                     "fail", "exit", "_exit", "SystemExit"):
                 for a in call.args:
                     if isinstance(a, ast.Constant) and isinstance(a.value, int):
                         used.add(a.value)
-                    elif isinstance(a, ast.Subscript) and getattr(a.value, "id", None) == "EXIT":
+                    elif isinstance(a, ast.Subscript) and "EXIT" in (getattr(a.value, "id", None),
+                                                                      getattr(a.value, "attr", None)):
                         used.add(exits.EXIT[a.slice.value])
     assert table == used == set(exits.EXIT.values()) == {0, 2, 3, 4, 5, 130}, (table, used)
     page = (ROOT / "docs" / "troubleshooting.md").read_text()

@@ -353,7 +353,7 @@ def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, 
 
 
 def test_a_rank_that_exits_any_way_destroys_its_process_group_first(tmp_path):
-    """A rank joined by init_from_env leaves the group at exit whatever the way out (a stop's sys.exit in the
+    """A gloo rank joined by init_from_env leaves the group at exit whatever the way out (a stop's sys.exit in the
     training loop, a refusal): torch does not, and a gloo group torn down by the finalizing interpreter aborts
     the process (exit 134, "terminate called without an active exception": a SIGTERM-stopped run that saved,
     reported as killed). An atexit handler registered before init_from_env runs after its own (last in, first

@@ -2,8 +2,7 @@
 
 What it is
     HARDWARE: a profile per GPU (peak TFLOP/s and the share of it a layer reaches, HBM, the links
-    each way, the host's memory, AdamW bandwidth and last-level cache, NVLink and InfiniBand for N
-    GPUs).
+    each way, the host's memory and AdamW bandwidth, NVLink and InfiniBand for N GPUs).
     local(device): this machine, detected now. resolve(...): a profile by name ("local" or a key of
     HARDWARE), or a dict like one, with --host-mem and --host-bw applied. The host's issue cost of
     an op (HOST_OP_S) and the GPU's AdamW efficiency (GPU_ADAM_FRAC): the rates the schedule and the
