@@ -66,6 +66,27 @@ def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     assert p["pinned_bytes"] == streamed + (4 * N if clip else 0) + slabs + buffers
 
 
+def test_the_plan_says_what_clipping_costs_and_when_the_other_mode_is_faster():
+    """--plan's last lines, each the plan of the other setting: the step time clipping costs (the updates wait for
+    the global norm), and --mode lean where the host's AdamW sets the pace (7B, 3 units resident, on the measured
+    H200 with its 134 GB); nothing of the kind where the GPU sets the pace, and nothing on a CPU."""
+    cfg = dataclasses.replace(model.PRESETS["7b"], n_layer=8)
+    kw = dict(batch_size=4, seq_len=4096, host_mem_gb=134, resident_units=1)
+    p = P.plan(cfg, "h200", grad_clip=1.0, **kw)
+    free, lean = P.plan(cfg, "h200", grad_clip=0.0, **kw), P.plan(cfg, "h200", grad_clip=1.0, mode="lean", **kw)
+    assert p["bottleneck"] == "cpu_adam" and free["step_time_s"] < 0.98 * p["step_time_s"]
+    assert lean["step_time_s"] <= 0.95 * p["step_time_s"]
+    lines = report.format_plan(p).splitlines()[-2:]
+    assert lines == [
+        f"clipping costs {p['step_time_s'] - free['step_time_s']:.3g} s/step here: every update waits for the global "
+        f"norm (--grad-clip 0: {free['step_time_s']:.3g} s/step)",
+        f"faster here: --mode lean, {lean['step_time_s']:.3g} s/step ({p['step_time_s'] / lean['step_time_s'] - 1:.0%}"
+        " faster: the host's AdamW moves 6 B/param less; the link carries the fp32 master)"], lines
+    resident = P.plan(cfg, "h200", grad_clip=0.0, **dict(kw, resident_units=None))   # every unit on the GPU
+    assert resident["bottleneck"] == "compute" and report.alternatives(resident) == []
+    assert report.alternatives(P.plan(model.PRESETS["toy"], "local", device="cpu", grad_clip=1.0)) == []
+
+
 def test_120b_lean_fits_h200_with_1536_gb():
     t0 = time.perf_counter()
     p = P.plan(model.PRESETS["120b"], "h200", mode="lean", host_mem_gb=1536, batch_size=4)

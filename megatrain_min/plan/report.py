@@ -4,12 +4,14 @@ one-liners.
 What it is
     format_plan(p): memory by component (host per node, GPU per GPU), the time of each layer visit,
     the prediction (step time, tokens/s, MFU), the bottleneck, the tokens per step that hide the
-    transfers, the verdict and, when it does not fit, the nearest setting that does (fit.suggest).
+    transfers, the verdict and, when it does not fit, the nearest setting that does (fit.suggest);
+    when it fits, alternatives(p): what clipping costs per step, and the other --mode where it is
+    faster (each the plan of that setting).
     plan_json(p): every field of the plan as strict JSON, with "fix". describe_run(p): the line
     train.py prints of the run it is about to make; describe_max_context: the line of --plan
     --max-context; profile_line: a line per profile (--hardware all).
 What it is not
-    No arithmetic: every number is the plan's (megatrain_min/plan/__init__.py); tests compare them.
+    No arithmetic: every number is a plan's (megatrain_min/plan/__init__.py); tests compare them.
 Try it
     python -m megatrain_min.plan --config 120b --hardware h200 --mode lean --host-mem 1536 \\
         --grad-clip 0 --batch-size 4 --seq-len 4096
@@ -18,6 +20,7 @@ import json
 
 import model
 from megatrain_min import cli
+from megatrain_min.plan import replan
 from megatrain_min.plan.fit import suggest
 from megatrain_min.plan.hardware import GB
 from megatrain_min.plan.memory import HOST_USABLE, count, size
@@ -99,7 +102,31 @@ def format_plan(p):
         fix = suggest(p)
         rows.append(f"nearest setting that fits: {fix}" if fix else
                     "nothing nearby fits: see the breakdown above")
-    return "\n".join(rows)
+    return "\n".join(rows + alternatives(p))
+
+
+def alternatives(p):
+    """What two settings would change, each planned (replan), for a plan that fits on a GPU: the
+    step time clipping costs (every update waits for the global norm), and the other --mode when it
+    is at least 5% faster (lean: the host's AdamW moves 6 B/param less, the link carries fp32)."""
+    if not p["fits"] or p["hardware"]["gpu_mem_gb"] <= 0:
+        return []
+    lines, s = [], p["step_time_s"]
+    if p["grad_clip"]:
+        q = replan(p, grad_clip=0.0)
+        if q["fits"] and q["step_time_s"] < 0.98 * s:
+            lines.append(f"clipping costs {s - q['step_time_s']:.3g} s/step here: every update "
+                         "waits for the global norm (--grad-clip 0: "
+                         f"{q['step_time_s']:.3g} s/step)")
+    if p["dtype"] == "bf16":
+        other = "lean" if p["mode"] == "fast" else "fast"
+        q = replan(p, mode=other)
+        if q["fits"] and q["step_time_s"] <= 0.95 * s:
+            why = ("the host's AdamW moves 6 B/param less; the link carries the fp32 master"
+                   if other == "lean" else "half the bytes cross the link")
+            lines.append(f"faster here: --mode {other}, {q['step_time_s']:.3g} s/step "
+                         f"({s / q['step_time_s'] - 1:.0%} faster: {why})")
+    return lines
 
 
 def resident_line(p):
