@@ -60,7 +60,7 @@ from megatrain_min.checks import all_finite
 from megatrain_min.ckpt_read import (CHUNK, FORMAT, SHARDED, STATES, VERSION, CheckpointError,
                                      bytes_of, check_model, checkpoints, doc_crc, key_at, overlap,
                                      parts, read_meta, verify_files)
-from megatrain_min.publish import alive
+from megatrain_min.publish import alive, fsync_dir
 from megatrain_min.tokenizer import copy_tokenizer_files
 
 
@@ -151,11 +151,11 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
             f = open(tmp / "meta.json", "w")
             json.dump({**doc, "crc32": doc_crc(doc)}, f, indent=1)
             _fsync_close(f)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():                  # the same step saved again: the new one replaces it
                 _remove(final)
             os.rename(tmp, final)              # atomic: the checkpoint appears whole, or not at all
-            _fsync_dir(out)
+            fsync_dir(out)
             error = None
         except BaseException as e:
             error = _failed(e, final, tmp)
@@ -238,14 +238,6 @@ def _fsync_close(f):
     f.flush()
     os.fsync(f.fileno())
     f.close()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path):

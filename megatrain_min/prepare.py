@@ -202,7 +202,7 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        publish.fsync_dir(tmp)
         publish.publish(tmp, out, was, _state, META, old)    # DIR appears whole or not at all
     except publish.Conflict:
         raise PrepareError(f"--out {given} was written by another prepare while this one ran; "
@@ -222,14 +222,6 @@ def _state(out):
         return None
     except (OSError, ValueError):
         return "unreadable"
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -106,7 +106,7 @@ def publish(tmp, out, expect, state, last, old=()):
                                f"there was replaced")
             if tmp.parent != out:                # out was absent (or is an empty directory)
                 os.rename(tmp, out)
-                _fsync_dir(out.parent)
+                fsync_dir(out.parent)
                 return out
             new = sorted(p.name for p in tmp.iterdir())
             if (out / last).exists():
@@ -119,17 +119,18 @@ def publish(tmp, out, expect, state, last, old=()):
                     os.unlink(target)
                 if name in new:
                     os.rename(tmp / name, target)
-            _fsync_dir(out)
+            fsync_dir(out)
             os.rename(tmp / last, out / last)    # last: its presence says the rest is whole
             os.rmdir(tmp)
-            _fsync_dir(out)
+            fsync_dir(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _fsync_dir(path):
+def fsync_dir(path):
+    """Make a directory's entries (a rename, a new file) durable: fsync the directory itself."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
