@@ -243,8 +243,8 @@ print(f"a layer's backward grows with the tokens, its update does not: they brea
 # ## 6. What the models say resident units and lean mode change
 #
 # `hardware.HARDWARE["h200"]` is made from this run: the achieved compute rate (frac 0.56 of the
-# bf16 peak: the forward, backward and head above), the measured links, AdamW's 101 GB/s and the
-# host's 300 MB last-level cache. On it, `bench/twin_vs_plan.py --measured` replays this very step
+# bf16 peak: the forward, backward and head above), the measured links and AdamW's 101 GB/s. On
+# it, `bench/twin_vs_plan.py --measured` replays this very step
 # with the engine as it was measured -- no resident units, the shadow written in a second pass --
 # through both models: the twin (the real engine's op stream, `megatrain_min/twin.py`) and the
 # planner (an analytic schedule, `megatrain_min/plan/timing.py`); both land within 5% of the
