@@ -4,22 +4,19 @@ What it is
     HostAdamW keeps, for every unit (the embedding, each layer, the head), flat buffers in host
     memory: fp32 master, Adam m and v, gradients (per unit, or slabs lent to one unit at a time),
     with bf16 compute a bf16 shadow to stream; what crosses the link page-locked (page_locked).
-    step(u) updates one unit with torch's fused AdamW kernel, so the optimizer thread (worker)
-    updates layer i while the GPU works on layer i-1 (a unit resident on the GPU: there).
-    Also: the CPUs' split between that thread and the main one, and clipping.
+    step(u) updates one unit by torch's fused AdamW (a unit resident on the GPU: there) on Worker,
+    the optimizer thread, while the GPU works on. Also: the CPUs' split between threads, clipping.
 What it is not
-    Not a torch.optim.Optimizer: a unit's [matrices | vectors] layout makes "decay" and "no decay"
-    two regions, two kernel calls. It imports nothing of ours (megatrain_min/checks.py: values).
+    A torch.optim.Optimizer ([matrices | vectors]: two regions, two calls). Imports nothing of ours.
 Reference
     torch.optim.AdamW(fused=True), two parameter groups: equal over 10 steps (tests/test_optim.py);
-    speed: bench/adamw_cpu.py. Framework internal: torch._fused_adamw_, that optimizer's kernel,
-    updates p, m, v in place; its grad_scale divides the gradient: 1/clip_coef clips in the pass.
+    speed: bench/adamw_cpu.py. Its kernel, torch._fused_adamw_, clips in the pass (grad_scale).
 """
 import mmap
 import os
 import queue
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -35,11 +32,10 @@ class HostAdamW:
                  resident=(), on_device=None):
         """sizes: [(numel, n_decay)] per unit, the first n_decay elements decayed. shadow_dtype: a
         copy of the master in the GPU's dtype, written by every step (None: stream the master).
-        grad_store: an fp32 gradient buffer per unit (4 B/param); else grad[u] is None but while
-        a slab is lent to it (lend): `slabs` buffers of the largest unit, in `pool`.
-        pinned(n, dtype): n page-locked zeros (stream.Lanes.pinned) for what crosses the link:
-        gradients, the shadow, else the master (never m, v). resident: units kept whole on the
-        GPU (master, m, v, gradient: 16 B/param, no shadow), in on_device(n, dtype)'s buffers."""
+        grad_store: an fp32 gradient buffer per unit; else grad[u] is None but while a slab (one of
+        `slabs` in `pool`) is lent to it. pinned(n, dtype): n page-locked zeros for what crosses the
+        link (gradients, the shadow, else the master). resident: units kept whole on the GPU
+        (master, m, v, gradient: 16 B/param, no shadow), in on_device(n, dtype)'s buffers."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = [*sizes], lr, betas, eps, weight_decay
         self.pinned_bytes, self.resident = 0, set(resident)
 
@@ -79,21 +75,16 @@ class HostAdamW:
     def state(self, u):  # {"master", "m", "v"} of unit u, the store's own tensors: a checkpoint
         return {"master": self.master[u], "m": self.m[u], "v": self.v[u]}
 
-    def step_count(self, u): return int(self.steps[u])
-    def set_step_count(self, u, n): self.steps[u].fill_(n)
-
     def reset(self):  # forget the optimizer's history (m, v, the step counts); the master stays
-        for t in self.m + self.v + self.steps:
-            t.zero_()
+        torch._foreach_zero_(self.m + self.v + self.steps)
 
     def refresh_shadow(self, u):
         if self.shadow is not None and self.shadow[u] is not None:
             self.shadow[u].copy_(self.master[u])
 
     def step(self, u, lr=None, clip_coef=1.0):
-        """AdamW on unit u with the gradient in grad[u] multiplied by clip_coef, in tiles of TILE
-        elements (resident: one call), each tile's shadow written while the tile is in cache: one
-        pass over the unit's memory. The kernel writes the scaled gradient back into grad[u]."""
+        """AdamW on unit u, its gradient grad[u] times clip_coef (written back so), in tiles of TILE
+        (resident: one call), each tile's shadow written from cache: one pass over the unit."""
         n, n_decay = self.sizes[u]
         p, g, m, v, step = self.master[u], self.grad[u], self.m[u], self.v[u], self.steps[u]
         step += 1
@@ -109,14 +100,13 @@ class HostAdamW:
                     self.shadow[u][a:b].copy_(pt)
 
     def grad_sq(self, u):  # unit u's squared gradient norm (a resident unit's: a GPU scalar)
-        g = self.grad[u]
-        return torch.dot(g, g) if u in self.resident else float(torch.dot(g, g))
+        sq = torch.dot(self.grad[u], self.grad[u])
+        return sq if u in self.resident else float(sq)
 
 
 def page_locked(n, dtype=torch.float32):
-    """n zeros of dtype in host memory page-locked with CUDA (copies to and from it are DMA):
-    pages of its own, cudaHostRegister'ed, unregistered just before they are freed: its size, where
-    pin_memory=True rounds each block up to a power of two (torch 2.11: a 7b store 1.31x)."""
+    """n zeros of dtype page-locked with CUDA (DMA copies), its own pages cudaHostRegister'ed: its
+    size, where pin_memory=True rounds each block up to a power of two (a 7b store: 1.31x)."""
     size = max(1, -(-n * dtype.itemsize // mmap.PAGESIZE)) * mmap.PAGESIZE
     raw = np.zeros(size + mmap.PAGESIZE, dtype=np.uint8)           # numpy owns (and frees) it
     mem = raw[-raw.ctypes.data % mmap.PAGESIZE:][:size]            # page-aligned: no page shared
@@ -128,31 +118,41 @@ def page_locked(n, dtype=torch.float32):
     return torch.from_numpy(mem).view(dtype)[:n]   # runs finalizers before it frees the memory
 
 
-def cpu_threads(cuda, procs=1):
-    """(main, optimizer): OpenMP threads of the thread running the steps and of the optimizer
-    thread, adding up to this process's share of its CPUs (affinity mask / `procs`): two teams
-    spanning every core spin in each other's way. With CUDA the main thread keeps two (it issues
-    kernels), AdamW the rest; on the CPU AdamW gets a quarter."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, (usable or 1) // procs)                     # (macOS has no affinity mask)
-    worker = max(1, share - 2) if cuda else max(1, share // 4)
-    return max(1, share - worker), worker
-
-
 def resolve_device(device=None):
     """The device to train on, indexed: "cuda" is the current cuda:N (set_device needs the N)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return torch.device("cuda", torch.cuda.current_device()) if dev == torch.device("cuda") else dev
 
 
-def worker(threads, device=None):
-    """The optimizer thread: an OpenMP team of `threads`, `device` current (per thread, else its
-    first CUDA call makes a context on GPU 0), indexed as set_device needs (resolve_device)."""
-    def init():
-        torch.set_num_threads(threads)
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)
-    return ThreadPoolExecutor(1, "adamw", initializer=init)
+class Worker(ThreadPoolExecutor):
+    """The optimizer thread, `device` current. threads: OpenMP teams (the main thread's, its own)
+    adding up to this process's share of its CPUs (affinity mask / `procs`: two teams on every core
+    spin in each other's way); with CUDA the main thread keeps two, on the CPU AdamW gets a quarter.
+    Of the tasks whose input landed (event `ready`) it runs the one the next forward needs first
+    (least `need`), else the oldest, once it lands (the D2H lane lands them in submission order)."""
+    def __init__(self, device, procs=1):
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None  # macOS
+        share, cuda = max(1, (usable or os.cpu_count() or 1) // procs), device.type == "cuda"
+        n = max(1, share - 2) if cuda else max(1, share // 4)
+        self.threads, self.todo = (max(1, share - n), n), {}   # todo: Future -> its task, in order
+        super().__init__(1, "adamw", lambda: (torch.set_num_threads(n),
+                                              cuda and torch.cuda.set_device(device)))
+
+    def submit(self, fn, *args, need=0, ready=None):   # a Future of fn(*args)
+        self.todo[fut := Future()] = need, ready, fn, args   # (a dict's ops are atomic)
+        super().submit(self.run_best)                  # one run per task: the best one then
+        return fut
+
+    def run_best(self):
+        tasks = list(self.todo.items())                 # [(Future, (need, ready, fn, args))]
+        landed = [t for t in tasks if t[1][1] is None or t[1][1].query()] or tasks[:1]
+        fut, (_, ready, fn, args) = min(landed, key=lambda t: t[1][0])   # the first of the least
+        del self.todo[fut]
+        try:
+            ready is not None and ready.synchronize()    # (the oldest may still be on its way)
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 -- raised where its result is asked for
+            fut.set_exception(e)
 
 
 def clip_coef(total_norm, max_norm):

@@ -10,9 +10,8 @@ One step, layer-major (every micro-batch passes through a layer during ONE visit
   head      per micro-batch, per token chunk: norm + lm_head + CE, forward AND backward at once
   backward  for layer i = L-1..0: recompute block(x[j]) with grad, autograd.grad w.r.t. (input,
             weights), fp32 gradient accumulated in a grad slot, then D2H to the host store
-  update    a worker thread runs AdamW on each unit as its gradient lands -- with clipping, once
-            all landed (the global norm first), in forward order (layer i first needed first);
-            resident units (the first the forward needs) on the GPU, on the H2D lane
+  update    a worker thread runs AdamW on the landed units, the one the next forward needs first
+            (clipping: all landed, the global norm known); resident units on the GPU, on H2D
 
 The lanes for L=3, a column per layer visit (0/1/2 = layers, H = head, ' = backward, (A)/(B) =
 weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the host):
@@ -126,7 +125,7 @@ class Trainer:
             dy_host, dy_ready = self.dy_to_host(dy)             # the embedding's gradient (B, T, d)
         self._host_grad(self.embed)                             # (a tied head holds one already)
         self._submit(self.embed, self._grad_landed, self.embed, dy_ready, self.lr,   # the scatter
-                     lambda: self.add_embedding_grad(b.tokens, dy_host))           # then its update
+                     lambda: self.add_embedding_grad(b.tokens, dy_host), ready=dy_ready)   # update
         self.lanes.host_wait(loss_ready)
         loss = self.loss_host.item()
         if self.defer_updates:  # every squared norm known: clip, then update in forward order
@@ -319,7 +318,7 @@ class Trainer:
         self._host_grad(u)
         done = self.grad_to_host(u, gs, ev)
         if u != self.embed:  # tied: the head is handed over after the embedding scatter
-            self._submit(u, self._grad_landed, u, done, self.lr)
+            self._submit(u, self._grad_landed, u, done, self.lr, ready=done)
 
     def grad_to_host(self, u, gs, ready):
         """D2H of u's gradient from gslot[gs] (done at `ready`) into opt.grad[u]: its event."""
@@ -336,13 +335,14 @@ class Trainer:
             if self.failed:                  # ... and notes the failure (_submit): raised here
                 raise self.failed[0]
 
-    def _submit(self, u, fn, *args):
-        """fn(*args), unit u's pending work on the optimizer thread; its failure noted at once."""
+    def _submit(self, u, fn, *args, ready=None):
+        """fn(*args), unit u's work for the optimizer thread (which runs first, of the work `ready`,
+        what the next forward needs first: its place in self.order); its failure noted at once."""
         if u in self.opt.resident:   # resident: here, issued on H2D, the lane that copies it next
             with self.h2d():
                 (fut := Future()).set_result(fn(*args))
         else:
-            fut = self.lanes.submit(fn, *args)
+            fut = self.lanes.submit(fn, *args, need=self.order.index(u), ready=ready)
         fut.add_done_callback(lambda f: f.exception() and self.failed.append(f.exception()))
         self.pending[u] = fut
 
@@ -440,11 +440,11 @@ class Lanes:
         self.pinned = optim.page_locked if cuda else None     # makes host buffers the copies use
         self.h2d, self.comp, self.d2h = (lane(device if cuda else None, n)
                                          for n in ("h2d", "compute", "d2h"))
-        self.threads = optim.cpu_threads(cuda, procs)         # OpenMP teams: (main, optimizer)
+        self.worker = optim.Worker(device, procs)             # the optimizer thread
+        self.threads = self.worker.threads                     # OpenMP teams: (main, optimizer)
         torch.set_num_threads(self.threads[0])                 # a setting of the calling thread
-        self.worker = optim.worker(self.threads[1], device)
 
     def host_wait(self, event): return event.synchronize() if event is not None else None
     def synchronize(self): return torch.cuda.synchronize(self.device) if self.cuda else None
-    def submit(self, fn, *args): return self.worker.submit(fn, *args)   # a Future
+    def submit(self, fn, *args, **when): return self.worker.submit(fn, *args, **when)   # Future
     pool = None   # where the gradient slabs wait: optim's queue (record.SimLanes: a recorded one)

@@ -486,7 +486,8 @@ def meta(args):
                 torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                 host=socket.gethostname(), cpus=os.cpu_count(),
                 command=" ".join([sys.executable, "bench/gpu.py", *sys.argv[1:]]),
-                smoke=args.smoke, host_available_gb=hardware.host_available_bytes() / GB)
+                smoke=args.smoke, host_available_gb=hardware.host_available_bytes() / GB,
+                update_order="need-first")   # optim.Worker's (runs before this key: first come, first served)
 
 
 def summary(res):

@@ -8,7 +8,7 @@ What it reads
       streams   compute: the stream that runs the most kernels; h2d / d2h: the streams that copy the most bytes
                 host -> device / device -> host (each of the three a different stream);
       threads   main: the process's own thread (tid == pid); adamw: the thread that runs aten::_fused_adamw_ (the
-                optimizer thread, optim.worker); autograd: the threads that run autograd's engine (pt_autograd_N:
+                optimizer thread, optim.Worker); autograd: the threads that run autograd's engine (pt_autograd_N:
                 torch.autograd.grad on CUDA runs the backward there, the main thread waits);
       steps     a step starts when the main thread gathers the embedding rows (aten::index_select,
                 stream.Trainer.embed_rows): the first thing a step can do only once the previous step's last

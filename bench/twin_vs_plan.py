@@ -10,7 +10,8 @@ the planner (megatrain_min/plan/timing.py's analytic schedule) predict each meas
 its token counts, clipped and as planned, and the peers' stream runs -- on plan.hardware.HARDWARE["h200"] (made from
 that measurement; the host memory the run saw) with the engine as it was measured: in the first run no resident
 units and the shadow refreshed in a second pass over the unit (optim.TILE = the whole unit); in later runs the
-resident units and grad clip each case names. Exit status 1 when either model is more than 10% off a measured step.
+resident units and grad clip each case names; the optimizer thread's order as the results' meta names it (none:
+first come, first served, as optim.Worker ran before it picked the landed unit the next forward needs first). Exit status 1 when either model is more than 10% off a measured step.
 After the first run's table the same models predict the engine as it is now on that H200: the issue-33 targets.
 Everything after the measured table is a prediction; bench/NOTES.md keeps them beside what a GPU later measures.
 Writes bench/results/twin_vs_plan.md (full depth) or DIR/twin_vs_plan.md (--measured).
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import optim  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min.plan import hardware  # noqa: E402
+from megatrain_min.plan import hardware, timing  # noqa: E402
 from megatrain_min import record, twin  # noqa: E402
 
 ROWS = [(n, hw, mode, 0.0, 4) for n in ("100b", "120b") for hw in ("h200", "gh200") for mode in ("fast", "lean")] + \
@@ -41,15 +42,24 @@ SEQ = 4096                          # bench/gpu.py: one sequence of 4096 tokens 
 TOLERANCE = 0.10
 
 
-def predict(cfg, hw, B, M, twin_too=True, **kw):
+def predict(cfg, hw, B, M, twin_too=True, need_first=True, **kw):
     """(twin result or None, plan) of cfg on hardware dict hw at B x SEQ tokens in M micro-batches; kw: the engine's
-    settings (grad_clip, mode, resident_units, offload_activations), as bench/gpu.py runs it (no guard)."""
+    settings (grad_clip, mode, resident_units, offload_activations), as bench/gpu.py runs it (no guard). need_first:
+    the optimizer thread's order (False: first come, first served, the engine of the earlier runs)."""
+    timing.NEED_FIRST, was = need_first, timing.NEED_FIRST
+    try:
+        return predict_as(cfg, hw, B, M, twin_too, need_first, **kw)
+    finally:
+        timing.NEED_FIRST = was
+
+
+def predict_as(cfg, hw, B, M, twin_too, need_first, **kw):
     kw = dict(dict(grad_clip=0.0, mode="fast", resident_units=0, offload_activations=False), **kw)
     p = planner.plan(cfg, hw, batch_size=B, seq_len=SEQ, micro_batches=M, dtype="bf16", skip_nonfinite=False,
                      grad_slabs=3, **kw)
     if not twin_too:
         return None, p
-    tw = twin.Twin(p["hardware"])
+    tw = twin.Twin(p["hardware"], need_first=need_first)
     record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(B, SEQ), dtype=torch.bfloat16,
                micro_batches=M, grad_slabs=3, **dict(kw, resident_units=p["resident_units"]))
     return tw.result_of(cfg, B * SEQ), p
@@ -68,12 +78,14 @@ def measured(d):
     cases += [(f"peers: {k}", peers[k], peers[k]["tokens"] // SEQ, 0.0) for k in ("stream", "stream_0_resident")
               if "step_s" in peers.get(k, {})]
     two_passes = "resident_units" not in wide["at_min_tokens"]   # the first run: the engine before both
+    order = res["meta"].get("update_order", "first come, first served")
     lines = [f"# twin and planner vs the measured run {d.name} ({datetime.date.today()}, "
              f"`python bench/twin_vs_plan.py --measured {d.relative_to(ROOT) if d.is_relative_to(ROOT) else d}`)",
              "", f"Profile: plan.hardware.HARDWARE['h200'], host memory {hw['host_mem_gb']:.0f} GB; the engine as "
              "measured: " + ("no resident units, the shadow in a second pass (optim.TILE = whole unit)" if two_passes
                              else "the resident units each case names, one host pass") +
-             ", the grad clip each case names (else 0), 3 gradient slabs.", "",
+             f", the grad clip each case names (else 0), 3 gradient slabs, the optimizer thread's order {order}.",
+             "",
              "| case | layers | tokens | M | resident | measured s | twin s | twin/measured | planner s | "
              "planner/measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     worst, tile = 0.0, optim.TILE
@@ -84,7 +96,7 @@ def measured(d):
             t0 = time.time()
             k = r.get("resident_units", 0)
             tw, p = predict(cfg, hw, r["tokens"] // SEQ, M, offload_activations=bool(r.get("offload")),
-                            resident_units=k, grad_clip=clip)
+                            resident_units=k, grad_clip=clip, need_first=order == "need-first")
             a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
             worst = max(worst, abs(a - 1), abs(b - 1))
             lines.append(f"| {name} | {r['n_layer']} | {r['tokens']:,} | {M} | {k} | {r['step_s']:.3f} | "

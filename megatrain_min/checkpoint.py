@@ -123,7 +123,7 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
                 # (a unit resident on the GPU: D2H first)
                 f, crc = _write(tmp / name, [state[s][:hi - lo].cpu() for s in STATES], lay, lo)
                 synced.append(flusher.submit(_fsync_close, f))
-                units.append({"name": lay.name, "numel": lay.numel, "step": opt.step_count(u),
+                units.append({"name": lay.name, "numel": lay.numel, "step": int(opt.steps[u]),
                               "file": name, "lo": lo, "hi": hi,
                               "bytes": 4 * len(STATES) * (hi - lo), "crc32": crc})
             for s in synced:
@@ -303,7 +303,7 @@ def load(trainer, path, verify_first=True):
         if not verify_first and not all_finite(state["master"][:hi - lo]):
             raise CheckpointError(f"{path}: the master weights of unit {unit['name']} hold a NaN "
                                   "or an infinity; the trainer is now partial")
-        opt.set_step_count(u, unit["step"])
+        opt.steps[u].fill_(unit["step"])
         opt.refresh_shadow(u)
     return {**doc["meta"], "step": doc["step"]}
 

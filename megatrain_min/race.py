@@ -9,6 +9,9 @@ What it is
       host waits  host_wait(event), synchronize(), a Future's result(), a slab taken from the pool
                   (after the put that gave it back), a task's start (after its submit), a blocking
                   copy;
+      tasks       the optimizer thread's tasks are ordered by these edges alone, not by the order
+                  they came in: optim.Worker runs them most-needed first. Each task is an actor of
+                  its own ("worker task 7"), its clock its submit's;
     Every access (storage, byte range, read or write, actor, the actor's tick) is kept per storage.
     Two accesses conflict when their ranges overlap, at least one writes, and they come from
     different actors; without an edge from the first to the second it is a race: reported with the
@@ -59,7 +62,7 @@ class Checker:
         self.kernel = collections.Counter()   # lane -> the tick of its latest op that runs a kernel
         self.races, self.seen, self.limit, self.unnamed = [], set(), limit, []
         self.rec = None                          # set by the first op: names come from the recorder
-        self.steps, self.k = [], None
+        self.steps, self.k, self.task = [], None, "worker"   # the worker's task running now
 
     # ---- per-step figures
     def step(self, k):
@@ -91,35 +94,40 @@ class Checker:
         self.vc[lane].join(self.vc["main"])
         self.vc[lane].join(self.events[event.eid])
 
+    def who(self, thread):  # the actor: a host thread, or the worker's task running now
+        return self.task if thread == "worker" else thread
+
     def host_wait(self, thread, event, src):
-        self.vc[thread].join(self.events[event.eid])
+        self.vc[self.who(thread)].join(self.events[event.eid])
         self.sync(thread, "host_wait(event)", src)
 
     def synchronize(self, thread, src):
         for lane in LANES:
-            self.vc[thread].join(self.vc[lane])
+            self.vc[self.who(thread)].join(self.vc[lane])
         self.sync(thread, "synchronize()", src)
 
-    def submit(self, thread, task):
-        self.tasks[task] = Clock(self.vc[thread])
-        self.tick(thread)
+    def submit(self, thread, task, **_):
+        self.tasks[task] = Clock(self.vc[self.who(thread)])
+        self.tick(self.who(thread))
 
-    def task_start(self, task):
-        self.vc["worker"].join(self.tasks[task])
+    def task_start(self, task):   # no edge from the task before: they run in any order
+        self.task = f"worker task {task}"
+        self.vc[self.task] = Clock(self.tasks[task])
 
     def task_end(self, task):
-        self.ends[task] = Clock(self.vc["worker"])
-        self.tick("worker")
+        self.ends[task] = Clock(self.vc[self.task])
+        self.vc.pop(self.task)        # (its clock lives on in ends[task])
+        self.task = "worker"
 
     def result(self, thread, task):
-        self.vc[thread].join(self.ends[task])
+        self.vc[self.who(thread)].join(self.ends[task])
 
     def put(self, thread, item):
-        self.puts[item] = Clock(self.vc[thread])
-        self.tick(thread)
+        self.puts[item] = Clock(self.vc[self.who(thread)])
+        self.tick(self.who(thread))
 
     def get(self, thread, item, src):
-        self.vc[thread].join(self.puts[item])
+        self.vc[self.who(thread)].join(self.puts[item])
         self.sync(thread, "gradient slab taken (waits for the worker)", src)
 
     def keep(self, **_):
@@ -130,7 +138,7 @@ class Checker:
 
     # ---- accesses
     def op(self, op):
-        a = op.actor
+        a = self.who(op.actor)
         if a in LANES:
             self.vc[a].join(self.vc["main"])            # issued by the host thread
         tick = self.tick(a)

@@ -168,8 +168,8 @@ class SimLanes:
     def synchronize(self):
         self.rec.emit("synchronize", thread=self.rec.thread, src=self.rec.source())
 
-    def submit(self, fn, *args):
-        return self.rec.submit(fn, args)
+    def submit(self, fn, *args, need=0, ready=None):
+        return self.rec.submit(fn, args, need, ready)
 
 
 
@@ -218,12 +218,13 @@ class Recorder(TorchDispatchMode):
         if st is not None:
             st.kept.add(lane)
 
-    def submit(self, fn, args):
-        """The optimizer thread, inline: the task runs now, as the worker, after everything
-        submitted before."""
+    def submit(self, fn, args, need=0, ready=None):
+        """The optimizer thread, inline: the task runs now, as the worker. need, ready: what
+        optim.Worker picks its next task by (the consumers order the tasks: race.Checker by no
+        more than their edges, twin.Twin as that worker would run them)."""
         self.n_task += 1
         tid, fut = self.n_task, SimFuture(self, self.n_task)
-        self.emit("submit", thread=self.thread, task=tid)
+        self.emit("submit", thread=self.thread, task=tid, need=need, ready=ready)
         outer, self.thread = self.thread, "worker"
         self.emit("task_start", task=tid)
         try:

@@ -13,7 +13,10 @@ What it is
       host       the main thread issues every op in program order (hardware.HOST_OP_S each, /
                  --host-speed) and blocks where the engine blocks (host waits, a future's result, a
                  gradient slab); its own host work (the embedding gather) runs at DRAM bandwidth;
-                 the optimizer thread's AdamW too.
+                 the optimizer thread's AdamW too, its tasks run as optim.Worker picks them: of
+                 those submitted and landed when it looks, the one the next forward needs first
+                 (none landed: the oldest, once landed). A pick is made once no task still to be
+                 submitted could change it (the host is past it, or waits for the worker).
     Memory: a device allocation is live from its issue until the GPU passes its free -- at once for
     its own lane, after the kept lanes' work issued before the free (record_stream), as the caching
     allocator does. Out: step time, tokens/s, model TFLOP/s, overlap (compute busy / step), busy
@@ -31,6 +34,7 @@ Try it
 import collections
 import dataclasses
 import json
+import math
 
 import torch
 
@@ -51,8 +55,23 @@ class Span:
     label: str = ""
 
 
+@dataclasses.dataclass(eq=False)
+class Task:
+    """A task of the optimizer thread, recorded, waiting to be run as optim.Worker would."""
+    need: int
+    submitted: Span
+    ready: Span = None        # what it waits for (the D2H of its gradient), None: nothing
+    events: list = dataclasses.field(default_factory=list)    # [(handler, kwargs)] in order
+
+    def at(self):             # when it has landed
+        return max(self.submitted.end, self.ready.end if self.ready else 0.0)
+
+
 class Twin:
-    def __init__(self, hw, host_speed=1.0, host_op_s=hardware.HOST_OP_S):
+    def __init__(self, hw, host_speed=1.0, host_op_s=hardware.HOST_OP_S, need_first=True):
+        """need_first: the optimizer thread's order as optim.Worker's; False: first come, first
+        served (the engine before bench/gpu.py's results said "update_order")."""
+        self.need_first = need_first
         self.hw, self.issue = hw, host_op_s / host_speed
         self.hbm, self.host_bw = hw["hbm_gbs"] * GB, hw["host_bw_gbs"] * GB
         self.link = {"h2d": hw["h2d_gbs"] * GB, "d2h": hw["d2h_gbs"] * GB}
@@ -61,7 +80,8 @@ class Twin:
         zero = Span("host", 0.0, 0.0)
         # the latest span of each actor (lane FIFO / thread program order)
         self.last = {a: zero for a in ACTORS}
-        self.events, self.task_ends, self.puts = {}, {}, {}
+        self.events, self.task_ends, self.puts, self.gets = {}, {}, [], 0
+        self.queue, self.recording = {}, None           # task id -> Task not run yet; the one now
         self.spans, self.step_starts, self.first_compute = [], [], []
         self.mem, self.live = [], {}                # [(t, issue order, +/-bytes)]; Storage -> bytes
         self.alloc_t = {}
@@ -99,30 +119,59 @@ class Twin:
             self.advance(lane, ev.end, 0.0, ev, "wait")
 
     def host_wait(self, thread, event, src):
+        if thread == "worker":
+            return self.recording.events.append((self.block, dict(thread=thread,
+                                                                   span=self.events[event.eid])))
         self.block(thread, self.events[event.eid])
 
     def synchronize(self, thread, src):
         for lane in ("h2d", "compute", "d2h", "default"):
             self.block(thread, self.last[lane])
 
-    def submit(self, thread, task):
-        self.submitted = self.last[NAME[thread]]
+    def submit(self, thread, task, need=0, ready=None):
+        self.schedule(horizon=self.t("host"))    # the picks no later submit can change: made now
+        self.queue[task] = Task(need * self.need_first, self.last[NAME[thread]],
+                                self.events[ready.eid] if ready is not None else None)
 
-    def task_start(self, task):                # FIFO worker: after its previous task and the submit
-        if self.submitted.end > self.t("cpu_adam"):
-            self.advance("cpu_adam", self.submitted.end, 0.0, self.submitted, "task")
+    def task_start(self, task):               # its events are kept, to run when the worker picks it
+        self.recording = self.queue[task]
 
     def task_end(self, task):
-        self.task_ends[task] = self.last["cpu_adam"]
+        self.recording = None
+
+    def schedule(self, horizon=math.inf, until=lambda: False):
+        """Run the waiting tasks in optim.Worker's order, each picked when the worker looks (its
+        last task done, or idle: the next submit) if that is before `horizon`, until `until()`."""
+        while self.queue and not until():
+            look = max(self.t("cpu_adam"), min(q.submitted.end for q in self.queue.values()))
+            if look >= horizon:
+                return
+            seen = [k for k, q in self.queue.items() if q.submitted.end <= look]   # oldest first
+            landed = [k for k in seen if self.queue[k].at() <= look]
+            k = min(landed, key=lambda k: self.queue[k].need) if landed else seen[0]
+            q = self.queue.pop(k)
+            if q.at() > self.t("cpu_adam"):
+                self.advance("cpu_adam", q.at(), 0.0, q.ready or q.submitted, "task")
+            for handler, kw in q.events:
+                handler(**kw)
+            self.task_ends[k] = self.last["cpu_adam"]
 
     def result(self, thread, task):
+        self.schedule(until=lambda: task in self.task_ends)
         self.block(thread, self.task_ends[task])
 
-    def put(self, thread, item):
-        self.puts[item] = self.last[NAME[thread]]
+    def put(self, thread, item):              # a slab given back (the worker's: when its task runs)
+        if thread == "worker":
+            return self.recording.events.append((self.puts_now, dict(actor="cpu_adam")))
+        self.puts_now(NAME[thread])
 
-    def get(self, thread, item, src):
-        self.block(thread, self.puts[item])
+    def puts_now(self, actor):
+        self.puts.append(self.last[actor])
+
+    def get(self, thread, item, src):         # the k-th slab taken: once k were given back
+        self.gets += 1
+        self.schedule(until=lambda: len(self.puts) >= self.gets)
+        self.block(thread, sorted(self.puts, key=lambda s: s.end)[self.gets - 1])
 
     def keep(self, **_):
         pass
@@ -136,6 +185,8 @@ class Twin:
 
     def op(self, op):
         actor = NAME.get(op.actor, op.actor)
+        if op.actor == "worker" and self.recording is not None:   # kept, run when the task is
+            return self.recording.events.append((self.op, dict(op=op)))
         if op.actor == "worker":                      # the optimizer thread issues its own ops too
             self.advance(actor, 0.0, self.issue + op.nbytes / self.host_bw, None, op.name)
             return

@@ -32,7 +32,7 @@ def state(t):
 
 def steps(t):
     """The Adam step count of every unit."""
-    return [t.opt.step_count(u) for u in range(len(t.units))]
+    return [t.opt.steps[u].item() for u in range(len(t.units))]
 
 
 def same(a, b):
@@ -244,7 +244,7 @@ for k in range(1, 10_000):
     for u in range(len(t.units)):
         for s in t.opt.state(u).values():
             s.fill_(k)
-        t.opt.set_step_count(u, k)
+        t.opt.steps[u].fill_(k)
     checkpoint.save(t, sys.argv[1], k, {{"k": k}}, keep=2)
     print("saved", k, flush=True)
 """

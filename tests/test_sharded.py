@@ -110,7 +110,7 @@ def _shard_states(t):
     for u in range(len(t.units)):
         lo, hi = t.placement.part(t.units[u])
         out.append(({s: v[:hi - lo].clone() for s, v in t.opt.state(u).items() if s in ckpt_read.STATES},
-                    t.opt.step_count(u)))
+                    t.opt.steps[u].item()))
     return out
 
 

@@ -69,7 +69,7 @@ def test_resident_units_equal_reference(cfg, resident, clip, offload):
         assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
     rel = update_rel(w0, ours.weights(), ref.weights())
     print(f"{len(want)} resident: update rel diff {rel:.1e}")
-    assert rel <= 1e-3 and all(ours.opt.step_count(u) == 4 for u in range(len(ours.units)))
+    assert rel <= 1e-3 and all(ours.opt.steps[u].item() == 4 for u in range(len(ours.units)))
 
 
 def test_resident_units_store_and_guard(gen):
@@ -147,7 +147,7 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     after = t.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(m, t.opt.state(u)["m"]) for u, m in enumerate(m_before))
-    assert all(t.opt.step_count(u) == 1 for u in range(len(t.units)))  # step counts untouched too
+    assert all(t.opt.steps[u].item() == 1 for u in range(len(t.units)))  # step counts untouched too
     t.step(tok, tgt)
     assert not t.guard.skipped
 
@@ -325,18 +325,20 @@ def test_cpu_threads_split_the_usable_cpus(monkeypatch):
     """The main thread's and the optimizer thread's OpenMP teams add up to this process's share of the CPUs in its
     affinity mask (not os.cpu_count()): with CUDA the main thread keeps 2 and AdamW gets the rest, on the CPU the
     worker gets a quarter; a Trainer sets both teams (the worker's on its own thread)."""
+    def split(cuda, procs=1):
+        return optim.Worker(torch.device("cuda" if cuda else "cpu"), procs).threads   # no thread started yet
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert optim.cpu_threads(True) == (2, 14) and optim.cpu_threads(False) == (12, 4)
-    assert optim.cpu_threads(True, procs=4) == (2, 2) and optim.cpu_threads(True, procs=8) == (1, 1)
+    assert split(True) == (2, 14) and split(False) == (12, 4)
+    assert split(True, procs=4) == (2, 2) and split(True, procs=8) == (1, 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
-    assert optim.cpu_threads(True) == optim.cpu_threads(False) == (1, 1)
+    assert split(True) == split(False) == (1, 1)
     monkeypatch.undo()
     before = torch.get_num_threads()
     try:
         cfg = model.PRESETS["toy"]
         t = engine(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
         main, worker = t.lanes.threads
-        assert (main, worker) == optim.cpu_threads(False) and main + worker == max(2, len(os.sched_getaffinity(0)))
+        assert (main, worker) == split(False) and main + worker == max(2, len(os.sched_getaffinity(0)))
         assert t.lanes.submit(torch.get_num_threads).result() == worker and torch.get_num_threads() == main
     finally:
         torch.set_num_threads(before)

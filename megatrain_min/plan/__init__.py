@@ -104,15 +104,22 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     # ---- time: each visit's seconds, the slabs that hide a gradient's trip, the schedule replayed
     v = timing.speeds(s)
     t, numel, rate = timing.visits(s, tile, v)
-    slabs = 0 if s.defer else grad_slabs or timing.slabs(t, s.tied)
+    def simulated(k):                             # the schedule replayed with k gradient slabs
+        return timing.simulate(
+            s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=k,
+            guard=skip_nonfinite and not s.defer, overlap=s.cuda, sharded=s.world > 1,
+            resident=timing.lane_units(s, resident))
+
+    def host_fits(k):
+        return sum(memory.host(s, resident, k, offloaded, gpu_bytes)[0].values()) <= host_limit
+    host_limit = memory.host_limit(s)
+    slabs = 0 if s.defer else grad_slabs or timing.slabs(
+        t, s.tied, lambda k: simulated(k)[0], len(s.units) - len(resident), host_fits)
     host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes)
-    host_bytes, host_limit = sum(host.values()), memory.host_limit(s)
+    host_bytes = sum(host.values())
     fits_host = host_bytes <= host_limit
     fits_gpu = (not s.cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
-    step_time, busy, critical = timing.simulate(
-        s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=slabs,
-        guard=skip_nonfinite and not s.defer, overlap=s.cuda, sharded=s.world > 1,
-        resident=timing.lane_units(s, resident))
+    step_time, busy, critical = simulated(slabs)
     tflops = model_tflops(cfg, s.tokens_step, step_time)
     mins = timing.min_tokens(s, v, resident)
 

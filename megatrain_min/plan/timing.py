@@ -29,6 +29,9 @@ from megatrain_min.plan.hardware import GB, GPU_ADAM_FRAC, HOST_OP_S
 # The engine's own ops around the model's (copies, zeroing, the step's input), counted with
 # megatrain_min/record.py: per layer visit, per step, per unit update (optimizer thread).
 ENGINE_OPS = dict(visit=5, step=41, update=11)
+# optim.Worker's order: of the landed tasks, the one the next forward needs first. False: first
+# come, first served (the engine of the H200 runs before bench/gpu.py's meta said "update_order")
+NEED_FIRST = True
 
 
 def speeds(s):
@@ -109,13 +112,26 @@ def visits(s, tile, v):
     return t, numel, rate
 
 
-def slabs(t, tied):
-    """Gradient slabs that hide a gradient's trip: the slab of backward visit k is given back when
-    update k-S finished, D2H + AdamW after that visit's compute; the GPU stalls unless S-1 backward
-    visits outlast the trip (a tied head holds one more slab until the embedding scatter). At least
-    stream.GRAD_SLABS."""
+def slabs(t, tied, step_of=None, most=0, fits=lambda k: True):
+    """Gradient slabs: the fewest that hide a gradient's trip -- the slab of backward visit k is
+    given back when update k-S finished, D2H + AdamW after that visit's compute; the GPU stalls
+    unless S-1 backward visits outlast the trip (a tied head holds one more slab until the embedding
+    scatter); at least stream.GRAD_SLABS -- then, given step_of(k) (the step time with k slabs) and
+    `most` (a slab per streamed unit: no wait ever), as many more as save 1% of the step: where the
+    host's AdamW is slower than the backward, its backlog holds a slab per unit it has still to
+    update (the ones the next forward needs last: they wait), and a backward that waits for a slab
+    waits for work that could come later. fits(k): k slabs fit in host memory."""
     trip = t["grad"] + t["adam"]
-    return max(stream.GRAD_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
+    k = max(stream.GRAD_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
+    if step_of is None or most <= k:
+        return k
+    lo, hi, goal = k, most, step_of(most) * 1.01   # the fewest within 1% (the step falls with k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if step_of(mid) <= goal else (mid + 1, hi)
+    while lo > k and not fits(lo):
+        lo -= 1
+    return lo
 
 
 def lane_units(s, resident):
@@ -142,10 +158,10 @@ def min_tokens(s, v, resident):
 
 
 def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_SLABS, guard=False,
-             overlap=True,
-             steps=3, sharded=False, resident=frozenset()):
-    """Replay stream.Trainer.step's issue order on four FIFO lanes -- h2d, compute, d2h (CUDA
-    streams) and cpu_adam (the optimizer thread) -- and the host thread that issues the work. A task
+             overlap=True, steps=3, sharded=False, resident=frozenset(), need_first=None):
+    """Replay stream.Trainer.step's issue order on four lanes -- h2d, compute, d2h (CUDA streams,
+    FIFO) and cpu_adam (the optimizer thread, in optim.Worker's order: work(); need_first None:
+    NEED_FIRST) -- and the host thread that issues the work. A task
     starts when its lane is free, its inputs are ready and the host has issued it; the host issues
     in program order and blocks where the engine blocks: a unit's update before its copy (_ready), a
     free gradient slab before each gradient's D2H (without deferral), the loss after the head (the
@@ -160,6 +176,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     collective at a time. resident: the units kept on the GPU -- cast into their slot and updated
     (or their norm taken) on the h2d lane, their gradient copied on d2h, the embedding's rows
     gathered and its dy scattered on the GPU: the host waits for none of it."""
+    need_first = NEED_FIRST if need_first is None else need_first
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam") + (("comm",) if sharded else ()),
                          0.0)
     busy, critical, ends = dict.fromkeys(("host", *free),
@@ -167,9 +184,9 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     host = [0.0]                                 # when the host thread can issue its next operation
     last = [0.0]                                 # the start of the latest task
 
-    def run(lane, after, dur):
+    def run(lane, after, dur, issued=None):     # issued: when the host issued it (None: now)
         key = lane if overlap else "compute"
-        start = last[0] = max(free[key], after, host[0])
+        start = last[0] = max(free[key], after, host[0] if issued is None else issued)
         free[key] = start + dur
         busy[lane] += dur / steps
         if dur > 0:
@@ -202,10 +219,45 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     def cost(what, u):
         return numel["layer" if isinstance(u, int) else u] * rate[what]
 
+    def work(u, after, dur, gives_back=False):   # gives_back: the slab it was lent
+        """A task of the optimizer thread (stream.Trainer._submit): it runs as optim.Worker picks
+        it -- of the tasks issued and landed when the worker looks (its last task done, or the next
+        issue), the one the next forward needs first; none landed: the oldest, once landed. Picks
+        are made once nothing the host issues later could change them (pick)."""
+        if not overlap:                          # one thread: in program order
+            upd[u] = run("compute", after, dur)
+            return puts.append(upd[u]) if gives_back else None
+        pick(horizon=host[0])
+        todo.append(dict(u=u, issued=host[0], at=max(after, host[0]), dur=dur, slab=gives_back,
+                         need=(0 if u == emb else L + 1 if u == "head" else u + 1) * need_first))
+
+    def pick(horizon=math.inf, until=lambda: False):
+        while todo and not until():
+            look = max(free["cpu_adam"], min(q["issued"] for q in todo))
+            if look >= horizon:
+                return
+            seen = [q for q in todo if q["issued"] <= look]                   # oldest first
+            landed = [q for q in seen if q["at"] <= look]
+            q = min(landed, key=lambda q: q["need"]) if landed else seen[0]
+            todo.remove(q)
+            upd[q["u"]] = run("cpu_adam", q["at"], q["dur"], issued=q["issued"])
+            if q["slab"]:
+                puts.append(upd[q["u"]])
+
+    def updated(u):                              # when unit u's latest update is done (0: none)
+        pick(until=lambda: all(q["u"] != u for q in todo))
+        return upd.get(u, 0.0)
+
+    def slab():           # the host takes a gradient slab: the k-th given back (or one never lent)
+        if (k := taken[0] - slabs) >= 0:
+            pick(until=lambda: len(puts) > k)
+            block(sorted(puts)[k])
+        taken[0] += 1
+
     def load(u, after):                      # H2D (of the shard; then its all_gather into the slot)
         if u in resident:                    # a D2D cast, after its update on the same lane
             return run("h2d", after, cost("load_res", u))
-        block(upd.get(u, 0.0))
+        block(updated(u))
         x = run("h2d", after, cost("load", u))
         return run("comm", x, cost("all_gather", u)) if sharded else x
 
@@ -213,16 +265,17 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     emb, first = ("head" if tied else "embed"), "norm" if defer_updates else "adam"
     first_res = "gpu_norm" if defer_updates else "gpu_adam"
     upd, starts = {}, []                         # unit -> when its latest update finished
+    # the worker's tasks not run yet; when each slab was given back; how many the host took
+    todo, puts, taken = [], [], [0]
     for _ in range(steps):
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
-        slab_back = []                       # when each gradient slab taken this step is given back
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
         issue(t.get("host_step", 0.0))            # the step's input: targets, checks
         loaded[0] = load(0, 0.0)
         if emb in resident:               # rows gathered on the GPU, after the table's update (h2d)
             x = run("compute", free["h2d"], t["rows_res"])
         else:
-            block(upd.get(emb, 0.0))
+            block(updated(emb))
             x = run("h2d", 0.0, t["rows"])       # embedding rows, gathered from the updated master
         if sharded:                              # ... the parts of every rank's rows, summed
             x = run("comm", x, t["rows_comm"])
@@ -247,8 +300,8 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
                 if unit != emb:
                     upd[unit] = run("h2d", done, cost(first_res, unit))
                 return done
-            if not defer_updates and len(slab_back) >= slabs - tied:
-                block(slab_back[len(slab_back) - (slabs - tied)])
+            if not defer_updates:
+                slab()
             if sharded:                   # the reduce_scatter frees the grad slot; D2H of the shard
                 after = gslot_free[k % 2] = run("comm", after, cost("reduce_scatter", unit))
             done = run("d2h", after, cost("grad", unit))
@@ -256,8 +309,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
                 gslot_free[k % 2] = done
             if unit == emb:                      # tied: its update follows the embedding scatter
                 return done
-            upd[unit] = run("cpu_adam", done, cost(first, unit) + t.get("host_update", 0.0))
-            slab_back.append(upd[unit])
+            work(unit, done, cost(first, unit) + t.get("host_update", 0.0), not defer_updates)
             return done
         drain("head", 0, x)
         # backward: layer L-1 is still resident; recompute from the boundary activations, grads
@@ -275,14 +327,15 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
         if emb in resident:                      # dy stays: scattered and the table updated on h2d
             upd[emb] = run("h2d", run("d2h", x, 0.0), t["scatter_res"] + cost(first_res, emb))
         else:
-            if not defer_updates and not tied and len(slab_back) >= slabs:
-                block(slab_back[len(slab_back) - slabs])
+            if not defer_updates and not tied:
+                slab()
             dy = run("comm", x, t["dy_comm"]) if sharded else x     # dy of every rank, all_gathered
-            upd[emb] = run("cpu_adam", run("cpu_adam", run("d2h", dy, t["dy"]), t["scatter"]),
-                           cost(first, emb) + t.get("host_update", 0.0))
+            work(emb, run("d2h", dy, t["dy"]),           # the scatter, then the update: one task
+                 t["scatter"] + cost(first, emb) + t.get("host_update", 0.0), not defer_updates)
         block(loss)                              # the step's loss, read on the host
         # every norm known: updates in forward order, the next forward waits per unit
         if defer_updates:
+            pick(until=lambda: not todo)
             block(max(upd.values()))
             for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
                 upd[u] = run("h2d", 0.0, cost("gpu_adam", u)) if u in resident else \
