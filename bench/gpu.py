@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
+import stream  # noqa: E402
 from megatrain_min import engine  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.plan import hardware  # noqa: E402
@@ -289,15 +290,18 @@ def fsdp2_trainer(cfg, weights, M, fused=True):
 
 
 # ----------------------------------------------------------------------------- cases
-def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_clip=0.0):
+def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_clip=0.0, grad_slabs=None, mode="fast"):
     """The engine on cfg at B x T tokens in M micro-batches, `resident` units on the GPU (the first the forward
-    needs), grad_clip as given: its timing (and the trainer, keep=True)."""
+    needs), grad_clip, the gradient slabs (None: stream.GRAD_SLABS) and the memory mode as given: its timing (and the
+    trainer, keep=True)."""
+    slabs = grad_slabs or stream.GRAD_SLABS
     t = CheckedTrainer(cfg, SameLayers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
-                **engine.parts(offload))
+                       grad_slabs=slabs, mode=mode, **engine.parts(offload))
     b = batch(cfg, B, T)
     r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
     r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload, resident_units=resident,
-                              grad_clip=grad_clip), peak, offload, compute_only(cfg, B, T, M), resident)
+                              grad_clip=grad_clip, grad_slabs=slabs, mode=mode), peak, offload,
+              compute_only(cfg, B, T, M), resident)
     return (r, t) if keep else r
 
 
@@ -429,7 +433,7 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     out = dict(n_layer=L, params=model.n_params(cfg), units=len(model.units(cfg)), streaming_resident_units=k,
                host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB, planned_step_s=p["step_time_s"],
                planned_min_tokens=p["min_tokens_per_step"])
-    r, t = stream_case(cfg, B, T, M, S, peak, off, keep=True, resident=k)
+    r, t = stream_case(cfg, B, T, M, S, peak, off, keep=True, resident=k, grad_slabs=p["grad_slabs"])
     out["at_min_tokens"] = r
     save(out)
     for mult in S["token_sweep"] if sweep is None else sweep:   # the same trainer, more tokens (its M)
@@ -456,18 +460,19 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
         out["trace"] = f"{trace}.gz"
     t.weights(copy=False)
     del t
-    runs = [(f"clip_{c:g}", c, k) for c in clips if c] + [(f"planned_clip_{c:g}", c, None) for c in clips]
-    for name, clip, resident in runs:              # train.py clips at 1.0 by default: updates wait for the norm
+    runs = [(f"clip_{c:g}", c, k, "fast") for c in clips if c] + [("lean_clip_0", 0.0, k, "lean")] + \
+        [(f"planned_clip_{c:g}", c, None, "fast") for c in clips]
+    for name, clip, resident, mode in runs:        # train.py clips at 1.0 by default: updates wait for the norm
         gc.collect()
         free_memory()                              # before planning: "local" reads the GPU's free memory now
-        pr = planner.plan(cfg, "local", **kw(clip, resident))
+        pr = planner.plan(cfg, "local", **kw(clip, resident), mode=mode)
         if not pr["fits"]:
             why = "host" if not pr["fits_host"] else f"GPU, {pr['hardware']['gpu_mem_gb']:.0f} GB free"
             out[name] = {"skipped": f"{L} layers, clip {clip:g}, {pr['resident_units']} resident: the plan does "
                                     f"not fit this machine ({why})"}
             continue
         r = stream_case(cfg, B, T, M, S, peak, pr["offload_activations"], resident=pr["resident_units"],
-                        grad_clip=clip)
+                        grad_clip=clip, grad_slabs=pr["grad_slabs"], mode=mode)
         out[name] = dict(r, planned_step_s=pr["step_time_s"])
         save(out)
     out["at_min_tokens"]["planned_step_s"] = p["step_time_s"]
@@ -513,6 +518,7 @@ def markdown(res):
                      _dig(res["cases"], ["wide", "at_min_tokens"]))] + \
             [(f"wide @ {m}x tokens", _dig(res["cases"], ["wide", f"at_{m}x_tokens"])) for m in (2, 4, 8)] + \
             [("wide @ min tokens, grad clip 1", _dig(res["cases"], ["wide", "clip_1"]))] + \
+            [("wide @ min tokens, --mode lean", _dig(res["cases"], ["wide", "lean_clip_0"]))] + \
             [(f"wide as planned, clip {c}", _dig(res["cases"], ["wide", f"planned_clip_{c}"])) for c in (0, 1)] + \
             [(f"peers: {k}", _dig(res["cases"], ["peers", k]))
              for k in ("stream", "stream_0_resident", "resident", "resident_no_ckpt", "fsdp2_offload")] + \

@@ -42,26 +42,27 @@ SEQ = 4096                          # bench/gpu.py: one sequence of 4096 tokens 
 TOLERANCE = 0.10
 
 
-def predict(cfg, hw, B, M, twin_too=True, need_first=True, **kw):
+def predict(cfg, hw, B, M, twin_too=True, need_first=True, grad_slabs=None, **kw):
     """(twin result or None, plan) of cfg on hardware dict hw at B x SEQ tokens in M micro-batches; kw: the engine's
     settings (grad_clip, mode, resident_units, offload_activations), as bench/gpu.py runs it (no guard). need_first:
-    the optimizer thread's order (False: first come, first served, the engine of the earlier runs)."""
+    the optimizer thread's order (False: first come, first served, the engine of the earlier runs); grad_slabs: the
+    gradient slabs (None: the plan's; the earlier runs had 3)."""
     timing.NEED_FIRST, was = need_first, timing.NEED_FIRST
     try:
-        return predict_as(cfg, hw, B, M, twin_too, need_first, **kw)
+        return predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, **kw)
     finally:
         timing.NEED_FIRST = was
 
 
-def predict_as(cfg, hw, B, M, twin_too, need_first, **kw):
+def predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, **kw):
     kw = dict(dict(grad_clip=0.0, mode="fast", resident_units=0, offload_activations=False), **kw)
     p = planner.plan(cfg, hw, batch_size=B, seq_len=SEQ, micro_batches=M, dtype="bf16", skip_nonfinite=False,
-                     grad_slabs=3, **kw)
+                     grad_slabs=grad_slabs, **kw)
     if not twin_too:
         return None, p
     tw = twin.Twin(p["hardware"], need_first=need_first)
     record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(B, SEQ), dtype=torch.bfloat16,
-               micro_batches=M, grad_slabs=3, **dict(kw, resident_units=p["resident_units"]))
+               micro_batches=M, grad_slabs=p["grad_slabs"] or 3, **dict(kw, resident_units=p["resident_units"]))
     return tw.result_of(cfg, B * SEQ), p
 
 
@@ -72,9 +73,9 @@ def measured(d):
     M = wide["at_min_tokens"]["tokens"] // SEQ                # bench/gpu.py: the trainer's micro-batches
     cases = [(f"wide @ {k.split('_')[1]} tokens", wide[k], M, 0.0) for k in
              ("at_min_tokens", "at_2x_tokens", "at_4x_tokens", "at_8x_tokens") if "step_s" in wide.get(k, {})]
-    cases += [(f"wide @ min tokens{', as planned' if k.startswith('planned') else ''}, clip {k.split('_')[-1]}",
-               wide[k], M, float(k.split("_")[-1])) for k in sorted(wide)
-              if k.startswith(("clip_", "planned_clip_")) and "step_s" in wide[k]]
+    cases += [(f"wide @ min tokens{', as planned' if k.startswith('planned') else ''}, clip {k.split('_')[-1]}"
+               f"{', lean' if k.startswith('lean') else ''}", wide[k], M, float(k.split("_")[-1])) for k in sorted(wide)
+              if k.startswith(("clip_", "planned_clip_", "lean_clip_")) and "step_s" in wide[k]]
     cases += [(f"peers: {k}", peers[k], peers[k]["tokens"] // SEQ, 0.0) for k in ("stream", "stream_0_resident")
               if "step_s" in peers.get(k, {})]
     two_passes = "resident_units" not in wide["at_min_tokens"]   # the first run: the engine before both
@@ -96,7 +97,8 @@ def measured(d):
             t0 = time.time()
             k = r.get("resident_units", 0)
             tw, p = predict(cfg, hw, r["tokens"] // SEQ, M, offload_activations=bool(r.get("offload")),
-                            resident_units=k, grad_clip=clip, need_first=order == "need-first")
+                            resident_units=k, grad_clip=clip, need_first=order == "need-first", mode=r.get("mode", "fast"),
+                            grad_slabs=r.get("grad_slabs", 3))
             a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
             worst = max(worst, abs(a - 1), abs(b - 1))
             lines.append(f"| {name} | {r['n_layer']} | {r['tokens']:,} | {M} | {k} | {r['step_s']:.3f} | "

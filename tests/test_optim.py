@@ -1,5 +1,6 @@
 """optim.HostAdamW against torch.optim.AdamW(fused=True) with the same two parameter groups."""
 import gc
+import threading
 import mmap
 
 import pytest
@@ -129,3 +130,57 @@ def test_the_cuda_doubles_refuse_what_cuda_refuses(monkeypatch):
     assert rt.cudaHostUnregister(10 * P + 8) == 713 and rt.cudaHostUnregister(10 * P) == 0
     with pytest.raises(TypeError):
         rt.cudaHostRegister(1.5, 8, 0)
+
+
+class Landing:
+    """A CUDA event's host side as optim.Worker uses it: query() says whether it fired, without blocking;
+    synchronize() blocks until it fires."""
+
+    def __init__(self, fired=False):
+        self.fired, self.waited = threading.Event(), threading.Event()
+        fired and self.fired.set()
+
+    def query(self):
+        return self.fired.is_set()
+
+    def synchronize(self):
+        self.waited.set()
+        assert self.fired.wait(timeout=30), "the event never fired"
+
+
+def test_worker_runs_the_landed_task_the_next_forward_needs_first():
+    """optim.Worker is not first come, first served: of the tasks whose gradient has landed it runs the one with the
+    least `need` (its unit's place in the next forward); a task whose event has not fired waits even when it is the
+    most needed; with none landed it waits for the oldest (the D2H lane lands them in submission order)."""
+    w, ran, gate = optim.Worker(torch.device("cpu")), [], threading.Event()
+    try:
+        w.submit(gate.wait)                                          # holds the thread while the rest come in
+        late = Landing()
+        futs = [w.submit(ran.append, name, need=need, ready=ready) for name, need, ready in
+                [("layer 5", 6, Landing(True)), ("embedding, not landed", 0, late), ("layer 2", 3, Landing(True)),
+                 ("layer 0, nothing to wait for", 1, None)]]
+        gate.set()
+        futs[3].result(timeout=30)
+        futs[0].result(timeout=30)
+        assert ran == ["layer 0, nothing to wait for", "layer 2", "layer 5"]     # the embedding has not landed
+        late.fired.set()
+        futs[1].result(timeout=30)
+        assert ran[-1] == "embedding, not landed"
+        ran.clear()
+        gate.clear()
+        w.submit(gate.wait)
+        first, second = Landing(), Landing()
+        futs = [w.submit(ran.append, "oldest", need=9, ready=first), w.submit(ran.append, "needed", need=0,
+                                                                            ready=second)]
+        gate.set()
+        assert first.waited.wait(timeout=30)     # none landed: it waits for the oldest ...
+        second.fired.set()                       # ... and runs it first even if a later one lands meanwhile
+        first.fired.set()
+        [f.result(timeout=30) for f in futs]
+        assert ran == ["oldest", "needed"]
+        boom = w.submit(lambda: 1 / 0, need=0)
+        with pytest.raises(ZeroDivisionError):                       # raised where its result is asked for
+            boom.result(timeout=30)
+    finally:
+        gate.set()
+        w.shutdown()

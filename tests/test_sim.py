@@ -79,6 +79,29 @@ def test_resident_defects_are_reported(old, buffer, what):
     assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
 
 
+def test_the_optimizer_threads_tasks_are_ordered_by_their_edges_alone():
+    """optim.Worker runs its tasks most-needed first, not in the order they came: two tasks that write one buffer are
+    a race unless an edge orders them (here: the host waits for the first task's result before it submits the
+    second), however they came in."""
+    def races(edge):
+        c, buf = race.Checker(), record.Storage(1, None, 64, "host", "main", "a test")
+
+        def task(tid):
+            c.submit("main", tid, need=tid, ready=None)
+            c.task_start(tid)
+            c.op(record.Op("worker", "aten.add_.Tensor", [], [(buf, 0, 64)], "optim.py:1 (step)", "host"))
+            c.task_end(tid)
+        c.step(0)
+        task(1)
+        if edge:
+            c.result("main", 1)
+        task(2)
+        return [(r["buffer"], r["what"]) for r in c.races]
+    assert races(edge=True) == []
+    assert races(edge=False) == [("storage 1", "write on worker task 1 / write on worker task 2 without a "
+                                               "happens-before edge")]
+
+
 def test_back_to_back_steps_without_clipping_offloaded_and_tiled():
     """Three steps with nothing between them: without clipping step() returns while the backward still runs, and
     the next step's input (targets, embedding rows, the activations' ring) is allocated while it does. Offload
