@@ -178,9 +178,10 @@ p120 = rows["120b", "h200", "lean"]
 # the next forward needs last -- holds a slab each. A backward that waits for a slab waits for work
 # that could have come later. So the slabs are the planner's count, each the largest unit's size:
 print(f"gradient slabs: {slabs} hide one trip, the planner keeps {p120['grad_slabs']} for the backlog")
-by_hand = {(f"fp32 grad slabs: {p120['grad_slabs']}" if k.startswith("fp32 grad slabs") else k):
-           (p120["grad_slabs"] * max(u.numel for u in units120) * 4 if k.startswith("fp32 grad slabs")
-            else v) for k, v in by_hand.items()}
+kept = p120["grad_slabs"]
+by_hand = {(f"fp32 grad slabs: {kept}" if k.startswith("fp32 grad slabs") else k):
+           (kept * max(u.numel for u in units120) * 4 if k.startswith("fp32 grad slabs") else v)
+           for k, v in by_hand.items()}
 planned = {key: sum(v for k, v in p120["host"].items() if k.startswith(prefix)) for key, prefix in
            zip(by_hand, ("fp32 master", "fp32 grad slabs", "pinned buffers", "runtime"))}
 planned["fp32 master + Adam m, v"] += sum(v for k, v in p120["host"].items()
