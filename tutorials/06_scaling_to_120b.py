@@ -177,8 +177,8 @@ p120 = rows["120b", "h200", "lean"]
 # it updates the landed unit the next forward needs first (optim.Worker), its backlog -- the units
 # the next forward needs last -- holds a slab each. A backward that waits for a slab waits for work
 # that could have come later. So the slabs are the planner's count, each the largest unit's size:
-print(f"gradient slabs: {slabs} hide one trip, the planner keeps {p120['grad_slabs']} for the backlog")
 kept = p120["grad_slabs"]
+print(f"gradient slabs: {slabs} hide one trip, the planner keeps {kept} for the backlog")
 by_hand = {(f"fp32 grad slabs: {kept}" if k.startswith("fp32 grad slabs") else k):
            (kept * max(u.numel for u in units120) * 4 if k.startswith("fp32 grad slabs") else v)
            for k, v in by_hand.items()}
