@@ -9,8 +9,7 @@ What it is
 What it is not
     A torch.optim.Optimizer ([matrices | vectors]: two regions, two calls). Imports nothing of ours.
 Reference
-    torch.optim.AdamW(fused=True), two parameter groups: equal over 10 steps (tests/test_optim.py);
-    speed: bench/adamw_cpu.py. Its kernel, torch._fused_adamw_, clips in the pass (grad_scale).
+    torch.optim.AdamW(fused=True), its kernel: equal (tests/test_optim.py); bench/adamw_cpu.py.
 """
 import mmap
 import os
@@ -143,15 +142,16 @@ class Worker(ThreadPoolExecutor):
         super().submit(self.run_best)                  # one run per task: the best one then
         return fut
 
-    def run_best(self):
-        tasks = list(self.todo.items())                 # [(Future, (need, ready, fn, args))]
-        landed = [t for t in tasks if t[1][1] is None or t[1][1].query()] or tasks[:1]
-        fut, (_, ready, fn, args) = min(landed, key=lambda t: t[1][0])   # the first of the least
-        del self.todo[fut]
+    def run_best(self):  # todo: Future -> (need, ready, fn, args); a failure goes to a task's
+        fut, (_, ready, fn, args) = (tasks := list(self.todo.items()))[0]   # the oldest, unless ...
         try:
+            landed = [t for t in tasks if t[1][1] is None or t[1][1].query()] or tasks[:1]
+            fut, (_, ready, fn, args) = min(landed, key=lambda t: t[1][0])   # first of the least
+            del self.todo[fut]
             ready is not None and ready.synchronize()    # (the oldest may still be on its way)
             fut.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 -- raised where its result is asked for
+            self.todo.pop(fut, None)
             fut.set_exception(e)
 
 

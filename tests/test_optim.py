@@ -181,6 +181,14 @@ def test_worker_runs_the_landed_task_the_next_forward_needs_first():
         boom = w.submit(lambda: 1 / 0, need=0)
         with pytest.raises(ZeroDivisionError):                       # raised where its result is asked for
             boom.result(timeout=30)
+
+        class Broken(Landing):
+            def query(self):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        lost = w.submit(ran.append, "never", need=0, ready=Broken(True))
+        with pytest.raises(RuntimeError, match="illegal memory access"):   # a failing query: no hang
+            lost.result(timeout=30)
+        assert w.todo == {} and "never" not in ran
     finally:
         gate.set()
         w.shutdown()
