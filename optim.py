@@ -125,33 +125,33 @@ def resolve_device(device=None):
 
 class Worker(ThreadPoolExecutor):
     """The optimizer thread, `device` current. threads: OpenMP teams (the main thread's, its own)
-    adding up to this process's share of its CPUs (affinity mask / `procs`: two teams on every core
-    spin in each other's way); with CUDA the main thread keeps two, on the CPU AdamW gets a quarter.
-    Of the tasks whose input landed (event `ready`) it runs the one the next forward needs first
-    (least `need`), else the oldest, once it lands (the D2H lane lands them in submission order)."""
+    adding up to this process's share of its CPUs (affinity mask / `procs`; two teams on all cores
+    spin in each other's way): with CUDA the main thread keeps two, on the CPU AdamW a quarter. Of
+    the tasks whose input landed (event `ready`) it runs the one the next forward needs first."""
     def __init__(self, device, procs=1):
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None  # macOS
         share, cuda = max(1, (usable or os.cpu_count() or 1) // procs), device.type == "cuda"
         n = max(1, share - 2) if cuda else max(1, share // 4)
-        self.threads, self.todo = (max(1, share - n), n), {}   # todo: Future -> its task, in order
+        self.threads, self.todo = (max(1, share - n), n), []   # todo: the tasks, oldest first
         super().__init__(1, "adamw", lambda: (torch.set_num_threads(n),
                                               cuda and torch.cuda.set_device(device)))
 
     def submit(self, fn, *args, need=0, ready=None):   # a Future of fn(*args)
-        self.todo[fut := Future()] = need, ready, fn, args   # (a dict's ops are atomic)
+        self.todo.append((fut := Future(), need, ready, fn, args))   # (a list's ops are atomic)
         super().submit(self.run_best)                  # one run per task: the best one then
         return fut
 
-    def run_best(self):  # todo: Future -> (need, ready, fn, args); a failure goes to a task's
-        fut, (_, ready, fn, args) = (tasks := list(self.todo.items()))[0]   # the oldest, unless ...
+    def run_best(self):  # fn waits for its own input: `ready` only ranks the tasks
+        tasks = list(self.todo)                     # [(Future, need, ready, fn, args)]
+        try:   # of the landed, the first of the least need; none landed: the oldest
+            landed = [t for t in tasks if t[2] is None or t[2].query()] or tasks[:1]
+        except RuntimeError:   # a CUDA error: the oldest runs, and its own wait raises it
+            landed = tasks[:1]
+        self.todo.remove(task := min(landed, key=lambda t: t[1]))   # (Futures compare by identity)
+        fut, _, _, fn, args = task
         try:
-            landed = [t for t in tasks if t[1][1] is None or t[1][1].query()] or tasks[:1]
-            fut, (_, ready, fn, args) = min(landed, key=lambda t: t[1][0])   # first of the least
-            del self.todo[fut]
-            ready is not None and ready.synchronize()    # (the oldest may still be on its way)
             fut.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 -- raised where its result is asked for
-            self.todo.pop(fut, None)
             fut.set_exception(e)
 
 

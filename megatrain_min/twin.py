@@ -130,7 +130,7 @@ class Twin:
 
     def submit(self, thread, task, need=0, ready=None):
         self.schedule(horizon=self.t("host"))    # the picks no later submit can change: made now
-        self.queue[task] = Task(need * self.need_first, self.last[NAME[thread]],
+        self.queue[task] = Task(need, self.last[NAME[thread]],
                                 self.events[ready.eid] if ready is not None else None)
 
     def task_start(self, task):               # its events are kept, to run when the worker picks it
@@ -148,10 +148,12 @@ class Twin:
                 return
             seen = [k for k, q in self.queue.items() if q.submitted.end <= look]   # oldest first
             landed = [k for k in seen if self.queue[k].at() <= look]
-            k = min(landed, key=lambda k: self.queue[k].need) if landed else seen[0]
+            k = min(landed, key=lambda k: self.queue[k].need) if landed and self.need_first \
+                else seen[0]                        # (first come, first served: the oldest)
             q = self.queue.pop(k)
-            if q.at() > self.t("cpu_adam"):
-                self.advance("cpu_adam", q.at(), 0.0, q.ready or q.submitted, "task")
+            if q.at() > self.t("cpu_adam"):   # it waited for its gradient, or for its submit
+                late = q.ready if q.ready is not None and q.ready.end > q.submitted.end else None
+                self.advance("cpu_adam", q.at(), 0.0, late or q.submitted, "task")
             for handler, kw in q.events:
                 handler(**kw)
             self.task_ends[k] = self.last["cpu_adam"]

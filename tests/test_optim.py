@@ -151,12 +151,17 @@ class Landing:
 def test_worker_runs_the_landed_task_the_next_forward_needs_first():
     """optim.Worker is not first come, first served: of the tasks whose gradient has landed it runs the one with the
     least `need` (its unit's place in the next forward); a task whose event has not fired waits even when it is the
-    most needed; with none landed it waits for the oldest (the D2H lane lands them in submission order)."""
+    most needed; with none landed it runs the oldest, which waits for its own input (as stream.Trainer's tasks do:
+    the D2H lane lands them in submission order). A CUDA error in a query reaches a task, which raises it: no hang."""
     w, ran, gate = optim.Worker(torch.device("cpu")), [], threading.Event()
+
+    def task(name, event):                 # as Trainer._grad_landed: wait for the gradient, then work
+        event is not None and event.synchronize()
+        ran.append(name)
     try:
         w.submit(gate.wait)                                          # holds the thread while the rest come in
         late = Landing()
-        futs = [w.submit(ran.append, name, need=need, ready=ready) for name, need, ready in
+        futs = [w.submit(task, name, ready, need=need, ready=ready) for name, need, ready in
                 [("layer 5", 6, Landing(True)), ("embedding, not landed", 0, late), ("layer 2", 3, Landing(True)),
                  ("layer 0, nothing to wait for", 1, None)]]
         gate.set()
@@ -170,11 +175,11 @@ def test_worker_runs_the_landed_task_the_next_forward_needs_first():
         gate.clear()
         w.submit(gate.wait)
         first, second = Landing(), Landing()
-        futs = [w.submit(ran.append, "oldest", need=9, ready=first), w.submit(ran.append, "needed", need=0,
-                                                                            ready=second)]
+        futs = [w.submit(task, "oldest", first, need=9, ready=first),
+                w.submit(task, "needed", second, need=0, ready=second)]
         gate.set()
-        assert first.waited.wait(timeout=30)     # none landed: it waits for the oldest ...
-        second.fired.set()                       # ... and runs it first even if a later one lands meanwhile
+        assert first.waited.wait(timeout=30)     # none landed: the oldest runs and waits ...
+        second.fired.set()                       # ... and finishes first even if a later one lands meanwhile
         first.fired.set()
         [f.result(timeout=30) for f in futs]
         assert ran == ["oldest", "needed"]
@@ -182,13 +187,14 @@ def test_worker_runs_the_landed_task_the_next_forward_needs_first():
         with pytest.raises(ZeroDivisionError):                       # raised where its result is asked for
             boom.result(timeout=30)
 
-        class Broken(Landing):
+        class Broken(Landing):                                       # a sticky CUDA error: every call raises it
             def query(self):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        lost = w.submit(ran.append, "never", need=0, ready=Broken(True))
-        with pytest.raises(RuntimeError, match="illegal memory access"):   # a failing query: no hang
+            synchronize = query
+        lost = w.submit(task, "never", Broken(True), need=0, ready=Broken(True))
+        with pytest.raises(RuntimeError, match="illegal memory access"):   # from the task's own wait: no hang
             lost.result(timeout=30)
-        assert w.todo == {} and "never" not in ran
+        assert w.todo == [] and "never" not in ran
     finally:
         gate.set()
         w.shutdown()

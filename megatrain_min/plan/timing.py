@@ -123,6 +123,7 @@ def slabs(t, tied, step_of=None, most=0, fits=lambda k: True):
     waits for work that could come later. fits(k): k slabs fit in host memory."""
     trip = t["grad"] + t["adam"]
     k = max(stream.GRAD_SLABS, math.ceil(trip / max(t["bwd"], 1e-12)) + 1 + tied)
+    k = min(k, most) if most else k                # a unit holds one slab at most
     if step_of is None or most <= k:
         return k
     lo, hi, goal = k, most, step_of(most) * 1.01   # the fewest within 1% (the step falls with k)
@@ -225,7 +226,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
         issue), the one the next forward needs first; none landed: the oldest, once landed. Picks
         are made once nothing the host issues later could change them (pick)."""
         if not overlap:                          # one thread: in program order
-            upd[u] = run("compute", after, dur)
+            upd[u] = run("cpu_adam", after, dur)
             return puts.append(upd[u]) if gives_back else None
         pick(horizon=host[0])
         todo.append(dict(u=u, issued=host[0], at=max(after, host[0]), dur=dur, slab=gives_back,
@@ -238,7 +239,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
                 return
             seen = [q for q in todo if q["issued"] <= look]                   # oldest first
             landed = [q for q in seen if q["at"] <= look]
-            q = min(landed, key=lambda q: q["need"]) if landed else seen[0]
+            q = min(landed, key=lambda q: q["need"]) if landed and need_first else seen[0]
             todo.remove(q)
             upd[q["u"]] = run("cpu_adam", q["at"], q["dur"], issued=q["issued"])
             if q["slab"]:
