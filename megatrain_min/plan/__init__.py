@@ -113,8 +113,10 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     def host_fits(k):
         return sum(memory.host(s, resident, k, offloaded, gpu_bytes)[0].values()) <= host_limit
     host_limit = memory.host_limit(s)
+    streamed = len(s.units) - len(resident)      # a slab each at most
+    fewest = 0 if s.defer else timing.slabs(t, s.tied, most=streamed)   # hide one gradient's trip
     slabs = 0 if s.defer else grad_slabs or timing.slabs(
-        t, s.tied, lambda k: simulated(k)[0], len(s.units) - len(resident), host_fits)
+        t, s.tied, lambda k: simulated(k)[0], streamed, host_fits)
     host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes)
     host_bytes = sum(host.values())
     fits_host = host_bytes <= host_limit
@@ -131,7 +133,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         world=s.world, grad_clip=grad_clip, defer_updates=s.defer, chunk_tokens=chunk_tokens,
         host_speed=host_speed, tile_tokens=tile, tile_asked=tile_tokens,
                 skip_nonfinite=skip_nonfinite,
-        grad_slabs=slabs, grad_slabs_asked=grad_slabs, offload_activations=bool(offloaded),
+        grad_slabs=slabs, grad_slabs_asked=grad_slabs, grad_slabs_fewest=fewest,
+        offload_activations=bool(offloaded),
         offload_asked=offload_activations, resident_units=len(resident),
                 resident_asked=resident_units,
         pinned_bytes=pinned_bytes, params=s.params, host=host, host_bytes=host_bytes,

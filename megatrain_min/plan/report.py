@@ -69,6 +69,10 @@ def format_plan(p):
     if cuda:
         rows += [f"  {'of it page-locked (what the copies read, write)':<48}"
                  f"{p['pinned_bytes'] / GB:10.2f}"]
+    if p["grad_slabs_asked"] is None and p["grad_slabs"] > p["grad_slabs_fewest"]:
+        rows += [f"  (gradient slabs: {p['grad_slabs_fewest']} hide one gradient's trip, "
+                 f"{p['grad_slabs'] - p['grad_slabs_fewest']} more hold the optimizer thread's "
+                 "backlog: the host's AdamW is slower than the backward)"]
     device = "GPU memory" + per[1] if cuda else "device buffers (CPU run: in host memory)"
     rows += ["", f"{device:<50}{'GB':>10}"]
     rows += [f"  {k:<48}{v / GB:10.2f}" for k, v in p["gpu"].items() if v]
