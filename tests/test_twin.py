@@ -154,23 +154,23 @@ def test_cli_timeline_json_and_trace(tmp_path):
 
 def test_need_first_order_in_twin_and_planner():
     """optim.Worker runs the landed update the next forward needs first. Where the host's AdamW is slower than the
-    backward (the measured H200 profile, 12 streamed layers of 7B width, 16k tokens, fast mode), that shortens the step
+    backward (the measured H200 profile, 10 streamed layers of 7B width, 16k tokens, fast mode), that shortens the step
     against first come, first served in both models, and the two models agree either way; the plan sizes the
     gradient slabs for the backlog (more than hide one gradient's trip) and the twin runs with them."""
-    cfg = model.GPTConfig(n_layer=12, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
+    cfg = model.GPTConfig(n_layer=10, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
                           max_seq_len=4096)
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134)
     steps = {}
     for need_first in (False, True):
         timing.NEED_FIRST = need_first
         try:
-            p = planner.plan(cfg, hw, batch_size=4, seq_len=4096, micro_batches=4, dtype="bf16", grad_clip=0.0,
+            p = planner.plan(cfg, hw, batch_size=4, seq_len=4096, micro_batches=1, dtype="bf16", grad_clip=0.0,
                              skip_nonfinite=False, resident_units=0, offload_activations=False)
         finally:
             timing.NEED_FIRST = True
         tw = twin.Twin(p["hardware"], need_first=need_first)
         record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(4, 4096), dtype=torch.bfloat16,
-                   micro_batches=4, grad_slabs=p["grad_slabs"], resident_units=0)
+                   micro_batches=1, grad_slabs=p["grad_slabs"], resident_units=0)
         r = tw.result_of(cfg, 4 * 4096)
         steps[need_first] = r["step_time_s"], p["step_time_s"], p["grad_slabs"], timing.slabs(p["visit_s"], False)
         print(f"need first {need_first}: twin {r['step_time_s']:.3f} s, plan {p['step_time_s']:.3f} s, "

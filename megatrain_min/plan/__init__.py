@@ -35,6 +35,7 @@ Try it
     python -m pytest tests/test_plan.py
 """
 import dataclasses
+import functools
 
 import model
 import stream
@@ -104,6 +105,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     # ---- time: each visit's seconds, the slabs that hide a gradient's trip, the schedule replayed
     v = timing.speeds(s)
     t, numel, rate = timing.visits(s, tile, v)
+    @functools.cache
     def simulated(k):                             # the schedule replayed with k gradient slabs
         return timing.simulate(
             s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=k,

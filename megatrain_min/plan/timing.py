@@ -127,6 +127,8 @@ def slabs(t, tied, step_of=None, most=0, fits=lambda k: True):
     if step_of is None or most <= k:
         return k
     lo, hi, goal = k, most, step_of(most) * 1.01   # the fewest within 1% (the step falls with k)
+    if step_of(k) <= goal:                         # (the host keeps up: the usual case)
+        return k
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if step_of(mid) <= goal else (mid + 1, hi)
