@@ -39,7 +39,7 @@ LIBRARY = dict(micro_batches=stream.MICRO_BATCHES, grad_clip=stream.GRAD_CLIP, l
                weight_decay=optim.WEIGHT_DECAY, device=None)
 RECIPE = dict(lr=3e-3,         # the toy's rate; the library's (optim.LR) suits large models
               grad_clip=1.0)   # a script's run clips, as nanoGPT's does; the library clips if asked
-DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mode="fast",
+DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mode="auto",
                 dtype=None,
                 residual_dtype="fp32", offload_activations="auto", chunk_tokens=0, tile_tokens=None,
                 resident_units=None, hardware="local", gpus=1, nodes=1, keep=2)
@@ -142,9 +142,10 @@ def add_step(p):
                    help="tokens per sequence, <= the model's max_seq_len (default: %(default)s)")
     p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"],
                    help="global grad-norm clip, 0 = off (default: %(default)s)")
-    p.add_argument("--mode", default=DEFAULTS["mode"], choices=["fast", "lean"],
-                   help="fast: stream a bf16 shadow; lean: stream fp32, 12 B/param "
-                        "(default: %(default)s)")
+    p.add_argument("--mode", default=DEFAULTS["mode"], choices=["auto", "fast", "lean"],
+                   help="host memory mode. fast: stream a bf16 shadow; lean: stream fp32, 12 "
+                        "B/param; auto: the plan picks -- lean where it is >= 5%% faster or the "
+                        "one that fits, else fast (default: %(default)s)")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bf16", "fp32"],
                    help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--residual-dtype", default=DEFAULTS["residual_dtype"], choices=["fp32", "bf16"],

@@ -57,7 +57,7 @@ def timeline_main(a, cfg, p):
         return 0
     pct = lambda d: ", ".join(f"{k} {v:.0%}" for k, v in d.items() if v)  # noqa: E731
     print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} "
-          f"tokens, {a.micro_batches} micro-batch(es), --mode {a.mode}, grad clip "
+          f"tokens, {a.micro_batches} micro-batch(es), --mode {p['mode']}, grad clip "
           f"{a.grad_clip or 'off'}, {p['resident_units']} of {len(model.units(cfg))} units "
           "resident on the GPU")
     print(f"  step {r['step_time_s']:.3g} s (planner: {p['step_time_s']:.3g} s), "

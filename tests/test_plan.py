@@ -456,3 +456,32 @@ def test_slabs_kept_for_the_optimizer_threads_backlog():
     finally:
         P.timing.NEED_FIRST = True
     assert fifo["grad_slabs"] == fifo["grad_slabs_fewest"] == 3 and "backlog" not in report.format_plan(fifo)
+
+
+def test_auto_mode_is_the_plans_pick():
+    """--mode auto (train.py's default): fast, unless lean is at least 5% faster (the host's AdamW sets the pace:
+    24 layers of 7B width with 2 units resident on the measured H200) or is the one that fits (120b on an H200 with
+    1.5 TB); with every unit resident lean gains nothing; fp32 compute has one mode. The plan says which and why, and
+    the engine is built with the mode picked."""
+    from megatrain_min import cli, engine
+    assert cli.DEFAULTS["mode"] == "auto"
+    cfg = model.GPTConfig(n_layer=24, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
+                          max_seq_len=4096)
+    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134, name="h200 (measured)")
+    kw = dict(batch_size=4, seq_len=4096, micro_batches=4, dtype="bf16", grad_clip=0.0, skip_nonfinite=False)
+    p = P.plan(cfg, hw, mode="auto", resident_units=2, **kw)
+    fast, lean = (P.plan(cfg, hw, mode=m, resident_units=2, **kw) for m in ("fast", "lean"))
+    assert lean["step_time_s"] <= 0.95 * fast["step_time_s"]
+    assert (p["mode"], p["mode_asked"], p["step_time_s"]) == ("lean", "auto", lean["step_time_s"])
+    assert p["mode_why"] == f"{fast['step_time_s'] / lean['step_time_s'] - 1:.0%} faster than fast here"
+    assert "--mode lean (auto: " in report.format_plan(p) and engine.arguments(p)["mode"] == "lean"
+    assert P.replan(p, batch_size=8)["mode_asked"] == "auto"                      # a replan picks again
+    every = P.plan(cfg, hw, mode="auto", resident_units=26, **kw)
+    assert (every["mode"], every["mode_why"]) == ("fast", "lean is not 5% faster here")
+    big = P.plan(model.PRESETS["120b"], "h200", mode="auto", batch_size=4, seq_len=4096, grad_clip=0.0,
+                 host_mem_gb=1536, resident_units=0)
+    assert not P.plan(model.PRESETS["120b"], "h200", mode="fast", batch_size=4, seq_len=4096, grad_clip=0.0,
+                      host_mem_gb=1536, resident_units=0)["fits"]
+    assert (big["mode"], big["mode_why"], big["fits"]) == ("lean", "only lean fits", True)
+    toy = P.plan(model.PRESETS["toy"], "local", mode="auto", dtype="fp32")
+    assert (toy["mode"], toy["mode_why"]) == ("fast", None) and "(auto" not in report.format_plan(toy)

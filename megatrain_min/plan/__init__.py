@@ -82,8 +82,10 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     threads share its DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few
     bytes), collective latency. resident_units: how many units, in the order the forward needs them,
     stay whole on the GPU (16 B/param there, none on the host, AdamW on the GPU); None: as many as
-    fit in the memory the step leaves (one rank).
+    fit in the memory the step leaves (one rank). mode "auto": the plan picks (auto_mode).
     """
+    if mode == "auto":
+        return auto_mode(cfg, **{k: v for k, v in locals().items() if k not in ("cfg", "mode")})
     # ---- the setting: the hardware and every argument, checked
     try:
         hw = hardware_of(hardware, host_mem_gb, host_bw_gbs, device)
@@ -129,7 +131,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
 
     # ---- the plan, JSON-ready
     return dict(
-        config=name, model=cfg.to_dict(), hardware=hw, mode=mode, dtype=dtype,
+        config=name, model=cfg.to_dict(), hardware=hw, mode=mode, mode_asked=mode, mode_why=None,
+        dtype=dtype,
         residual_dtype=residual_dtype, batch_size=batch_size, seq_len=s.seq_len,
         micro_batches=micro_batches, tokens_per_step=s.tokens_step, gpus=gpus, nodes=nodes,
         world=s.world, grad_clip=grad_clip, defer_updates=s.defer, chunk_tokens=chunk_tokens,
@@ -159,11 +162,31 @@ def hardware_of(hw, host_mem_gb=None, host_bw_gbs=None, device=None):
         raise PlanError(str(e)) from None
 
 
+LEAN_FASTER = 0.95   # --mode auto takes lean where its step is at most this share of fast's
+
+
+def auto_mode(cfg, **kw):
+    """--mode auto, the plan's pick of the host memory mode: fast (a bf16 shadow crosses the link),
+    unless lean (the fp32 master crosses, 2 B/param less on the host, 6 B/param less for its AdamW
+    to move) is at least 5% faster or is the one that fits. Both stream the same bf16 values: the
+    choice changes speed and memory, never a number. fp32 compute: fast (the modes are one)."""
+    fast = plan(cfg, mode="fast", **kw)
+    lean = plan(cfg, mode="lean", **kw) if fast["dtype"] == "bf16" else fast
+    if lean is not fast and lean["fits"] and not fast["fits"]:
+        p, why = lean, "only lean fits"
+    elif lean is not fast and lean["fits"] and \
+            lean["step_time_s"] <= LEAN_FASTER * fast["step_time_s"]:
+        p, why = lean, f"{fast['step_time_s'] / lean['step_time_s'] - 1:.0%} faster than fast here"
+    else:
+        p, why = fast, ("lean is not 5% faster here" if lean is not fast else None)   # fp32
+    return dict(p, mode_asked="auto", mode_why=why)
+
+
 def replan(p, **change):
     """Plan p again with some of its arguments changed (change: plan()'s arguments, or
     cfg=GPTConfig)."""
     kw = dict(hardware=p["hardware"], batch_size=p["batch_size"], seq_len=p["seq_len"],
-              micro_batches=p["micro_batches"], mode=p["mode"], dtype=p["dtype"],
+              micro_batches=p["micro_batches"], mode=p["mode_asked"], dtype=p["dtype"],
               grad_clip=p["grad_clip"], offload_activations=p["offload_asked"], name=p["config"],
               residual_dtype=p["residual_dtype"], grad_slabs=p["grad_slabs_asked"],
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"],

@@ -49,7 +49,8 @@ def format_plan(p):
     rows = [f"{p['config']}: {count(N)} params (L={m['n_layer']} d={m['d_model']} "
             f"heads={m['n_head']}/{m['n_kv_head']} ff={m['d_ff']} V={m['vocab_size']}) on "
             f"{hw['name']} ({hw['gpu']})",
-            f"--mode {p['mode']}, {p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = "
+            f"--mode {p['mode']}{f' (auto: ' + p['mode_why'] + ')' if p['mode_why'] else ''}, "
+            f"{p['dtype']} compute, {p['batch_size']} x {p['seq_len']} = "
             f"{p['tokens_per_step']:,} tokens/step in {p['micro_batches']} micro-batch(es), grad "
             f"clip {p['grad_clip'] or 'off'}, {p['residual_dtype']} residual, boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}"]
