@@ -485,3 +485,8 @@ def test_auto_mode_is_the_plans_pick():
     assert (big["mode"], big["mode_why"], big["fits"]) == ("lean", "only lean fits", True)
     toy = P.plan(model.PRESETS["toy"], "local", mode="auto", dtype="fp32")
     assert (toy["mode"], toy["mode_why"]) == ("fast", None) and "(auto" not in report.format_plan(toy)
+    ranks = P.plan(cfg, hw, mode="auto", resident_units=0, gpus=2, **dict(kw, batch_size=8))   # apart: fast
+    assert (ranks["mode"], ranks["mode_why"]) == ("fast", "more than one rank: every rank streams alike")
+    short = P.plan(model.PRESETS["120b"], "h200", mode="auto", batch_size=4, seq_len=4096, grad_clip=0.0,
+                   host_mem_gb=1024, resident_units=0)                   # neither fits: fast, and why
+    assert (short["mode"], short["mode_why"], short["fits"]) == ("fast", "lean does not fit", False)

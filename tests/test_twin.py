@@ -86,7 +86,7 @@ def test_1b_at_2048_tokens_twin_and_planner_name_the_same_bottleneck():
 
 
 def replay(cfg, hardware, steps=3, trainer_cls=None, B=2, T=1024, host_op_s=hardware.HOST_OP_S, **kw):
-    a = dict(grad_clip=0.0, mode="fast", micro_batches=1, skip_nonfinite=True)   # as train.py runs the engine
+    a = dict(grad_clip=0.0, mode="fast", micro_batches=1, skip_nonfinite=True)   # train.py's engine, fast mode
     a.update(kw)
     p = planner.plan(cfg, hardware, batch_size=B, seq_len=T, micro_batches=a["micro_batches"], mode=a["mode"],
                      dtype="bf16", grad_clip=a["grad_clip"], offload_activations=a.get("offload_activations"),

@@ -169,16 +169,19 @@ def auto_mode(cfg, **kw):
     """--mode auto, the plan's pick of the host memory mode: fast (a bf16 shadow crosses the link),
     unless lean (the fp32 master crosses, 2 B/param less on the host, 6 B/param less for its AdamW
     to move) is at least 5% faster or is the one that fits. Both stream the same bf16 values: the
-    choice changes speed and memory, never a number. fp32 compute: fast (the modes are one)."""
+    choice changes speed and memory, never a number. fp32 compute: fast (the modes are one). More
+    than one rank: fast, since ranks plan apart (on their own free memory) and must stream alike."""
     fast = plan(cfg, mode="fast", **kw)
-    lean = plan(cfg, mode="lean", **kw) if fast["dtype"] == "bf16" else fast
-    if lean is not fast and lean["fits"] and not fast["fits"]:
+    if fast["dtype"] != "bf16" or fast["world"] > 1:
+        why = "more than one rank: every rank streams alike" if fast["world"] > 1 else None
+        return dict(fast, mode_asked="auto", mode_why=why)
+    lean = plan(cfg, mode="lean", **kw)
+    if lean["fits"] and not fast["fits"]:
         p, why = lean, "only lean fits"
-    elif lean is not fast and lean["fits"] and \
-            lean["step_time_s"] <= LEAN_FASTER * fast["step_time_s"]:
+    elif lean["fits"] and lean["step_time_s"] <= LEAN_FASTER * fast["step_time_s"]:
         p, why = lean, f"{fast['step_time_s'] / lean['step_time_s'] - 1:.0%} faster than fast here"
     else:
-        p, why = fast, ("lean is not 5% faster here" if lean is not fast else None)   # fp32
+        p, why = fast, ("lean is not 5% faster here" if lean["fits"] else "lean does not fit")
     return dict(p, mode_asked="auto", mode_why=why)
 
 

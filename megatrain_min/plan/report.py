@@ -153,8 +153,8 @@ def describe_run(p, world=1, gpus=1):
     """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus
     per node)."""
     many = world > 1
-    return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: host "
-            f"{p['host_bytes'] / GB:.2f} GB{' per node' if many else ''} "
+    return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: --mode {p['mode']}, "
+            f"host {p['host_bytes'] / GB:.2f} GB{' per node' if many else ''} "
             f"({p['host_bytes_per_param']:.1f} B/param in the store, {p['pinned_bytes'] / GB:.2f} "
             f"GB page-locked), device {p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, "
             "boundary activations "
