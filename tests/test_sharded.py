@@ -258,7 +258,7 @@ def test_the_plan_under_torchrun_is_for_its_ranks(tmp_path, multi_gpu_smoke):
     master, master1 = p["host"]["fp32 master"], one["host"]["fp32 master"]
     assert one["world"] == 1 and master1 / 2 <= master <= master1 / 2 + 4 * 4 * 10   # half the store per node
     log = (multi_gpu_smoke / "exact-2.log").read_text()
-    assert "plan for 2 ranks (2 per node): host" in log and "per GPU" in log, log[:2000]
+    assert "plan for 2 ranks (2 per node): --mode fast, host" in log and "per GPU" in log, log[:2000]
 
 
 @pytest.mark.parametrize("local,seen,want", [(1, 4, "cuda:1"), (1, 1, "cuda:0"), (3, 1, "cuda:0"), (5, 4, None)])
