@@ -270,11 +270,11 @@ def check_hyper(**hp):
 HYPER = ("lr", "betas", "eps", "weight_decay", "grad_clip", "micro_batches")
 
 
-def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=None, grad_slabs=1,
-                  resident_units=0,
-                  **_):
+def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=None,
+                  grad_slabs=stream.GRAD_SLABS, resident_units=0, tied=False, grad_clip=None, **_):
     """The engine's own options: the memory mode, the compute and residual dtypes, the loss chunk,
-    the slabs, the units resident on the GPU."""
+    the slabs (a tied head holds one until the embedding's scatter), the units resident on the
+    GPU."""
     if mode not in ("fast", "lean"):
         raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
     if dtype not in (None, torch.float32, torch.bfloat16):
@@ -290,6 +290,9 @@ def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=Non
                          f"{chunk_tokens!r}")
     if not (integer(grad_slabs) and grad_slabs >= 1):
         raise ValueError(f"grad_slabs must be a positive integer, got {grad_slabs!r}")
+    if tied and grad_slabs < 2 and not grad_clip and not resident_units:   # else the engine waits
+        raise ValueError("a tied head holds a gradient slab until the embedding's scatter: "
+                         f"grad_slabs must be >= 2, got {grad_slabs}")   # for a slab forever
     if not (integer(resident_units) and resident_units >= 0):
         raise ValueError("resident_units must be an integer >= 0 (units kept on the GPU, embedding "
                          f"and layer 0 first), got {resident_units!r}")
@@ -323,7 +326,7 @@ class Checked:
     def __init__(self, cfg, weights, device=None, **kw):
         check_config(cfg)
         check_hyper(**{k: kw[k] for k in HYPER if k in kw})
-        check_options(**kw)
+        check_options(tied=cfg.tie_embeddings, **kw)
         super().__init__(cfg, Weights(cfg, weights), device=check_device(device), **kw)
 
     def step(self, tokens, targets):

@@ -3,6 +3,7 @@ layer-major micro-batches) equals plain PyTorch training (megatrain_min.referenc
 torch.optim.AdamW) step for step, on the CPU in fp32.
 Tolerances (docs/design.md, section 'Numerics contract'): per-step loss <= 1e-5 relative; weight updates
 <= 1e-3 relative by the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
+import dataclasses
 import gc
 import math
 import mmap
@@ -164,6 +165,13 @@ def test_lean_mode_and_bad_arguments():
         engine(cfg, w0, device="cpu", mode="quick")
     with pytest.raises(ValueError, match="not divisible by micro_batches"):
         engine(cfg, w0, device="cpu", micro_batches=3).step(*batch)
+    tied = dataclasses.replace(cfg, tie_embeddings=True)    # its head holds a slab until the scatter:
+    with pytest.raises(ValueError, match="grad_slabs must be >= 2"):   # one would wait forever
+        engine(tied, model.init_weights(tied, 0), device="cpu", grad_clip=0.0, grad_slabs=1)
+    with pytest.raises(plan.PlanError, match="grad_slabs must be >= 2"):
+        plan.plan(tied, "local", batch_size=2, seq_len=16, grad_clip=0.0, grad_slabs=1, resident_units=0)
+    one = engine(tied, model.init_weights(tied, 0), device="cpu", grad_clip=0.0, grad_slabs=2)
+    assert math.isfinite(one.step(*batch)) and one.wait() is None          # two are enough
 
 
 def test_host_store_layout_bf16_shadow():

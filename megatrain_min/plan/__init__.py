@@ -102,6 +102,9 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     # ---- memory: the GPU's (tile, boundary activations, resident units), then the host's
     tile = memory.tile(s, tile_tokens, offload_activations)
     gpu, offloaded, resident = memory.gpu(s, tile, offload_activations, resident_units)
+    if grad_slabs == 1 and s.tied and not s.defer and len(s.units) - 1 not in resident:
+        raise PlanError(f"{name}'s tied head holds a gradient slab until the embedding's scatter: "
+                        "grad_slabs must be >= 2 (or None: the plan's count)")
     gpu_bytes = sum(gpu.values())
 
     # ---- time: each visit's seconds, the slabs that hide a gradient's trip, the schedule replayed

@@ -330,10 +330,11 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
         if emb in resident:                      # dy stays: scattered and the table updated on h2d
             upd[emb] = run("h2d", run("d2h", x, 0.0), t["scatter_res"] + cost(first_res, emb))
         else:
+            dy = run("comm", x, t["dy_comm"]) if sharded else x     # dy of every rank, all_gathered
+            landed = run("d2h", dy, t["dy"])             # dy's D2H is issued, then the slab taken
             if not defer_updates and not tied:
                 slab()
-            dy = run("comm", x, t["dy_comm"]) if sharded else x     # dy of every rank, all_gathered
-            work(emb, run("d2h", dy, t["dy"]),           # the scatter, then the update: one task
+            work(emb, landed,                            # the scatter, then the update: one task
                  t["scatter"] + cost(first, emb) + t.get("host_update", 0.0), not defer_updates)
         block(loss)                              # the step's loss, read on the host
         # every norm known: updates in forward order, the next forward waits per unit
