@@ -232,7 +232,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
             return puts.append(upd[u]) if gives_back else None
         pick(horizon=host[0])
         todo.append(dict(u=u, issued=host[0], at=max(after, host[0]), dur=dur, slab=gives_back,
-                         need=(0 if u == emb else L + 1 if u == "head" else u + 1) * need_first))
+                         need=0 if u == emb else L + 1 if u == "head" else u + 1))
 
     def pick(horizon=math.inf, until=lambda: False):
         while todo and not until():
