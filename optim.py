@@ -4,8 +4,8 @@ What it is
     HostAdamW keeps, for every unit (the embedding, each layer, the head), flat buffers in host
     memory: fp32 master, Adam m and v, gradients (per unit, or slabs lent to one unit at a time),
     with bf16 compute a bf16 shadow to stream; what crosses the link page-locked (page_locked).
-    step(u) updates one unit by torch's fused AdamW (a unit resident on the GPU: there) on Worker,
-    the optimizer thread, while the GPU works on. Also: the CPUs' split between threads, clipping.
+    step(u) updates one unit by torch's fused AdamW on Worker, the optimizer thread, while the GPU
+    works on (a unit whose gradient stays on the GPU: there). Also: the CPUs' threads, clipping.
 What it is not
     A torch.optim.Optimizer ([matrices | vectors]: two regions, two calls). Imports nothing of ours.
 Reference
@@ -28,29 +28,31 @@ TILE = 1 << 22   # elements per AdamW call: a tile's p g m v and shadow (72 MB) 
 class HostAdamW:
     def __init__(self, sizes, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                  pinned=None, shadow_dtype=None, grad_store=True, slabs=0, pool=None,
-                 resident=(), on_device=None):
-        """sizes: [(numel, n_decay)] per unit, the first n_decay elements decayed. shadow_dtype: a
-        copy of the master in the GPU's dtype, written by every step (None: stream the master).
-        grad_store: an fp32 gradient buffer per unit; else grad[u] is None but while a slab (one of
-        `slabs` in `pool`) is lent to it. pinned(n, dtype): n page-locked zeros for what crosses the
-        link (gradients, the shadow, else the master). resident: units kept whole on the GPU
-        (master, m, v, gradient: 16 B/param, no shadow), in on_device(n, dtype)'s buffers."""
+                 resident=(), on_device=None, gpu_updated=()):
+        """sizes: [(numel, n_decay)] per unit, the first n_decay elements decayed. shadow_dtype:
+        a copy of the master in the GPU's dtype, written by every step (None: stream the master).
+        grad_store: an fp32 gradient per unit; else grad[u] is None but while a slab (one of
+        `slabs` in `pool`) is lent to it. pinned(n, dtype): n page-locked zeros for what crosses
+        the link. On the GPU, in on_device(n, dtype)'s buffers: resident units whole (master, m,
+        v, gradient: 16 B/param, no shadow); of gpu_updated units the gradient and step count,
+        their master, m, v crossing for each update (step's `on`) and back."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = [*sizes], lr, betas, eps, weight_decay
-        self.pinned_bytes, self.resident = 0, set(resident)
+        self.resident, self.gpu_updated = set(resident), set(gpu_updated or ())
+        self.pinned_bytes, self.on_gpu = 0, self.resident | self.gpu_updated   # their grads there
 
-        def buf(u, n, dtype=torch.float32, crosses=False):  # crosses: a copy engine uses it
-            if u in self.resident:
+        def buf(u, n, dtype=torch.float32, crosses=False, gpu=False):  # crosses: a copy engine
+            if u in self.resident or gpu:
                 return on_device(n, dtype)
             self.pinned_bytes += n * dtype.itemsize if pinned and crosses else 0
             return (pinned if pinned and crosses else torch.zeros)(n, dtype=dtype)
         us = [(u, n) for u, (n, _) in enumerate(self.sizes)]
-        self.master = [buf(u, n, crosses=not shadow_dtype) for u, n in us]   # fp32 master
-        self.m, self.v = ([buf(u, n) for u, n in us] for _ in "mv")   # fp32 Adam moments
-        self.grad = [buf(u, n, crosses=True) if grad_store or u in self.resident else None
-                     for u, n in us]                                # fp32, from the D2H
+        self.master = [buf(u, n, crosses=not shadow_dtype or u in self.gpu_updated) for u, n in us]
+        self.m, self.v = ([buf(u, n, crosses=u in self.gpu_updated) for u, n in us] for _ in "mv")
+        self.grad = [buf(u, n, crosses=True, gpu=u in self.gpu_updated) if grad_store or
+                     u in self.on_gpu else None for u, n in us]    # fp32, from the D2H
         self.shadow = [None if u in self.resident else buf(u, n, shadow_dtype, True)
                        for u, n in us] if shadow_dtype else None
-        self.steps = [buf(u, 1)[0] for u, _ in us]      # a 0-dim tensor, as torch.optim keeps it
+        self.steps = [buf(u, 1, gpu=u in self.gpu_updated)[0] for u, _ in us]   # as torch.optim's
         self.pool, self.lent = pool if pool is not None else queue.Queue(), {}   # unit -> its slab
         for _ in range(0 if grad_store else slabs):
             self.pool.put(buf(-1, max(n for n, _ in self.sizes), crosses=True))
@@ -65,8 +67,8 @@ class HostAdamW:
 
     def nbytes(self, resident=False):  # the units' state on the host (resident=True: the GPU's)
         held = zip(self.master, self.m, self.v, self.grad, self.shadow or [None] * len(self.sizes))
-        return sum(t.nbytes for u, ts in enumerate(held) if (u in self.resident) == resident
-                   for t in ts if t is not None)
+        return sum(t.nbytes for u, ts in enumerate(held) for i, t in enumerate(ts) if t is not None
+                   and (u in self.resident or i == 3 and u in self.gpu_updated) == resident)
 
     def streamed(self, u):  # what the engine copies into a slot: the shadow, else the master
         return self.master[u] if self.shadow is None or self.shadow[u] is None else self.shadow[u]
@@ -77,30 +79,29 @@ class HostAdamW:
     def reset(self):  # forget the optimizer's history (m, v, the step counts); the master stays
         torch._foreach_zero_(self.m + self.v + self.steps)
 
-    def refresh_shadow(self, u):
-        if self.shadow is not None and self.shadow[u] is not None:
-            self.shadow[u].copy_(self.master[u])
+    def refresh_shadow(self, u):  # the shadow from the master (after it was written otherwise)
+        self.shadow and self.shadow[u] is not None and self.shadow[u].copy_(self.master[u])
 
-    def step(self, u, lr=None, clip_coef=1.0):
+    def step(self, u, lr=None, clip_coef=1.0, on=None):
         """AdamW on unit u, its gradient grad[u] times clip_coef (written back so), in tiles of TILE
-        (resident: one call), each tile's shadow written from cache: one pass over the unit."""
-        n, n_decay = self.sizes[u]
-        p, g, m, v, step = self.master[u], self.grad[u], self.m[u], self.v[u], self.steps[u]
+        (each one's shadow written from cache: one pass). on: GPU (master, m, v): one call."""
+        (n, n_decay), g, step = self.sizes[u], self.grad[u], self.steps[u]
+        p, m, v = on or (self.master[u], self.m[u], self.v[u])
         step += 1
         scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, device=p.device)
-        tile = n if u in self.resident else TILE   # resident: one call per region (the GPU's)
+        tile = n if u in self.on_gpu else TILE   # on the GPU: one call per region
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):  # [matrices | vectors]
             for a, b in ((a, min(a + tile, hi)) for a in range(lo, hi, tile)):
                 torch._fused_adamw_([pt := p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step],
                                     lr=self.lr if lr is None else lr, beta1=self.betas[0],
                                     beta2=self.betas[1], weight_decay=wd, eps=self.eps,
                                     amsgrad=False, maximize=False, grad_scale=scale)
-                if self.shadow is not None and self.shadow[u] is not None:   # from cache
+                if on is None and self.shadow is not None and self.shadow[u] is not None:
                     self.shadow[u][a:b].copy_(pt)
 
-    def grad_sq(self, u):  # unit u's squared gradient norm (a resident unit's: a GPU scalar)
+    def grad_sq(self, u):  # unit u's squared gradient norm (one on the GPU: a GPU scalar)
         sq = torch.dot(self.grad[u], self.grad[u])
-        return sq if u in self.resident else float(sq)
+        return sq if u in self.on_gpu else float(sq)
 
 
 def page_locked(n, dtype=torch.float32):
@@ -117,8 +118,7 @@ def page_locked(n, dtype=torch.float32):
     return torch.from_numpy(mem).view(dtype)[:n]   # runs finalizers before it frees the memory
 
 
-def resolve_device(device=None):
-    """The device to train on, indexed: "cuda" is the current cuda:N (set_device needs the N)."""
+def resolve_device(device=None):  # the device to train on, indexed: "cuda" -> the current cuda:N
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return torch.device("cuda", torch.cuda.current_device()) if dev == torch.device("cuda") else dev
 

@@ -11,7 +11,7 @@ One step, layer-major (every micro-batch passes through a layer during ONE visit
   backward  for layer i = L-1..0: recompute block(x[j]) with grad, autograd.grad w.r.t. (input,
             weights), fp32 gradient accumulated in a grad slot, then D2H to the host store
   update    a worker thread runs AdamW on the landed units, the one the next forward needs first
-            (clipping: all landed, the global norm known); resident units on the GPU, on H2D
+            (clipping: all landed, the global norm known); on H2D: resident units, gpu_update's
 
 The lanes for L=3, a column per layer visit (0/1/2 = layers, H = head, ' = backward, (A)/(B) =
 weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the host):
@@ -28,8 +28,8 @@ copied weights), slot_free[s] (compute -> H2D: never overwrite weights in use), 
 host-side hand-offs: an update ends before its unit is copied again (_ready), the worker waits
 for a gradient's D2H event, a gradient waits for a free slab (GRAD_SLABS).
 bf16 = torch.autocast(bf16) around blocks and head, the residual (x, dy) fp32: the reference's
-arithmetic. Handed to the engine: the layer (model, tiling.Tiled), where boundary activations live
-(OnDevice, activations.HostRing), the units' placement (Whole, sharded.Shards), a guard.Guard.
+arithmetic. Handed to the engine: the layer (model, tiling.Tiled), the boundary activations' store
+(OnDevice, activations.HostRing), placement (Whole, sharded.Shards), guard.Guard, gpu_update.
 """
 import math
 from collections import namedtuple
@@ -52,7 +52,7 @@ class Trainer:
                  eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=GRAD_CLIP,
                  micro_batches=MICRO_BATCHES, mode="fast", residual_dtype=None, chunk_tokens=None,
                  grad_slabs=GRAD_SLABS, layer=model, activations=None, placement=None, guard=None,
-                 lanes=None, resident_units=0):
+                 lanes=None, resident_units=0, gpu_updates=None):
         """cfg: model.GPTConfig; weights: {key: tensor}, read unit by unit. Unchecked: the checked
         front door is megatrain_min.checks.CheckedTrainer. mode "fast" streams a bf16 shadow, "lean"
         the fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm.
@@ -65,7 +65,7 @@ class Trainer:
         self.residual_dtype = residual_dtype or torch.float32
         self.defer_updates = bool(grad_clip)        # every update waits for the global norm
         self.chunk = chunk_tokens or model.default_chunk_tokens(cfg)
-        self.layer, self.guard, self.grad_norm = layer, guard, None
+        self.layer, self.guard, self.grad_norm, self.gpu_updates = layer, guard, None, gpu_updates
         self.activations = activations if activations is not None else OnDevice()
         self.placement = placement if placement is not None else Whole()
         if self.dev.type == "cuda" and self.dtype == torch.float32:   # fp32 is fp32: no TF32
@@ -78,15 +78,15 @@ class Trainer:
         self.embed = self.head if cfg.tie_embeddings else 0    # see "the embedding" below
         self.order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]
         shadow = self.dtype if mode == "fast" and self.dtype != torch.float32 else None
-        self.opt = optim.HostAdamW(self.placement.sizes(self.units), lr, betas, eps, weight_decay,
-                                   pinned=self.lanes.pinned, shadow_dtype=shadow, slabs=grad_slabs,
-                                   grad_store=self.defer_updates, pool=self.lanes.pool,
-                                   resident=self.order[:resident_units], on_device=self.zeros)
+        self.opt = optim.HostAdamW(
+            self.placement.sizes(self.units), lr, betas, eps, weight_decay, shadow_dtype=shadow,
+            pinned=self.lanes.pinned, slabs=grad_slabs, grad_store=self.defer_updates,
+            pool=self.lanes.pool, resident=self.order[:resident_units], on_device=self.zeros,
+            gpu_updated=gpu_updates and gpu_updates.place(self, resident_units, shadow))
         with torch.no_grad(), self.comp():    # (a resident unit's, on the lane that made it)
             self.placement.fill(self.opt, self.units, weights)   # the model, into the store
-        self.pinned_buffers = {}                    # name -> pinned per-step buffer: pinned()
-        self.loss_host = self.pinned("loss", (), torch.float32)
-        self.pending, self.failed = {}, []          # unit -> Future of its update; exceptions
+        self.pending, self.failed, self.pinned_buffers = {}, [], {}   # unit -> Future of its
+        self.loss_host = self.pinned("loss", (), torch.float32)        # update; errors; pinned()
 
         # ---- GPU: 2 weight slots (ping-pong), 2 fp32 grad slots, made on their first user's lane
         lay, head = self.units[self.layer_units[0]], self.units[self.head]
@@ -129,14 +129,14 @@ class Trainer:
         self.lanes.host_wait(loss_ready)
         loss = self.loss_host.item()
         if self.defer_updates:  # every squared norm known: clip, then update in forward order
-            with self.h2d():    # (a resident unit's is a GPU scalar, made on this lane)
-                sq = sum(self.pending.pop(u).result() for u in range(len(self.units)))
+            with self.h2d():    # (one on the GPU: a scalar made on this lane; summed as floats)
+                sq = sum(float(self.pending.pop(u).result()) for u in range(len(self.units)))
                 self.grad_norm = math.sqrt(self.placement.sum(sq))   # every process's shards
             if self.guard and not self.guard.ok(self.grad_norm + loss):
                 return loss                                          # weights, m, v untouched
             coef = optim.clip_coef(self.grad_norm, self.grad_clip)
             for u in self.order:
-                self._submit(u, self.opt.step, u, self.lr, coef)
+                self._submit(u, (self.gpu_updates or self.opt).step, u, self.lr, coef)
         return loss
 
     @torch.no_grad()
@@ -244,14 +244,15 @@ class Trainer:
         if u not in self.in_slot:
             self._ready(u)
             self.load_unit(u, 1 - busy_slot)
-            self.in_slot = {k: s for k, s in self.in_slot.items() if s == busy_slot}
-            self.in_slot[u] = 1 - busy_slot
+            self.in_slot = {**{k: s for k, s in self.in_slot.items() if s == busy_slot},
+                            u: 1 - busy_slot}
 
     def load_unit(self, u, slot):
         """H2D of unit u into wslot[slot] (the one place weights cross to the GPU): slot_loaded."""
         n, src = self.units[u].numel, self.opt.streamed(u)   # a resident one: D2D, cast on the way
         with self.h2d():
             self.h2d.wait(self.slot_free[slot])
+            self.h2d.wait(self.gpu_updates and self.gpu_updates.landed.get(u))   # back on the host
             if self.cast is None:
                 self.wslot[slot][:n].copy_(src, non_blocking=True)
             else:  # lean: fp32 crosses PCIe, the cast to the compute dtype happens on the GPU
@@ -291,8 +292,7 @@ class Trainer:
             for dst, x in zip(host.chunk(self.M), dy):
                 self.d2h.keep(x)
                 dst.copy_(x, non_blocking=True)
-            done = self.d2h.record()
-        return host, done
+            return host, self.d2h.record()
 
     def add_embedding_grad(self, tokens, dy_host):
         """Worker: add dy (B, T, d) into the rows of opt.grad[embed] the tokens (B, T) used."""
@@ -338,7 +338,7 @@ class Trainer:
     def _submit(self, u, fn, *args, ready=None):
         """fn(*args), unit u's work for the optimizer thread (which runs first, of the work `ready`,
         what the next forward needs first: its place in self.order); its failure noted at once."""
-        if u in self.opt.resident:   # resident: here, issued on H2D, the lane that copies it next
+        if u in self.opt.on_gpu:   # its gradient on the GPU: here, on H2D, the lane copying it next
             with self.h2d():
                 (fut := Future()).set_result(fn(*args))
         else:
@@ -349,7 +349,7 @@ class Trainer:
     def _grad_landed(self, u, done, lr, scatter=None):
         """Worker: once u's gradient landed (the embedding's scattered), update, or its norm^2."""
         try:
-            self.h2d.wait(done) if u in self.opt.resident else self.lanes.host_wait(done)
+            self.h2d.wait(done) if u in self.opt.on_gpu else self.lanes.host_wait(done)
             if scatter:
                 scatter()
             return self.opt.grad_sq(u) if self.defer_updates else self.update_unit(u, lr)
@@ -360,7 +360,7 @@ class Trainer:
     def update_unit(self, u, lr):
         """Worker: AdamW on unit u, unless the guard finds its gradient not finite."""
         if not self.guard or self.guard.ok(self.opt.grad[u], self.units[u].name):
-            self.opt.step(u, lr)
+            (self.gpu_updates or self.opt).step(u, lr)   # (GpuUpdates: its units on the GPU)
 
     # ------------------------------------------------------------------------------ the surface
     def set_lr(self, lr): self.lr = lr

@@ -423,11 +423,11 @@ class ZeroWeights(Mapping):
 
 def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False,
         batch=BATCH, between=None, offload_activations=False, skip_nonfinite=False, tile_tokens=0,
-        **trainer_kw):
+        gpu_updated_units=0, **trainer_kw):
     """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on
     random batches of batch=(B, T); between(trainer) runs after every step but the last (e.g. an
-    evaluate()). Returns the trainer. offload_activations, skip_nonfinite, tile_tokens: the objects
-    the engine is handed (engine.parts); dtype and residual_dtype: torch dtypes; everything else as
+    evaluate()). Returns the trainer. offload_activations, skip_nonfinite, tile_tokens,
+    gpu_updated_units: the objects the engine is handed (engine.parts); dtype and residual_dtype: torch dtypes; everything else as
     stream.Trainer takes it."""
     rec = Recorder(consumers, fake=fake, sources=sources, costs=costs)
     mode = torch._subclasses.fake_tensor.FakeTensorMode(
@@ -437,7 +437,8 @@ def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs
     with mode, rec:
         weights = ZeroWeights(cfg) if fake else model.init_weights(cfg, 0)
         # given ones win
-        kw = {**engine.parts(offload_activations, skip_nonfinite, tile_tokens), **trainer_kw}
+        kw = {**engine.parts(offload_activations, skip_nonfinite, tile_tokens, gpu_updated_units),
+              **trainer_kw}
         t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec), **kw)
         rec.trainer = t
         for k in range(steps):

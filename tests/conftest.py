@@ -23,14 +23,16 @@ SPECIAL = model.GPTConfig(vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, d_mod
                           qkv_bias=True, qk_norm=True, tie_embeddings=True, max_seq_len=64)
 
 
-def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, checked=True, **kw):
+def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, gpu_updated_units=0,
+           checked=True, **kw):
     """A trainer on `weights`, handed the objects that plain settings make (engine.parts: activations.HostRing,
-    guard.Guard, tiling.Tiled): checks.CheckedTrainer, every argument checked, or stream.Trainer itself (checked=False)."""
+    guard.Guard, tiling.Tiled, gpu_update.GpuUpdates): checks.CheckedTrainer, every argument checked, or
+    stream.Trainer itself (checked=False)."""
     import stream
     from megatrain_min import checks
     from megatrain_min.engine import parts
     cls = checks.CheckedTrainer if checked else stream.Trainer
-    return cls(cfg, weights, **{**parts(offload_activations, skip_nonfinite, tile_tokens), **kw})
+    return cls(cfg, weights, **{**parts(offload_activations, skip_nonfinite, tile_tokens, gpu_updated_units), **kw})
 
 
 def random_batch(cfg, B, T, gen, ignore_frac=0.2):

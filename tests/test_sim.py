@@ -21,7 +21,8 @@ import model
 from conftest import ROOT, SPECIAL, train_py
 from megatrain_min import race, record
 
-SOURCES = {name: (ROOT / name).read_text() for name in ("stream.py", "megatrain_min/activations.py")}
+SOURCES = {name: (ROOT / name).read_text()
+           for name in ("stream.py", "megatrain_min/activations.py", "megatrain_min/gpu_update.py")}
 STREAM = SOURCES["stream.py"]
 TOY = model.PRESETS["toy"]
 
@@ -65,6 +66,23 @@ def test_resident_units_are_race_free(kw):
     AdamW (or norm) issued on the H2D lane, the embedding's rows gathered and its dy scattered on the GPU."""
     c = checked(**kw)
     assert not c.races, c.summary()
+
+
+GPU_UPDATED = [dict(cfg=TOY, micro_batches=2, grad_clip=1.0, offload_activations=True, gpu_updated_units=99),
+               dict(cfg=SPECIAL, micro_batches=1, grad_clip=0.0, skip_nonfinite=True, resident_units=1,
+                    gpu_updated_units=2, mode="lean", dtype=torch.bfloat16),
+               dict(cfg=TOY, micro_batches=2, grad_clip=0.0, dtype=torch.bfloat16, gpu_updated_units=3)]
+
+
+@pytest.mark.parametrize("kw", [pytest.param(kw, marks=[pytest.mark.slow] if k else [], id=f"gpu-updated-{k}")
+                                for k, kw in enumerate(GPU_UPDATED)])
+def test_gpu_updated_units_are_race_free(kw):
+    """Streamed units updated on the GPU (gpu_update.GpuUpdates): the gradient copied D2D on the D2H lane, the
+    update issued on H2D (master, m, v into one of two scratches, the kernel, the shadow's cast), copied back on
+    D2H after it, the next copy of the unit into a slot after that; a scratch refilled after its last D2H."""
+    c = checked(**kw)
+    assert not c.races, c.summary()
+    assert all(s["copies"] for s in c.steps[:2])
 
 
 @pytest.mark.slow
@@ -120,7 +138,8 @@ def mutant(old, new=None, nth=0, name="stream.py"):
     lines[i] = new if new is not None else re.match(r"\s*", lines[i]).group(0) + "pass  # deleted by the test\n"
     mod = types.ModuleType("mutant")
     exec(compile("".join(lines), str(ROOT / name), "exec"), mod.__dict__)
-    return dict(trainer_cls=mod.Trainer) if name == "stream.py" else dict(activations=mod.HostRing)
+    return dict(trainer_cls=mod.Trainer) if name == "stream.py" else dict(activations=mod.HostRing) \
+        if "activations" in name else dict(gpu_updates=mod.GpuUpdates)
 
 
 CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
@@ -128,21 +147,26 @@ CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
            dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16),
            dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True),
            dict(micro_batches=2, grad_clip=0.0, resident_units=2),     # the embedding and layer 0 on the GPU
-           dict(micro_batches=1, grad_clip=1.0, resident_units=99)]    # every unit: resident training
+           dict(micro_batches=1, grad_clip=1.0, resident_units=99),    # every unit: resident training
+           dict(micro_batches=2, grad_clip=1.0, gpu_updated_units=99),     # every streamed unit updated on the GPU
+           dict(micro_batches=1, grad_clip=0.0, gpu_updated_units=3, mode="lean", dtype=torch.bfloat16)]
 
 
 def races_of(mutated):
     """The races a mutant engine shows in the first of CONFIGS that shows any."""
     for kw in CONFIGS:
-        ring = mutated.get("activations")
-        c = checked(**{**kw, **mutated, **(dict(activations=ring()) if ring else {})})
+        ring, gpu = mutated.get("activations"), mutated.get("gpu_updates")
+        if gpu and not kw.get("gpu_updated_units"):
+            continue
+        made = dict(activations=ring()) if ring else dict(gpu_updates=gpu(kw["gpu_updated_units"])) if gpu else {}
+        c = checked(**{**kw, **mutated, **made})
         if c.races:
             return c.races
     return []
 
 
 WAITS = [(name, line.strip()) for name, src in SOURCES.items() for line in src.splitlines()
-         if re.search(r"\.wait\(self|\.wait\(ready|host_wait\(", line) and "def " not in line]
+         if re.search(r"\.wait\(self|\.wait\(ready|\.wait\(done|host_wait\(", line) and "def " not in line]
 
 
 @pytest.mark.slow

@@ -73,6 +73,52 @@ def test_resident_units_equal_reference(cfg, resident, clip, offload):
     assert rel <= 1e-3 and all(ours.opt.steps[u].item() == 4 for u in range(len(ours.units)))
 
 
+@pytest.mark.parametrize("n,resident", [(2, 0), (99, 1)], ids=["2-of-the-streamed", "every-streamed"])
+@pytest.mark.parametrize("clip,offload", [(0.0, False), (0.5, True)], ids=["noclip", "clip-offload"])
+@pytest.mark.parametrize("cfg,dtype,mode", [(model.PRESETS["toy"], torch.float32, "fast"),
+                                            (SPECIAL, torch.float32, "fast"),
+                                            (model.PRESETS["toy"], torch.bfloat16, "fast"),
+                                            (model.PRESETS["toy"], torch.bfloat16, "lean")],
+                         ids=["toy", "gqa-bias-qknorm-tied", "toy-bf16-fast", "toy-bf16-lean"])
+def test_gpu_updated_units_equal_reference(cfg, dtype, mode, n, resident, clip, offload):
+    """Streamed units updated on the device (gpu_update.GpuUpdates: the gradient stays there, master, m and v
+    cross for the update and back, with the bf16 shadow in fast mode) give, step for step, the very bits of the
+    engine that updates them on the host -- losses, master, m, v, shadow -- and so, in fp32, plain PyTorch's
+    training to the central test's tolerances. Never the embedding; spread evenly over the forward's order; the
+    gradient's 4 B/param on the device instead of the host. On the CPU the device is host memory
+    (tests/test_gpu.py: a GPU)."""
+    gen = torch.Generator().manual_seed(7)
+    w0 = model.init_weights(cfg, seed=0)
+    kw = dict(device="cpu", dtype=dtype, grad_clip=clip, micro_batches=2, **HP)
+    ours = engine(cfg, w0, offload_activations=offload, resident_units=resident, gpu_updated_units=n,
+                  mode=mode, **kw)
+    host = engine(cfg, w0, offload_activations=offload, resident_units=resident, mode=mode, **kw)
+    ref = ReferenceTrainer(cfg, w0, **kw)
+    streamed = [u for u in ours.order[resident:] if u != ours.embed]
+    want = streamed if n >= len(streamed) else [streamed[0], streamed[len(streamed) // 2]]
+    assert sorted(ours.opt.gpu_updated) == sorted(want) and ours.embed not in ours.opt.gpu_updated
+    moved = sum(4 * ours.units[u].numel for u in want)            # their fp32 gradients
+    assert ours.opt.nbytes(resident=True) == host.opt.nbytes(resident=True) + moved
+    assert ours.opt.nbytes() == host.opt.nbytes() - (moved if clip else 0)   # (no clip: slabs, not counted)
+    for step in range(4):
+        tok, tgt = random_batch(cfg, 4, 24, gen)
+        a, h, b = ours.step(tok, tgt), host.step(tok, tgt), ref.step(tok, tgt)
+        assert a == h, f"step {step}: loss {a} vs the host-updated engine's {h}"
+        if dtype == torch.float32:
+            assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
+    ours.wait(), host.wait()
+    for u in range(len(ours.units)):
+        mine, theirs = ours.opt.state(u), host.opt.state(u)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), ours.units[u].name
+        assert ours.opt.steps[u].item() == host.opt.steps[u].item() == 4
+        if ours.opt.shadow and ours.opt.shadow[u] is not None:   # what the next forward streams
+            assert torch.equal(ours.opt.shadow[u], host.opt.shadow[u])
+    if dtype == torch.float32:
+        rel = update_rel(w0, ours.weights(), ref.weights())
+        print(f"{len(want)} updated on the device: update rel diff {rel:.1e}")
+        assert rel <= 1e-3
+
+
 def test_resident_units_store_and_guard(gen):
     """A resident unit's state (master, m, v, gradient: 16 B/param) is the device's, none of it pinned and no
     shadow; the rest of the store is as before. With the non-finite guard (no clipping: checked per unit), a

@@ -1,0 +1,70 @@
+"""gpu_update.py -- streamed units updated on the GPU: their AdamW moved off the host's memory bus.
+
+What it is
+    GpuUpdates(n), handed to stream.Trainer(gpu_updates=): n of the streamed units (spread evenly
+    over the next forward's order; never the embedding, whose rows are gathered on the host) keep
+    their fp32 gradient and step count on the GPU (optim.HostAdamW(gpu_updated=): 4 B/param there).
+    Their master, m and v stay in host memory, page-locked. Each update (step) is three copies and a
+    kernel, issued where the engine issues a resident unit's (the main thread, the H2D lane):
+
+        H2D   master, m, v -> scratch[k]          (after scratch[k]'s last D2H)
+        H2D   torch's fused AdamW on scratch[k], the gradient in place; fast: cast to the shadow
+        D2H   master, m, v (+ shadow) -> host     (after the kernel): `landed[u]`, `free[k]`
+
+    The next copy of u into a weight slot waits for landed[u] (Trainer.load_unit). Two scratches
+    alternate, so one unit's D2H overlaps the next one's H2D: each direction of the link carries
+    12 B/param (14 with the shadow) and the host's DRAM only the DMA. The optimizer thread updates
+    the other units meanwhile; the host's AdamW moves 28-34 B/param through DRAM, so where it is
+    the bottleneck -- clipping, when every update waits for the global norm -- sharing the updates
+    between the two shortens the step (the plan picks n: plan.timing).
+What it is not
+    Not a resident unit (16 B/param on the GPU, nothing crosses); not sharded (one process).
+    Exact: the same fused kernel on the same fp32 values as the host's (tests/test_stream.py).
+"""
+import torch
+
+
+class GpuUpdates:
+    def __init__(self, n):
+        """n: how many streamed units are updated on the GPU (0: none)."""
+        self.n, self.trainer, self.turn = n, None, 0
+        self.landed, self.free = {}, [None, None]   # unit -> its D2H's event; scratch k's
+
+    def place(self, trainer, resident_units, shadow):
+        """The units (of trainer.order after the resident ones, the embedding aside), evenly
+        spread; their scratches made (master, m, v fp32 + the shadow's dtype). Called by the
+        engine before its store exists."""
+        self.trainer = t = trainer
+        streamed = [u for u in t.order[resident_units:] if u != t.embed]
+        n = min(self.n, len(streamed))
+        units = [streamed[i * len(streamed) // n] for i in range(n)]
+        big = max((t.units[u].numel for u in units), default=0)
+        with t.h2d():   # made on the lane that writes them first (never freed)
+            self.scratch = [torch.empty(3 * big, device=t.dev) for _ in range(2 if n else 0)]
+            self.low = [torch.empty(big, dtype=shadow, device=t.dev)
+                        for _ in range(2 if n and shadow else 0)]
+        return units
+
+    def step(self, u, lr, clip_coef=1.0):
+        """Unit u's AdamW: on the GPU if it is one of ours (issued on H2D), else the store's."""
+        t = self.trainer
+        if u not in t.opt.gpu_updated:
+            return t.opt.step(u, lr, clip_coef)
+        k, self.turn = self.turn, 1 - self.turn
+        n = t.units[u].numel
+        host = [t.opt.master[u], t.opt.m[u], t.opt.v[u]]
+        gpu = [self.scratch[k][i * n:(i + 1) * n] for i in range(3)]
+        t.h2d.wait(self.free[k])   # the scratch's last copies have left (u's own last D2H: the
+        #                            forward's copy of u waited for it, earlier on this lane)
+        for dst, src in zip(gpu, host):
+            dst.copy_(src, non_blocking=True)
+        t.opt.step(u, lr, clip_coef, on=gpu)
+        if self.low:                         # fast: the bf16 shadow, cast here
+            host.append(t.opt.shadow[u])
+            gpu.append(self.low[k][:n].copy_(gpu[0]))
+        done = t.h2d.record()
+        with t.d2h():
+            t.d2h.wait(done)
+            for dst, src in zip(host, gpu):
+                dst.copy_(src, non_blocking=True)
+            self.free[k] = self.landed[u] = t.d2h.record()
