@@ -62,7 +62,8 @@ def predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, **kw):
         return None, p
     tw = twin.Twin(p["hardware"], need_first=need_first)
     record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(B, SEQ), dtype=torch.bfloat16,
-               micro_batches=M, grad_slabs=p["grad_slabs"] or 3, **dict(kw, resident_units=p["resident_units"]))
+               micro_batches=M, grad_slabs=p["grad_slabs"] or 3,
+               **dict(kw, resident_units=p["resident_units"], gpu_updated_units=p["gpu_updated_units"]))
     return tw.result_of(cfg, B * SEQ), p
 
 

@@ -24,26 +24,41 @@ What it is not
 import torch
 
 
+def chosen(order, resident_units, embed, n):
+    """The rule (the engine's and the planner's): of the units of `order` (the next forward's) after
+    the first resident_units, the embedding aside, n spread evenly -- the host and the GPU then
+    take turns along the forward, each unit the forward waits for done by one of them."""
+    streamed = [u for u in order[resident_units:] if u != embed]
+    n = min(n, len(streamed))
+    return [streamed[i * len(streamed) // n] for i in range(n)]
+
+
 class GpuUpdates:
     def __init__(self, n):
         """n: how many streamed units are updated on the GPU (0: none)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"gpu_updated_units must be an integer >= 0 (streamed units updated on "
+                             f"the GPU), got {n!r}")
         self.n, self.trainer, self.turn = n, None, 0
         self.landed, self.free = {}, [None, None]   # unit -> its D2H's event; scratch k's
+        self.scratch, self.low = [], []              # per scratch: master, m, v; the shadow's
 
     def place(self, trainer, resident_units, shadow):
         """The units (of trainer.order after the resident ones, the embedding aside), evenly
         spread; their scratches made (master, m, v fp32 + the shadow's dtype). Called by the
         engine before its store exists."""
         self.trainer = t = trainer
-        streamed = [u for u in t.order[resident_units:] if u != t.embed]
-        n = min(self.n, len(streamed))
-        units = [streamed[i * len(streamed) // n] for i in range(n)]
-        big = max((t.units[u].numel for u in units), default=0)
+        units = chosen(t.order, resident_units, t.embed, self.n)
+        n, big = len(units), max((t.units[u].numel for u in units), default=0)
         with t.h2d():   # made on the lane that writes them first (never freed)
             self.scratch = [torch.empty(3 * big, device=t.dev) for _ in range(2 if n else 0)]
             self.low = [torch.empty(big, dtype=shadow, device=t.dev)
                         for _ in range(2 if n and shadow else 0)]
         return units
+
+    def buffers(self):  # {name: GPU buffer}: what the stream checker's reports call them
+        return {f"{what}[{k}]": b for what in ("scratch", "low")
+                for k, b in enumerate(getattr(self, what))}
 
     def step(self, u, lr, clip_coef=1.0):
         """Unit u's AdamW: on the GPU if it is one of ours (issued on H2D), else the store's."""

@@ -379,8 +379,8 @@ def buffer_names(t):
     """{storage cdata: name} of a trainer's buffers, named by the public attributes that hold them,
     walked now: a tensor (cast), a list or dict of them (wslot[0], rope[16]), the host store per
     unit (master[layer.3]), the pinned buffers (rows (pinned)), the step's targets, what the objects
-    the engine is handed hold (ring[1]). A storage with several names keeps the first: a tied head's
-    master is the embedding's."""
+    the engine is handed hold (ring[1], scratch[0]). A storage with several names keeps the first:
+    a tied head's master is the embedding's."""
     names = {}
 
     def walk(name, v):
@@ -399,8 +399,9 @@ def buffer_names(t):
             walk(f"{what}[{t.units[u].name}]", buf)
     if t.batch is not None:
         walk("targets", t.batch.targets)
-    for name, buf in getattr(t.activations, "buffers", dict)().items():
-        walk(name, buf)
+    for handed in (t.activations, t.gpu_updates):
+        for name, buf in getattr(handed, "buffers", dict)().items():
+            walk(name, buf)
     return names
 
 
@@ -427,8 +428,8 @@ def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs
     """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on
     random batches of batch=(B, T); between(trainer) runs after every step but the last (e.g. an
     evaluate()). Returns the trainer. offload_activations, skip_nonfinite, tile_tokens,
-    gpu_updated_units: the objects the engine is handed (engine.parts); dtype and residual_dtype: torch dtypes; everything else as
-    stream.Trainer takes it."""
+    gpu_updated_units: the objects the engine is handed (engine.parts); dtype and residual_dtype:
+    torch dtypes; everything else as stream.Trainer takes it."""
     rec = Recorder(consumers, fake=fake, sources=sources, costs=costs)
     mode = torch._subclasses.fake_tensor.FakeTensorMode(
         allow_non_fake_inputs=True) if fake else contextlib.nullcontext()

@@ -39,7 +39,7 @@ import functools
 
 import model
 import stream
-from megatrain_min import cli
+from megatrain_min import checks, cli
 from megatrain_min.cli import DEFAULTS, DTYPE_NAMES
 from megatrain_min.plan import hardware, memory, timing
 from megatrain_min.plan.hardware import GB, model_tflops
@@ -57,7 +57,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
          host_mem_gb=None, host_bw_gbs=None, residual_dtype="fp32", grad_slabs=None,
          skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None, tile_tokens=None,
          gpus=1,
-         nodes=1, device=None, resident_units=None):
+         nodes=1, device=None, resident_units=None, gpu_updated_units=None):
     """The memory and throughput plan of training cfg: a JSON-ready dict (report.py prints it).
 
     hardware: a hardware.HARDWARE name, "local", or a dict like HARDWARE's rows. batch_size:
@@ -82,7 +82,10 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     threads share its DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few
     bytes), collective latency. resident_units: how many units, in the order the forward needs them,
     stay whole on the GPU (16 B/param there, none on the host, AdamW on the GPU); None: as many as
-    fit in the memory the step leaves (one rank). mode "auto": the plan picks (auto_mode).
+    fit in the memory the step leaves (one rank). gpu_updated_units: how many of the other streamed
+    units are updated on the GPU (megatrain_min/gpu_update.py: their gradient there, 4 B/param;
+    master, m, v cross both ways); None: the count that makes the simulated step fastest, within
+    the memory left (gpu_updates). mode "auto": the plan picks (auto_mode).
     """
     if mode == "auto":
         return auto_mode(cfg, **{k: v for k, v in locals().items() if k not in ("cfg", "mode")})
@@ -102,6 +105,12 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     # ---- memory: the GPU's (tile, boundary activations, resident units), then the host's
     tile = memory.tile(s, tile_tokens, offload_activations)
     gpu, offloaded, resident = memory.gpu(s, tile, offload_activations, resident_units)
+    if gpu_updated_units is not None and not (checks.integer(gpu_updated_units) and
+                                              gpu_updated_units >= 0):
+        raise PlanError(f"gpu_updated_units must be an integer >= 0, got {gpu_updated_units!r}")
+    if gpu_updated_units and s.world > 1:
+        raise PlanError("units updated on the GPU need one process holding whole units; sharded "
+                        "ranks update every unit on the host (--gpu-updated-units 0)")
     if grad_slabs == 1 and s.tied and not s.defer and len(s.units) - 1 not in resident:
         raise PlanError(f"{name}'s tied head holds a gradient slab until the embedding's scatter: "
                         "grad_slabs must be >= 2 (or None: the plan's count)")
@@ -111,24 +120,31 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     v = timing.speeds(s)
     t, numel, rate = timing.visits(s, tile, v)
     @functools.cache
-    def simulated(k):                             # the schedule replayed with k gradient slabs
+    def simulated(k, g=0):       # the schedule replayed with k gradient slabs, g units GPU-updated
         return timing.simulate(
             s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=k,
             guard=skip_nonfinite and not s.defer, overlap=s.cuda, sharded=s.world > 1,
-            resident=timing.lane_units(s, resident))
+            resident=timing.lane_units(s, resident),
+            gpu_updated=timing.lane_units(s, memory.gpu_updated(s, resident, g, {})))
 
     def host_fits(k):
-        return sum(memory.host(s, resident, k, offloaded, gpu_bytes)[0].values()) <= host_limit
+        return sum(memory.host(s, resident, k, offloaded, gpu_bytes, on_gpu)[0].values()) <= \
+            host_limit
     host_limit = memory.host_limit(s)
     streamed = len(s.units) - len(resident)      # a slab each at most
     fewest = 0 if s.defer else timing.slabs(t, s.tied, most=streamed)   # hide one gradient's trip
+    g = gpu_updated_units if gpu_updated_units is not None else gpu_updates(   # (slabs: one per
+        lambda g: simulated(0 if s.defer else max(fewest, streamed - g), g)[0],   # host unit)
+        memory.gpu_updatable(s, resident, gpu_bytes))
+    on_gpu = memory.gpu_updated(s, resident, g, gpu)
+    gpu_bytes, streamed = sum(gpu.values()), streamed - len(on_gpu)
     slabs = 0 if s.defer else grad_slabs or timing.slabs(
-        t, s.tied, lambda k: simulated(k)[0], streamed, host_fits)
-    host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes)
+        t, s.tied, lambda k: simulated(k, len(on_gpu))[0], streamed, host_fits)
+    host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes, on_gpu)
     host_bytes = sum(host.values())
     fits_host = host_bytes <= host_limit
     fits_gpu = (not s.cuda) or gpu_bytes <= hw["gpu_mem_gb"] * GB
-    step_time, busy, critical = simulated(slabs)
+    step_time, busy, critical = simulated(slabs, len(on_gpu))
     tflops = model_tflops(cfg, s.tokens_step, step_time)
     mins = timing.min_tokens(s, v, resident)
 
@@ -144,7 +160,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         grad_slabs=slabs, grad_slabs_asked=grad_slabs, grad_slabs_fewest=fewest,
         offload_activations=bool(offloaded),
         offload_asked=offload_activations, resident_units=len(resident),
-                resident_asked=resident_units,
+        resident_asked=resident_units, gpu_updated_units=len(on_gpu),
+        gpu_updated_asked=gpu_updated_units,
         pinned_bytes=pinned_bytes, params=s.params, host=host, host_bytes=host_bytes,
         host_limit_bytes=host_limit, host_bytes_per_param=store / s.params, fits_host=fits_host,
         gpu=gpu, gpu_bytes=gpu_bytes, gpu_limit_bytes=hw["gpu_mem_gb"] * GB, fits_gpu=fits_gpu,
@@ -155,6 +172,23 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         critical_path={k: v / step_time for k, v in critical.items()},
         bottleneck=max(critical, key=critical.get), min_tokens=mins,
         min_tokens_per_step=max(mins.values()))
+
+
+GPU_UPDATES_SAVE = 0.01   # the plan updates units on the GPU where that saves >= 1% of the step
+
+
+def gpu_updates(step_of, most):
+    """The plan's count of streamed units updated on the GPU: of 0 .. most (what fits), the fewest
+    whose simulated step (step_of(g)) is within GPU_UPDATES_SAVE of the fastest -- 0 where it saves
+    less than that. Every count while most <= 32; else a grid, then every count around its best."""
+    grid = range(most + 1) if most <= 32 else sorted({*range(0, most + 1, -(-most // 16)), most})
+    steps = {g: step_of(g) for g in grid}
+    if most > 32:
+        best = min(steps, key=steps.get)
+        steps.update({g: step_of(g) for g in range(max(0, best - -(-most // 16)),
+                                                   min(most, best + -(-most // 16)) + 1)})
+    fastest = min(steps.values())
+    return min(g for g, t in steps.items() if t <= fastest * (1 + GPU_UPDATES_SAVE))
 
 
 def hardware_of(hw, host_mem_gb=None, host_bw_gbs=None, device=None):
@@ -197,7 +231,8 @@ def replan(p, **change):
               residual_dtype=p["residual_dtype"], grad_slabs=p["grad_slabs_asked"],
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"],
               host_speed=p["host_speed"], tile_tokens=p["tile_asked"], gpus=p["gpus"],
-              nodes=p["nodes"], resident_units=p["resident_asked"])
+              nodes=p["nodes"], resident_units=p["resident_asked"],
+              gpu_updated_units=p["gpu_updated_asked"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the
@@ -222,5 +257,6 @@ def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
               residual_dtype=a.residual_dtype, chunk_tokens=a.chunk_tokens or None,
               host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, tile_tokens=a.tile_tokens,
               skip_nonfinite=guarded, gpus=a.gpus, nodes=a.nodes,
-              resident_units=getattr(a, "resident_units", None))
+              resident_units=getattr(a, "resident_units", None),
+              gpu_updated_units=getattr(a, "gpu_updated_units", None))
     return plan(cfg, hw or a.hardware, **{**kw, **change})

@@ -16,6 +16,7 @@ What it is not
     Not an allocator trace: stream.py and optim.py allocate; tests/test_plan.py holds these counts
     to the bytes they allocate.
 """
+from megatrain_min import gpu_update
 from megatrain_min.activations import RING
 from megatrain_min.cli import DTYPES
 from megatrain_min.plan.hardware import GB
@@ -130,11 +131,45 @@ def residents(s, asked, gpu_bytes):
     return set(s.order[:k])
 
 
-def host(s, resident, slabs, offloaded, gpu_bytes):
+def gpu_updated(s, resident, n, gpu):
+    """The streamed units updated on the GPU (gpu_update.chosen: n, spread evenly), their bytes
+    added to gpu (the GPU's components): each one's fp32 gradient, 4 B/param, and two scratches of
+    the largest one's master, m, v (+ its bf16 shadow in fast mode)."""
+    units = gpu_update.chosen(s.order, len(resident), s.embed, n)
+    if units:
+        gpu[f"updated on the GPU: {len(units)} units' fp32 gradients, 4 B/param"] = \
+            4 * sum(s.units[u].numel for u in units)
+        gpu["GPU update scratches: 2 x (master, m, v" + (", shadow)" if s.shadow else ")")] = \
+            gpu_bytes_of(s, units) - 4 * sum(s.units[u].numel for u in units)
+    return set(units)
+
+
+def gpu_bytes_of(s, units):
+    """The GPU bytes of updating `units` there (gpu_updated's components)."""
+    big = max((s.units[u].numel for u in units), default=0)
+    return 4 * sum(s.units[u].numel for u in units) + 2 * big * (12 + 2 * s.shadow)
+
+
+def gpu_updatable(s, resident, gpu_bytes):
+    """How many streamed units can be updated on the GPU: as many as fit in RESIDENT_HEADROOM of it
+    beside gpu_bytes (one rank on CUDA; else none)."""
+    if not s.cuda or s.world > 1:
+        return 0
+    room = RESIDENT_HEADROOM * s.hw["gpu_mem_gb"] * GB - gpu_bytes
+    streamed = len(gpu_update.chosen(s.order, len(resident), s.embed, len(s.units)))
+    n = 0
+    while n < streamed and gpu_bytes_of(s, gpu_update.chosen(s.order, len(resident), s.embed,
+                                                             n + 1)) <= room:
+        n += 1
+    return n
+
+
+def host(s, resident, slabs, offloaded, gpu_bytes, on_gpu=frozenset()):
     """The host's bytes by component, of one node (its gpus ranks, each with 1/N of the store:
     optim. HostAdamW and stream.py's pinned buffers): (host, the per-parameter store's bytes, the
     bytes page-locked -- optim.page_locked, what a copy engine reads or writes: not Adam's m and v,
-    nor the fp32 master when a bf16 shadow is what crosses)."""
+    nor the fp32 master when a bf16 shadow is what crosses -- but of a unit updated on the GPU
+    (on_gpu) master, m and v cross, and its gradient stays there)."""
     cfg, gpus = s.cfg, s.gpus
 
     def per_unit(bytes_per_param):   # of every unit the host keeps (not the resident ones)
@@ -144,9 +179,10 @@ def host(s, resident, slabs, offloaded, gpu_bytes):
     if s.shadow:
         host["bf16 shadow (streamed)"] = per_unit(2)
     if s.defer:
-        host["fp32 grad store (global norm first)"] = per_unit(4)
+        host["fp32 grad store (global norm first)"] = per_unit(4) - gpus * sum(
+            s.shard(s.units[u].numel) * 4 for u in on_gpu)
     store = sum(host.values())                         # the per-parameter part: 12 to 18 B/param
-    streamed = [u.numel for i, u in enumerate(s.units) if i not in resident]
+    streamed = [u.numel for i, u in enumerate(s.units) if i not in resident and i not in on_gpu]
     if slabs and streamed:  # D2H lands in a slab, the worker updates from it
         host[f"fp32 grad slabs: {slabs}"] = gpus * slabs * s.shard(max(streamed)) * 4
     if offloaded:
@@ -157,7 +193,8 @@ def host(s, resident, slabs, offloaded, gpu_bytes):
         host["pinned buffers: embedding rows, dy, targets"] = \
             gpus * (s.tokens_step * cfg.d_model * s.row_b + s.act_step + s.tokens * 8)
     unpinned = UNPINNED | ({"fp32 master"} if s.shadow else set())
-    pinned = sum(v for k, v in host.items() if s.cuda and k not in unpinned)
+    pinned = sum(v for k, v in host.items() if s.cuda and k not in unpinned) + s.cuda * gpus * \
+        sum(s.shard(s.units[u].numel) * (8 + 4 * s.shadow) for u in on_gpu)   # m, v (+ master)
     host["runtime: Python, torch" + (", CUDA" if s.cuda else "")] = \
         gpus * (RUNTIME if s.cuda else 10**9)
     if not s.cuda:

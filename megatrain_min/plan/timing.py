@@ -73,7 +73,10 @@ def visits(s, tile, v):
                 reduce_scatter=(world - 1) / world * 4 / v.net,
                 # a resident unit: cast into its slot, gradient copied D2D, AdamW (or norm) on GPU
                 load_res=(4 + cb) / hbm, grad_res=8 / hbm,
-                gpu_adam=(28 + 4 * s.defer) / (hbm * GPU_ADAM_FRAC), gpu_norm=4 / hbm)
+                gpu_adam=(28 + 4 * s.defer) / (hbm * GPU_ADAM_FRAC), gpu_norm=4 / hbm,
+                # a unit updated on the GPU (gpu_update.py): master, m, v cross both ways (fast: the
+                # shadow, cast there, back too)
+                visit_h2d=12 / v.h2d, visit_d2h=(12 + 2 * s.shadow) / v.d2h)
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if s.tied else s.units[0].numel)
     qkv = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad
@@ -161,7 +164,8 @@ def min_tokens(s, v, resident):
 
 
 def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_SLABS, guard=False,
-             overlap=True, steps=3, sharded=False, resident=frozenset(), need_first=None):
+             overlap=True, steps=3, sharded=False, resident=frozenset(), need_first=None,
+             gpu_updated=frozenset()):
     """Replay stream.Trainer.step's issue order on four lanes -- h2d, compute, d2h (CUDA streams,
     FIFO) and cpu_adam (the optimizer thread, in optim.Worker's order: work(); need_first None:
     NEED_FIRST) -- and the host thread that issues the work. A task
@@ -178,7 +182,10 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     reduce_scatter before the D2H of the shard, the rows' reduce_scatter and dy's all_gather -- one
     collective at a time. resident: the units kept on the GPU -- cast into their slot and updated
     (or their norm taken) on the h2d lane, their gradient copied on d2h, the embedding's rows
-    gathered and its dy scattered on the GPU: the host waits for none of it."""
+    gathered and its dy scattered on the GPU: the host waits for none of it. gpu_updated: units
+    whose gradient stays on the GPU (copied D2D, its norm taken there) and whose update crosses
+    the link (gpu_update.GpuUpdates: master, m, v H2D into one of two scratches after its last D2H,
+    the kernel, then D2H) on the h2d and d2h lanes; the unit's next H2D waits for that D2H."""
     need_first = NEED_FIRST if need_first is None else need_first
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam") + (("comm",) if sharded else ()),
                          0.0)
@@ -260,6 +267,8 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     def load(u, after):                      # H2D (of the shard; then its all_gather into the slot)
         if u in resident:                    # a D2D cast, after its update on the same lane
             return run("h2d", after, cost("load_res", u))
+        if u in gpu_updated:                 # after its update's D2H (the host waits for nothing)
+            return run("h2d", max(after, landed.get(u, 0.0)), cost("load", u))
         block(updated(u))
         x = run("h2d", after, cost("load", u))
         return run("comm", x, cost("all_gather", u)) if sharded else x
@@ -270,6 +279,14 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     upd, starts = {}, []                         # unit -> when its latest update finished
     # the worker's tasks not run yet; when each slab was given back; how many the host took
     todo, puts, taken = [], [], [0]
+    landed, scratch_free = {}, [0.0, 0.0]       # gpu_updated: unit -> its D2H's end; each scratch's
+
+    def on_gpu(u, after):                        # gpu_update.GpuUpdates.step: H2D, kernel, D2H
+        k = turn[0] = 1 - turn[0]
+        x = run("h2d", max(after, scratch_free[k]), cost("visit_h2d", u) + cost("gpu_adam", u))
+        scratch_free[k] = landed[u] = run("d2h", x, cost("visit_d2h", u))
+        return x
+    turn = [1]
     for _ in range(steps):
         slot_free, gslot_free, loaded, sent = [0.0, 0.0], [0.0, 0.0], {}, {}
         # forward: layer i in slot i % 2; the next unit is prefetched into the other slot
@@ -298,9 +315,11 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
             block(loss)
 
         def drain(unit, k, after):    # grad visit k: a slab (unless deferred), D2H, then the worker
-            if unit in resident:      # D2D into its store, then its update (or norm) on h2d
-                done = gslot_free[k % 2] = run("d2h", after, cost("grad_res", unit))
-                if unit != emb:
+            if unit in resident or unit in gpu_updated:   # D2D into its store, then its update
+                done = gslot_free[k % 2] = run("d2h", after, cost("grad_res", unit))   # (or norm)
+                if unit in gpu_updated and not defer_updates:
+                    upd[unit] = on_gpu(unit, done)
+                elif unit != emb:
                     upd[unit] = run("h2d", done, cost(first_res, unit))
                 return done
             if not defer_updates:
@@ -343,6 +362,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
             block(max(upd.values()))
             for u in [emb] + list(range(L)) + ([] if tied else ["head"]):
                 upd[u] = run("h2d", 0.0, cost("gpu_adam", u)) if u in resident else \
+                    on_gpu(u, 0.0) if u in gpu_updated else \
                     run("cpu_adam", 0.0, cost("adam", u) + t.get("host_update", 0.0))
     now = starts[-1]
     while now > starts[-2] and now in ends:    # each task ends where it starts, or earlier: bounded
