@@ -206,7 +206,8 @@ def save(step_done):
 # --- the loop -------------------------------------------------------------------------------------
 run.stops.catch()    # SIGTERM, SIGHUP, a first Ctrl-C: finish the step, save, exit 0
 run.record({"args": vars(args), "model": cfg.to_dict(), "params": n_params, "device": str(device),
-            "dtype": str(dtype), "mode": pl["mode"], "world_size": WORLD})   # config.json, metrics
+            "dtype": str(dtype), "mode": pl["mode"], "world_size": WORLD,   # config.json, metrics
+            "resident_units": pl["resident_units"], "gpu_updated_units": pl["gpu_updated_units"]})
 peak = hardware.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
 peak = peak and peak * WORLD                             # every rank's GPU (the tokens are global)
 guard, t_start = trainer.guard, time.time()

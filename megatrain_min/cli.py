@@ -42,7 +42,8 @@ RECIPE = dict(lr=3e-3,         # the toy's rate; the library's (optim.LR) suits 
 DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mode="auto",
                 dtype=None,
                 residual_dtype="fp32", offload_activations="auto", chunk_tokens=0, tile_tokens=None,
-                resident_units=None, hardware="local", gpus=1, nodes=1, keep=2)
+                resident_units=None, gpu_updated_units=None, hardware="local", gpus=1, nodes=1,
+                keep=2)
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
 # --dtype, --residual-dtype, --save-hf-dtype
@@ -167,6 +168,11 @@ def add_step(p):
                    help="units kept whole on the GPU and updated there, the embedding and layer 0 "
                         "first (exact; 0 = stream every unit; default: the planner's choice, as "
                         "many as fit in GPU memory)")
+    p.add_argument("--gpu-updated-units", type=int, default=DEFAULTS["gpu_updated_units"],
+                   help="streamed units whose AdamW runs on the GPU, their master, m, v crossing "
+                        "the link for it and their fp32 gradient kept there (exact; 0 = every "
+                        "streamed unit on the host; default: the planner's choice, where it makes "
+                        "the step faster)")
 
 
 def add_hardware(p, default=DEFAULTS["hardware"]):
@@ -280,6 +286,9 @@ def check(a, world=1):
     if getattr(a, "resident_units", None) is not None and a.resident_units < 0:
         raise FlagError("--resident-units must be >= 0 (0 = stream every unit), got "
                         f"{a.resident_units}")
+    if getattr(a, "gpu_updated_units", None) is not None and a.gpu_updated_units < 0:
+        raise FlagError("--gpu-updated-units must be >= 0 (0 = update every streamed unit on the "
+                        f"host), got {a.gpu_updated_units}")
     if a.max_seq_len is not None and a.max_seq_len <= 0:
         raise FlagError(f"--max-seq-len must be positive, got {a.max_seq_len}")
     for flag in ("host_mem", "host_bw"):

@@ -37,8 +37,8 @@ class GpuUpdates:
     def __init__(self, n):
         """n: how many streamed units are updated on the GPU (0: none)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"gpu_updated_units must be an integer >= 0 (streamed units updated on "
-                             f"the GPU), got {n!r}")
+            raise ValueError("gpu_updated_units must be an integer >= 0 (streamed units updated "
+                             f"on the GPU), got {n!r}")
         self.n, self.trainer, self.turn = n, None, 0
         self.landed, self.free = {}, [None, None]   # unit -> its D2H's event; scratch k's
         self.scratch, self.low = [], []              # per scratch: master, m, v; the shadow's

@@ -218,9 +218,8 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         per rank: the step's batch is split over the ranks, then each rank's share into
         micro-batches. lanes: with a comm lane (ShardedLanes, record.SimLanes)."""
         if kw.get("resident_units") or kw.get("gpu_updates"):
-            raise ValueError("resident units and units updated on the GPU need one process holding "
-                             "whole units; sharded ranks stream every unit and update it on the host "
-                             "(resident_units=0, no gpu_updates)")
+            raise ValueError("resident or GPU-updated units need one process holding whole units"
+                             "; sharded ranks stream every unit (resident_units=0, no gpu_updates)")
         dev = checks.check_device(device)
         lanes = lanes if lanes is not None else ShardedLanes(
             dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

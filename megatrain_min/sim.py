@@ -32,10 +32,12 @@ GB = 1e9
 
 def check_main(a, cfg, p):
     """The engine on checked lanes for the plan's settings, in fp32 unless --dtype says otherwise
-    (bf16 matmuls are slow on a CPU), streaming every unit unless --resident-units asks."""
+    (bf16 matmuls are slow on a CPU), streaming every unit and updating it on the host unless
+    --resident-units or --gpu-updated-units asks."""
     checker = race.Checker()
     kw = dict(engine.arguments(p), dtype=DTYPES[a.dtype or "fp32"],
-              resident_units=a.resident_units or 0)
+              resident_units=a.resident_units or 0,
+              gpu_updates=engine.parts(gpu_updated_units=a.gpu_updated_units or 0)["gpu_updates"])
     record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
     print(checker.summary())
     return 1 if checker.races else 0
@@ -49,7 +51,8 @@ def timeline_main(a, cfg, p):
     r = tw.result_of(cfg, a.batch_size * a.seq_len)
     r.update(config=a.config, hardware=a.hardware, plan_step_time_s=p["step_time_s"],
              plan_bottleneck=p["bottleneck"],
-             host_speed=a.host_speed, host_issue_s=tw.issue, resident_units=p["resident_units"])
+             host_speed=a.host_speed, host_issue_s=tw.issue, resident_units=p["resident_units"],
+             gpu_updated_units=p["gpu_updated_units"])
     if a.trace:
         tw.trace(a.trace)
     if a.json:
@@ -59,7 +62,7 @@ def timeline_main(a, cfg, p):
     print(f"PREDICTION for {a.config} on {hw['name']} ({hw['gpu']}), {a.batch_size} x {a.seq_len} "
           f"tokens, {a.micro_batches} micro-batch(es), --mode {p['mode']}, grad clip "
           f"{a.grad_clip or 'off'}, {p['resident_units']} of {len(model.units(cfg))} units "
-          "resident on the GPU")
+          f"resident on the GPU, {p['gpu_updated_units']} updated there")
     print(f"  step {r['step_time_s']:.3g} s (planner: {p['step_time_s']:.3g} s), "
           f"{r['tokens_per_s']:,.0f} tokens/s, {r['model_tflops']:.3g} model TFLOP/s, overlap "
           f"{r['overlap']:.0%}")

@@ -53,7 +53,8 @@ def test_param_count_equals_init_weights(cfg):
 def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     cfg = model.PRESETS["7b"]
     N = model.n_params(cfg)
-    p = P.plan(cfg, "h100", batch_size=8, mode=mode, dtype=dtype, grad_clip=clip, resident_units=0)   # every unit streamed
+    p = P.plan(cfg, "h100", batch_size=8, mode=mode, dtype=dtype, grad_clip=clip, resident_units=0,
+               gpu_updated_units=0)   # every unit streamed, updated on the host
     assert p["host_bytes_per_param"] == per_param               # the store: exact, whole bytes
     assert p["host"]["fp32 master"] == p["host"]["Adam m (fp32)"] == p["host"]["Adam v (fp32)"] == 4 * N
     assert p["host"].get("bf16 shadow (streamed)", 0) == (2 * N if mode == "fast" and dtype == "bf16" else 0)
@@ -71,7 +72,7 @@ def test_the_plan_says_what_clipping_costs_and_when_the_other_mode_is_faster():
     the global norm), and --mode lean where the host's AdamW sets the pace (7B, 3 units resident, on the measured
     H200 with its 134 GB); nothing of the kind where the GPU sets the pace, and nothing on a CPU."""
     cfg = dataclasses.replace(model.PRESETS["7b"], n_layer=8)
-    kw = dict(batch_size=4, seq_len=4096, host_mem_gb=134, resident_units=1)
+    kw = dict(batch_size=4, seq_len=4096, host_mem_gb=134, resident_units=1, gpu_updated_units=0)   # host AdamW
     p = P.plan(cfg, "h200", grad_clip=1.0, **kw)
     free, lean = P.plan(cfg, "h200", grad_clip=0.0, **kw), P.plan(cfg, "h200", grad_clip=1.0, mode="lean", **kw)
     assert p["bottleneck"] == "cpu_adam" and free["step_time_s"] < 0.98 * p["step_time_s"]
@@ -441,7 +442,7 @@ def test_slabs_kept_for_the_optimizer_threads_backlog():
                           max_seq_len=4096)
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134, name="h200 (measured)")
     kw = dict(batch_size=4, seq_len=4096, micro_batches=4, dtype="bf16", grad_clip=0.0, skip_nonfinite=False,
-              resident_units=2, offload_activations=False)
+              resident_units=2, offload_activations=False, gpu_updated_units=0)   # every streamed unit: host AdamW
     p = P.plan(cfg, hw, **kw)
     unlimited = P.plan(cfg, hw, **kw, grad_slabs=24)
     asked = P.plan(cfg, hw, **kw, grad_slabs=3)
@@ -468,7 +469,8 @@ def test_auto_mode_is_the_plans_pick():
     cfg = model.GPTConfig(n_layer=24, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
                           max_seq_len=4096)
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134, name="h200 (measured)")
-    kw = dict(batch_size=4, seq_len=4096, micro_batches=4, dtype="bf16", grad_clip=0.0, skip_nonfinite=False)
+    kw = dict(batch_size=4, seq_len=4096, micro_batches=4, dtype="bf16", grad_clip=0.0, skip_nonfinite=False,
+              gpu_updated_units=0)                                            # every streamed unit: host AdamW
     p = P.plan(cfg, hw, mode="auto", resident_units=2, **kw)
     fast, lean = (P.plan(cfg, hw, mode=m, resident_units=2, **kw) for m in ("fast", "lean"))
     assert lean["step_time_s"] <= 0.95 * fast["step_time_s"]

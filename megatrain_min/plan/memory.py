@@ -137,9 +137,9 @@ def gpu_updated(s, resident, n, gpu):
     the largest one's master, m, v (+ its bf16 shadow in fast mode)."""
     units = gpu_update.chosen(s.order, len(resident), s.embed, n)
     if units:
-        gpu[f"updated on the GPU: {len(units)} units' fp32 gradients, 4 B/param"] = \
+        gpu[f"GPU-updated units: {len(units)}, fp32 grads 4 B/param"] = \
             4 * sum(s.units[u].numel for u in units)
-        gpu["GPU update scratches: 2 x (master, m, v" + (", shadow)" if s.shadow else ")")] = \
+        gpu["GPU update scratch: 2 x master, m, v" + (", shadow" if s.shadow else "")] = \
             gpu_bytes_of(s, units) - 4 * sum(s.units[u].numel for u in units)
     return set(units)
 

@@ -87,6 +87,10 @@ def format_plan(p):
         ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
         (adam, t["adam"] + t["norm"] * p["defer_updates"]),
         ("head: loss forward + backward, 6 V d T", t["head"]))]
+    if p["gpu_updated_units"]:                     # gpu_update.GpuUpdates.step: its copies each way
+        rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
+            ("GPU-updated unit: master, m, v H2D (+ AdamW)", t["visit_h2d"] + t["gpu_adam"]),
+            ("GPU-updated unit: master, m, v (+ shadow) D2H", t["visit_d2h"]))]
     if many:
         rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
             ("all_gather of the weights (comm lane)", t["all_gather"]),
@@ -135,18 +139,23 @@ def alternatives(p):
 
 
 def resident_line(p):
-    """What the plan keeps on the GPU, and why (--resident-units)."""
-    k, n = p["resident_units"], len(model.units(model.GPTConfig(**p["model"])))
+    """What the plan keeps on the GPU and updates there, and why (--resident-units,
+    --gpu-updated-units)."""
+    k, g = p["resident_units"], p["gpu_updated_units"]
+    n = len(model.units(model.GPTConfig(**p["model"])))
     if p["resident_asked"] is not None:
         why = "as asked (--resident-units)"
     elif p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1:
         why = "as many as fit beside the step"
     else:
         why = "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
-    if not k:
-        return f"resident on the GPU: none ({why}): every unit streams"
-    return (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): "
-            f"updated there, the host updates the other {n - k}")
+    line = (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): "
+            "updated there" if k else f"resident on the GPU: none ({why}): every unit streams")
+    if not g:
+        return line + (f", the host updates the other {n - k}" if k else "")
+    asked = "as asked" if p["gpu_updated_asked"] is not None else "the plan's pick: a faster step"
+    return (f"{line}; of the {n - k} streamed, {g} updated on the GPU ({asked}; their master, m, v "
+            f"cross for it, the gradient stays), the host updates {n - k - g}")
 
 
 def describe_run(p, world=1, gpus=1):
@@ -159,7 +168,8 @@ def describe_run(p, world=1, gpus=1):
             f"GB page-locked), device {p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, "
             "boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}, "
-            f"{p['resident_units']} units resident on the GPU; predicted {p['tokens_per_s']:,.0f} "
+            f"{p['resident_units']} units resident on the GPU, {p['gpu_updated_units']} updated "
+            f"there; predicted {p['tokens_per_s']:,.0f} "
             f"tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
 
 

@@ -268,7 +268,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
         if u in resident:                    # a D2D cast, after its update on the same lane
             return run("h2d", after, cost("load_res", u))
         if u in gpu_updated:                 # after its update's D2H (the host waits for nothing)
-            return run("h2d", max(after, landed.get(u, 0.0)), cost("load", u))
+            return run("h2d", max(after, back.get(u, 0.0)), cost("load", u))
         block(updated(u))
         x = run("h2d", after, cost("load", u))
         return run("comm", x, cost("all_gather", u)) if sharded else x
@@ -279,12 +279,12 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     upd, starts = {}, []                         # unit -> when its latest update finished
     # the worker's tasks not run yet; when each slab was given back; how many the host took
     todo, puts, taken = [], [], [0]
-    landed, scratch_free = {}, [0.0, 0.0]       # gpu_updated: unit -> its D2H's end; each scratch's
+    back, scratch_free = {}, [0.0, 0.0]         # gpu_updated: unit -> its D2H's end; each scratch's
 
     def on_gpu(u, after):                        # gpu_update.GpuUpdates.step: H2D, kernel, D2H
         k = turn[0] = 1 - turn[0]
         x = run("h2d", max(after, scratch_free[k]), cost("visit_h2d", u) + cost("gpu_adam", u))
-        scratch_free[k] = landed[u] = run("d2h", x, cost("visit_d2h", u))
+        scratch_free[k] = back[u] = run("d2h", x, cost("visit_d2h", u))
         return x
     turn = [1]
     for _ in range(steps):
