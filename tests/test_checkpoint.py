@@ -63,16 +63,17 @@ def test_round_trip_is_bit_exact_and_refreshes_the_shadow(tmp_path):
 
 
 def test_resident_units_round_trip(tmp_path):
-    """A checkpoint does not depend on where the units lived: saved by a trainer with 3 units resident on the
-    device, loaded into one with none and into one with all of them, bit for bit (state(), on the CPU here;
-    tests/test_gpu.py loads on a GPU)."""
-    a = engine(CFG, model.init_weights(CFG, 0), device="cpu", resident_units=3, **HP)
+    """A checkpoint does not depend on where the units lived or were updated: saved by a trainer with 3 units
+    resident on the device (and 2 streamed ones updated there, their step counts on the device), loaded into one
+    with none, into one with all of them resident and into one updating every streamed unit on the device, bit
+    for bit (state(), on the CPU here; tests/test_gpu.py loads on a GPU)."""
+    a = engine(CFG, model.init_weights(CFG, 0), device="cpu", resident_units=3, gpu_updated_units=2, **HP)
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         a.step(*random_batch(CFG, 4, 16, gen))
     path = checkpoint.save(a, tmp_path, 2, {})
-    for k in (0, 99):
-        b = engine(CFG, model.init_weights(CFG, 1), device="cpu", resident_units=k, **HP)
+    for k, g in ((0, 0), (99, 0), (1, 99)):
+        b = engine(CFG, model.init_weights(CFG, 1), device="cpu", resident_units=k, gpu_updated_units=g, **HP)
         checkpoint.load(b, path)
         assert same(state(a), state(b))
 

@@ -1,9 +1,9 @@
 """The engine on a real GPU. Skipped without CUDA; on a GPU machine run them all with
     python -m pytest -q tests/test_gpu.py -s
 - asynchronous (three streams, events) equals a run that synchronises after every operation, bit for bit,
-  with units resident on the GPU too;
+  with units resident on the GPU, or streamed and updated there, too;
 - fp32 on CUDA (TF32 off) equals the plain PyTorch reference on CUDA (same tolerances as on the CPU), with 0, 2
-  and all units resident;
+  and all units resident, and with streamed units updated on the GPU;
 - bf16 streaming tracks the fp32 reference loss on the toy corpus within 2% after 200 steps;
 - peak GPU memory does not grow with depth when boundary activations are offloaded (spread < 5%);
 - the lanes and the optimizer thread run on the Trainer's device, and the host memory it page-locks
@@ -38,9 +38,10 @@ class SyncLane(Lane):
         return super().record()
 
 
-@pytest.mark.parametrize("clip,resident", [(0.0, 0), (1.0, 0), (0.0, 3), (1.0, 99)])
+@pytest.mark.parametrize("clip,resident,gpu_updated", [(0.0, 0, 0), (1.0, 0, 0), (0.0, 3, 0), (1.0, 99, 0),
+                                                       (1.0, 1, 99), (0.0, 0, 3)])
 @pytest.mark.parametrize("offload", [False, True])
-def test_async_equals_synchronised_bit_for_bit(clip, offload, resident):
+def test_async_equals_synchronised_bit_for_bit(clip, offload, resident, gpu_updated):
     cfg = dataclasses.replace(model.PRESETS["toy"], n_layer=6, d_model=256, n_head=8, n_kv_head=8, d_ff=704)
     w0 = model.init_weights(cfg, 0)
     out = []
@@ -48,20 +49,21 @@ def test_async_equals_synchronised_bit_for_bit(clip, offload, resident):
         gen = torch.Generator().manual_seed(0)
         lanes = Lanes(torch.device("cuda"), lane=SyncLane if sync else Lane)
         t = engine(cfg, w0, device="cuda", dtype=torch.bfloat16, grad_clip=clip, micro_batches=4,
-                   offload_activations=offload, lanes=lanes, resident_units=resident, **HP)
+                   offload_activations=offload, lanes=lanes, resident_units=resident,
+                   gpu_updated_units=gpu_updated, **HP)
         losses = [t.step(*random_batch(cfg, 16, 128, gen)) for _ in range(4)]
         out.append((losses, t.weights()))
     assert out[0][0] == out[1][0], out
     assert all(torch.equal(out[0][1][k], out[1][1][k]) for k in w0)
 
 
-@pytest.mark.parametrize("resident", [0, 2, 99])
+@pytest.mark.parametrize("resident,gpu_updated", [(0, 0), (2, 0), (99, 0), (1, 99), (0, 2)])
 @pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "special"])
-def test_cuda_fp32_equals_reference(cfg, resident):
+def test_cuda_fp32_equals_reference(cfg, resident, gpu_updated):
     gen = torch.Generator().manual_seed(1)
     w0 = model.init_weights(cfg, 0)
-    ours = CheckedTrainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0,
-                   resident_units=resident, **HP)
+    ours = engine(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0,
+                  resident_units=resident, gpu_updated_units=gpu_updated, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cuda", dtype=torch.float32, micro_batches=2, grad_clip=1.0, **HP)
     losses_agree(ours, ref, cfg, gen, steps=5, B=4, T=32, rtol=1e-5)
     assert update_rel(w0, ours.weights(), ref.weights()) <= 1e-3
@@ -140,7 +142,7 @@ def test_lanes_worker_and_pinned_bytes_on_the_trainers_device(monkeypatch, clip)
     assert all(g.is_pinned() for g in t.opt.grad if g is not None) and all(s.is_pinned() for s in t.opt.shadow)
     assert not t.opt.m[0].is_pinned() and not t.opt.master[0].is_pinned()     # Adam's state never crosses
     p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, offload_activations=True,
-                  grad_slabs=3, resident_units=0)
+                  grad_slabs=3, resident_units=0, gpu_updated_units=0)
     got = sum(rt.registered.values())
     print(f"page-locked {got:,} B in {len(rt.registered)} buffers, plan {p['pinned_bytes']:,} B")
     assert 0 <= got - p["pinned_bytes"] <= len(rt.registered) * mmap.PAGESIZE

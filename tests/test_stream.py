@@ -418,15 +418,18 @@ def test_the_optimizer_thread_selects_the_trainers_gpu(monkeypatch):
         torch.cuda.set_device(torch.device("cuda"))
 
 
-@pytest.mark.parametrize("clip,offload,resident", [(0.0, True, 0), (1.0, False, None)],
-                         ids=["noclip-offload-streamed", "clip-resident-as-planned"])
-def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch, clip, offload, resident):
+@pytest.mark.parametrize("clip,offload,resident,gpu_updated", [(0.0, True, 0, 0), (1.0, False, None, 0),
+                                                               (1.0, True, 1, 3), (0.0, False, 0, 2)],
+                         ids=["noclip-offload-streamed", "clip-resident-as-planned", "clip-3-gpu-updated",
+                              "noclip-2-gpu-updated"])
+def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch, clip, offload, resident,
+                                                                     gpu_updated):
     """A Trainer configured for CUDA with an un-indexed torch.device("cuda"), as train.py makes it, built and
     stepped on the CPU through doubles of every CUDA call it makes, each refusing what the real call refuses
     (tests/cuda_doubles.py; device tensors made on the CPU): the device is resolved once to cuda:0 and its lanes
     and optimizer thread use it; it trains as the plain PyTorch reference does (the central test's tolerances);
     and the host memory it page-locks is the plan's pinned figure, each buffer rounded up to whole pages -- every
-    unit streamed, or as many resident on the GPU as the plan keeps there."""
+    unit streamed, or as many resident on the GPU as the plan keeps there, or some updated there."""
     cfg, (B, T, M) = model.PRESETS["toy"], (4, 32, 2)
     w0 = model.init_weights(cfg, 0)
     kw = dict(dtype=torch.float32, grad_clip=clip, micro_batches=M, **HP)
@@ -435,11 +438,12 @@ def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch
     ref = ReferenceTrainer(cfg, w0, device="cpu", **kw)                  # before the doubles: torch.optim asks CUDA things
     expected = [ref.step(*b) for b in batches]
     p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, dtype="fp32", grad_clip=clip,
-                  offload_activations=offload, grad_slabs=3, resident_units=resident)
+                  offload_activations=offload, grad_slabs=3, resident_units=resident,
+                  gpu_updated_units=gpu_updated)
     gpu = cuda_doubles.install(monkeypatch)
     with gpu.placing():
         t = engine(cfg, w0, device=torch.device("cuda"), offload_activations=offload, grad_slabs=3,
-                   resident_units=p["resident_units"], **kw)
+                   resident_units=p["resident_units"], gpu_updated_units=p["gpu_updated_units"], **kw)
         losses = [t.step(*b) for b in batches]
         got = t.weights()
     assert t.dev == t.lanes.device == torch.device("cuda", 0)
@@ -448,7 +452,9 @@ def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch
     assert [(who.startswith("adamw"), d) for who, d in gpu.set_device_calls] == worker, gpu.set_device_calls
     assert all(abs(ours - theirs) / theirs <= 1e-5 for ours, theirs in zip(losses, expected)), (losses, expected)
     assert update_rel(w0, got, ref.weights()) <= 1e-3
-    assert len(t.opt.resident) == p["resident_units"] == (0 if resident == 0 else len(t.units))
+    assert len(t.opt.resident) == p["resident_units"] == (0 if resident == 0 else len(t.units) if resident is None
+                                                          else resident)
+    assert len(t.opt.gpu_updated) == p["gpu_updated_units"] == gpu_updated
     registered = gpu.cudart.registered
     print(f"page-locked: {sum(registered.values()):,} B in {len(registered)} buffers; plan: {p['pinned_bytes']:,} B")
     assert 0 <= sum(registered.values()) - p["pinned_bytes"] <= len(registered) * mmap.PAGESIZE

@@ -90,11 +90,13 @@ def replay(cfg, hardware, steps=3, trainer_cls=None, B=2, T=1024, host_op_s=hard
     a.update(kw)
     p = planner.plan(cfg, hardware, batch_size=B, seq_len=T, micro_batches=a["micro_batches"], mode=a["mode"],
                      dtype="bf16", grad_clip=a["grad_clip"], offload_activations=a.get("offload_activations"),
-                     skip_nonfinite=a["skip_nonfinite"], resident_units=a.pop("resident_units", None))
+                     skip_nonfinite=a["skip_nonfinite"], resident_units=a.pop("resident_units", None),
+                     gpu_updated_units=a.pop("gpu_updated_units", None))
     tw = twin.Twin(p["hardware"], host_op_s=host_op_s)
     a.setdefault("offload_activations", p["offload_activations"])
     record.run(cfg, [tw], steps, trainer_cls=trainer_cls, fake=True, sources=False, costs=True, batch=(B, T),
-               dtype=torch.bfloat16, grad_slabs=p["grad_slabs"] or 1, resident_units=p["resident_units"], **a)
+               dtype=torch.bfloat16, grad_slabs=p["grad_slabs"] or 1, resident_units=p["resident_units"],
+               gpu_updated_units=p["gpu_updated_units"], **a)
     return tw.result_of(cfg, B * T), p
 
 
@@ -109,7 +111,39 @@ def test_twin_and_planner_agree(preset, hw, mode, clip, resident):
     print(f"{preset}-wide x3 on {hw} {mode} clip {clip}, {p['resident_units']} resident: twin {r['step_time_s']:.3f} s "
           f"({r['bottleneck']}), plan {p['step_time_s']:.3f} s ({p['bottleneck']}), ratio {ratio:.3f}")
     assert 0.9 <= ratio <= 1.1
-    assert r["bottleneck"] == p["bottleneck"]
+    (first, a), (second, b) = sorted(p["critical_path"].items(), key=lambda kv: -kv[1])[:2]
+    # the same bottleneck; where the planner's top two lanes are within 10% of the step of each other (the host's
+    # AdamW and the GPU's updates, balanced by the plan's count of GPU-updated units, end together: parallel paths
+    # of one length), either may be the one its walk back took
+    assert r["bottleneck"] == p["bottleneck"] if a - b > 0.1 else r["bottleneck"] in (first, second), \
+        (r["critical_path"], p["critical_path"])
+
+
+def test_gpu_updated_units_in_twin_and_planner():
+    """Clipping (every update after the backward) on the measured H200 profile, 10 streamed layers of 7B width at
+    16k tokens, lean mode: the plan updates about half of the streamed units on the GPU (gpu_update.GpuUpdates:
+    master, m, v over PCIe both ways while the host updates the others). The twin replays the engine doing so;
+    both models agree with each other, and both find the step at least 15% shorter than with every update on
+    the host."""
+    cfg = model.GPTConfig(n_layer=10, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
+                          max_seq_len=4096)
+    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134)
+    got = {}
+    for asked in (0, None):
+        p = planner.plan(cfg, hw, batch_size=4, seq_len=4096, micro_batches=1, dtype="bf16", grad_clip=1.0,
+                         mode="lean", skip_nonfinite=False, resident_units=0, offload_activations=False,
+                         gpu_updated_units=asked)
+        tw = twin.Twin(p["hardware"])
+        record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(4, 4096), dtype=torch.bfloat16,
+                   micro_batches=1, grad_clip=1.0, mode="lean", resident_units=0,
+                   gpu_updated_units=p["gpu_updated_units"])
+        r = tw.result_of(cfg, 4 * 4096)
+        got[asked] = r["step_time_s"], p["step_time_s"], p["gpu_updated_units"]
+        print(f"{p['gpu_updated_units']} of 11 updated on the GPU: twin {r['step_time_s']:.3f} s, plan "
+              f"{p['step_time_s']:.3f} s")
+        assert 0.95 <= r["step_time_s"] / p["step_time_s"] <= 1.05
+    assert got[0][2] == 0 and 3 <= got[None][2] <= 8
+    assert got[None][0] < 0.85 * got[0][0] and got[None][1] < 0.85 * got[0][1]
 
 
 def test_offload_ring_keeps_peak_memory_flat_in_depth():
@@ -165,7 +199,8 @@ def test_need_first_order_in_twin_and_planner():
         timing.NEED_FIRST = need_first
         try:
             p = planner.plan(cfg, hw, batch_size=4, seq_len=4096, micro_batches=1, dtype="bf16", grad_clip=0.0,
-                             skip_nonfinite=False, resident_units=0, offload_activations=False)
+                             skip_nonfinite=False, resident_units=0, offload_activations=False,
+                             gpu_updated_units=0)
         finally:
             timing.NEED_FIRST = True
         tw = twin.Twin(p["hardware"], need_first=need_first)

@@ -270,7 +270,7 @@ def twin_says(x):
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=host)       # the run's host memory, not 1.5 TB
     n = len(model.units(cfg))
 
-    def step(resident, mode="fast", as_measured=False):
+    def step(resident, mode="fast", as_measured=False, gpu_updated=0):
         tile, order = optim.TILE, timing.NEED_FIRST
         optim.TILE = 1 << 40 if as_measured else tile    # a whole unit: the shadow in a second pass
         timing.NEED_FIRST = not as_measured              # then: updates in the order they landed
@@ -278,7 +278,7 @@ def twin_says(x):
             return plan.plan(cfg, hw, batch_size=c["tokens"] // 4096, seq_len=4096,
                              micro_batches=c["micro_batches"], mode=mode, grad_clip=0.0,
                              skip_nonfinite=False, grad_slabs=3 if as_measured else None,
-                             resident_units=resident)
+                             resident_units=resident, gpu_updated_units=gpu_updated)
         finally:
             optim.TILE, timing.NEED_FIRST = tile, order
     rows = [("the engine as measured (two host passes, nothing "
@@ -286,6 +286,8 @@ def twin_says(x):
             ("one pass, the landed unit the next forward needs first", step(0)),
             (f"{n // 10} units resident (<= 10%: a 120b run's regime)", step(n // 10)),
             (f"  in lean mode (28 B/param on the host, fp32 over PCIe)", step(n // 10, "lean")),
+            (f"  + streamed units updated on the GPU (the plan's count)",
+             step(n // 10, "lean", gpu_updated=None)),
             (f"every unit resident ({n}: the 5.1B model fits the H200)", step(n))]
     gpu_only = x["meta"]["timed"]["at_min_tokens"]["compute_only_s"]
     print(f"{'engine':<60}{'step s':>8}{'GPU-only/step':>15}  bound by")
@@ -309,7 +311,12 @@ said, gpu_only = twin_says(X)
 # ms per layer (`bench/results/2026-11-27-nvidia-h200-2/adamw_cpu.json`): the fp32 -> bf16 copy
 # costs the same from cache, so the models count it as before. At this run's 16,384 tokens the
 # host still sets the pace unless most units are resident; with twice the tokens (or everything
-# resident, as a 5.1B model can be on an H200) the GPU computes the whole step.
+# resident, as a 5.1B model can be on an H200) the GPU computes the whole step. A streamed unit
+# can also be updated on the GPU (`megatrain_min/gpu_update.py`): its gradient stays there, its
+# master, m and v cross the link for the update and back -- 24 B/param of DMA instead of 28 of the
+# host's AdamW -- while the host updates the others; the plan picks how many (here few: without
+# clipping the host keeps up nearly; with clipping, where every update follows the backward, about
+# half of them, bench/NOTES.md).
 #
 # %% [markdown]
 # ## Check
