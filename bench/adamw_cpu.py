@@ -10,6 +10,10 @@ Variants (each on the same units, best of interleaved rounds; the bytes counted 
   triad      a = b + s * c over fp32 arrays as large (STREAM's triad, 12 B per element): the host's bandwidth
   torch      torch.optim.AdamW(fused=True) over the same parameters as separate tensors, no shadow (28 B)
 Reports ms per unit, Gparam/s, GB/s at the counted bytes, and each variant's share of the triad bandwidth.
+With CUDA, also what the host's DRAM gives when both copy engines stream at once (gpu_update.GpuUpdates moves a
+unit's master, m and v over PCIe both ways while the optimizer thread runs AdamW on the others): the lean AdamW
+alone and under pinned H2D + D2H copies of a unit's 12 B/param, and the copies alone and under the AdamW -- the
+models (megatrain_min/twin.py, plan/timing.py) assume neither slows the other beyond the measured 101 GB/s.
 
     python bench/adamw_cpu.py                       # >= 4x the L3 in all, units of up to a 7B-width layer
     python bench/adamw_cpu.py --params 8e8 --unit 202383360   # 4 Llama-2-7B-width layers (gpu_run.sh: ~40 GB)
@@ -108,10 +112,60 @@ def main():
     one, two = rows["one pass (HostAdamW)"], rows["two passes (whole-unit kernel, then shadow)"]
     print(f"one pass / two passes: {two['ms_per_unit'] / one['ms_per_unit']:.2f}x faster; "
           f"HostAdamW lean / torch fused: {rows['torch.optim.AdamW(fused=True)']['ms_per_unit'] / rows['lean (no shadow)']['ms_per_unit']:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(params=N, unit=unit, units=n_units, l3_bytes=l3_bytes(),
-                                                   threads=torch.get_num_threads(), torch=torch.__version__,
-                                                   tile=optim.TILE, rows=rows), indent=1))
+    result = dict(params=N, unit=unit, units=n_units, l3_bytes=l3_bytes(), threads=torch.get_num_threads(),
+                  torch=torch.__version__, tile=optim.TILE, rows=rows)
+    if args.json:                                  # written before the DMA part: that one needs a GPU
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if torch.cuda.is_available():
+        result["dma_contention"] = contention(lambda: [lean.step(u) for u in range(n_units)],
+                                              best["lean (no shadow)"], unit, 28 * N, args.rounds)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def contention(adamw, adamw_alone_s, unit, adamw_bytes, rounds):
+    """GB/s of the host AdamW (`adamw`: adamw_bytes of DRAM traffic, adamw_alone_s alone) while both copy engines
+    stream a unit's master, m, v (12 B/param, page-locked) to and from the GPU, and of the copies alone and while
+    the AdamW runs (as many trips each way as last about as long as the AdamW alone)."""
+    n = 3 * unit                                               # a unit's master, m, v: fp32
+    host_in, host_out = optim.page_locked(n), optim.page_locked(n)
+    dev_in, dev_out = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    lanes = [(torch.cuda.Stream(), dev_in, host_in), (torch.cuda.Stream(), host_out, dev_out)]   # H2D, D2H
+
+    def copies(k):                                             # k trips each way, queued: their GB/s, once synced
+        marks = []
+        for stream, dst, src in lanes:
+            with torch.cuda.stream(stream):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(k):
+                    dst.copy_(src, non_blocking=True)
+                end.record()
+            marks.append((start, end))
+        return lambda: [k * 4 * n / (a.elapsed_time(b) / 1e3) / 1e9 for a, b in marks]
+
+    alone = [0.0, 0.0]
+    for _ in range(rounds):
+        rates = copies(2)
+        torch.cuda.synchronize()
+        alone = [max(x, y) for x, y in zip(alone, rates())]
+    k = max(2, round(adamw_alone_s / (4 * n / (min(alone) * 1e9))))
+    best, under = math.inf, [0.0, 0.0]
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        rates = copies(k)
+        t0 = time.perf_counter()
+        adamw()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        under = [max(x, y) for x, y in zip(under, rates())]
+    out = dict(adamw_alone_gbs=adamw_bytes / adamw_alone_s / 1e9, adamw_under_dma_gbs=adamw_bytes / best / 1e9,
+               h2d_alone_gbs=alone[0], d2h_alone_gbs=alone[1], h2d_under_adamw_gbs=under[0],
+               d2h_under_adamw_gbs=under[1], trips=k)
+    print(f"DRAM shared: lean AdamW {out['adamw_alone_gbs']:.0f} GB/s alone, {out['adamw_under_dma_gbs']:.0f} under "
+          f"both copy engines ({k} trips of {4 * n / 1e9:.1f} GB each way); H2D {alone[0]:.1f} / D2H {alone[1]:.1f} "
+          f"GB/s alone, {under[0]:.1f} / {under[1]:.1f} GB/s under the AdamW")
+    return out
 
 
 if __name__ == "__main__":

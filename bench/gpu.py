@@ -290,17 +290,19 @@ def fsdp2_trainer(cfg, weights, M, fused=True):
 
 
 # ----------------------------------------------------------------------------- cases
-def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_clip=0.0, grad_slabs=None, mode="fast"):
+def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_clip=0.0, grad_slabs=None, mode="fast",
+                gpu_updated=0):
     """The engine on cfg at B x T tokens in M micro-batches, `resident` units on the GPU (the first the forward
-    needs), grad_clip, the gradient slabs (None: stream.GRAD_SLABS) and the memory mode as given: its timing (and the
-    trainer, keep=True)."""
+    needs), `gpu_updated` streamed units updated there (gpu_update.GpuUpdates), grad_clip, the gradient slabs (None:
+    stream.GRAD_SLABS) and the memory mode as given: its timing (and the trainer, keep=True)."""
     slabs = grad_slabs or stream.GRAD_SLABS
     t = CheckedTrainer(cfg, SameLayers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
-                       grad_slabs=slabs, mode=mode, **engine.parts(offload))
+                       grad_slabs=slabs, mode=mode, **engine.parts(offload, gpu_updated_units=gpu_updated))
     b = batch(cfg, B, T)
     r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
     r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload, resident_units=resident,
-                              grad_clip=grad_clip, grad_slabs=slabs, mode=mode), peak, offload,
+                              grad_clip=grad_clip, grad_slabs=slabs, mode=mode, gpu_updated_units=gpu_updated),
+              peak, offload,
               compute_only(cfg, B, T, M), resident)
     return (r, t) if keep else r
 
@@ -433,7 +435,8 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     out = dict(n_layer=L, params=model.n_params(cfg), units=len(model.units(cfg)), streaming_resident_units=k,
                host_available_gb=avail / GB, planned_host_gb=p["host_bytes"] / GB, planned_step_s=p["step_time_s"],
                planned_min_tokens=p["min_tokens_per_step"])
-    r, t = stream_case(cfg, B, T, M, S, peak, off, keep=True, resident=k, grad_slabs=p["grad_slabs"])
+    r, t = stream_case(cfg, B, T, M, S, peak, off, keep=True, resident=k, grad_slabs=p["grad_slabs"],
+                       gpu_updated=p["gpu_updated_units"])
     out["at_min_tokens"] = r
     save(out)
     for mult in S["token_sweep"] if sweep is None else sweep:   # the same trainer, more tokens (its M)
@@ -460,19 +463,22 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
         out["trace"] = f"{trace}.gz"
     t.weights(copy=False)
     del t
-    runs = [(f"clip_{c:g}", c, k, "fast") for c in clips if c] + [("lean_clip_0", 0.0, k, "lean")] + \
-        [(f"planned_clip_{c:g}", c, None, "fast") for c in clips]
-    for name, clip, resident, mode in runs:        # train.py clips at 1.0 by default: updates wait for the norm
+    # clipped (train.py's default: every update waits for the norm) first -- issue 33's target is lean_clip_1 -- each
+    # with the plan's count of units updated on the GPU, and once with none (every update on the host)
+    runs = [(f"{m}clip_{c:g}", c, k, mode, None) for c in clips if c for m, mode in (("lean_", "lean"), ("", "fast"))] + \
+        [(f"clip_{c:g}_host", c, k, "fast", 0) for c in clips if c] + [("lean_clip_0", 0.0, k, "lean", None)] + \
+        [(f"planned_clip_{c:g}", c, None, "fast", None) for c in clips]
+    for name, clip, resident, mode, gpu_updated in runs:
         gc.collect()
         free_memory()                              # before planning: "local" reads the GPU's free memory now
-        pr = planner.plan(cfg, "local", **kw(clip, resident), mode=mode)
+        pr = planner.plan(cfg, "local", **kw(clip, resident), mode=mode, gpu_updated_units=gpu_updated)
         if not pr["fits"]:
             why = "host" if not pr["fits_host"] else f"GPU, {pr['hardware']['gpu_mem_gb']:.0f} GB free"
             out[name] = {"skipped": f"{L} layers, clip {clip:g}, {pr['resident_units']} resident: the plan does "
                                     f"not fit this machine ({why})"}
             continue
         r = stream_case(cfg, B, T, M, S, peak, pr["offload_activations"], resident=pr["resident_units"],
-                        grad_clip=clip, grad_slabs=pr["grad_slabs"], mode=mode)
+                        grad_clip=clip, grad_slabs=pr["grad_slabs"], mode=mode, gpu_updated=pr["gpu_updated_units"])
         out[name] = dict(r, planned_step_s=pr["step_time_s"])
         save(out)
     out["at_min_tokens"]["planned_step_s"] = p["step_time_s"]

@@ -9,9 +9,11 @@
 # whole under the 10-minute limit of one device command (570 s): the tests get 150 s, the host AdamW 90 s, the bench
 # what they left (less 60 s kept for the calibration), the multi-GPU case what remains. The bench's default here: the
 # wide case at 24 layers (the depth of the first measured run, bench/results/2026-11-27-nvidia-h200) in the streaming
-# regime (<= 10% of the units resident) at 16k, 32k, 64k and 128k tokens, clipped, and as the planner chooses (all
-# resident), clip 0 and 1; no trace and no FSDP2 peer (19.5 s a step: ~2.5 minutes): BENCH_ARGS="--profile --peers
-# resident,fsdp2_offload --only pinned,peers,wide" adds them. Each part writes into a directory of its
+# regime (<= 10% of the units resident) at 16k and 32k tokens (64k and 128k were measured by the second run:
+# --wide-sweep 2,4,8 adds them), clipped -- lean and fast with the plan's units updated on the GPU, fast with every
+# update on the host --, lean unclipped, and as the planner chooses (all resident), clip 0 and 1; no trace and no
+# FSDP2 peer (19.5 s a step: ~2.5 minutes): BENCH_ARGS="--profile --peers resident,fsdp2_offload --only
+# pinned,peers,wide" adds them. Each part writes into a directory of its
 # own under $OUT, made fresh (a rerun with the same $OUT replaces its results), and writes after every case, so a
 # timeout still leaves what was measured.
 # To commit: copy "$OUT/bench", "$OUT/host_op.json", "$OUT/adamw_cpu.json" (and "$OUT/multi/multi_gpu.json") to
@@ -38,7 +40,7 @@ echo "bench/adamw_cpu.py exit status: $adamw" | tee -a "$OUT/adamw_cpu.log"
 
 # shellcheck disable=SC2086
 timeout $((510 - SECONDS)) python bench/gpu.py --out "$OUT/bench" \
-  ${BENCH_ARGS:---only pinned,peers,wide --wide-layers 24 --peers resident,resident_no_ckpt} 2>&1 \
+  ${BENCH_ARGS:---only pinned,peers,wide --wide-layers 24 --wide-sweep 2 --peers resident,resident_no_ckpt} 2>&1 \
   | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench exit status: $bench" | tee -a "$OUT/bench.log"

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import re
 import subprocess
 import sys
 import time
@@ -74,8 +75,10 @@ def measured(d):
     M = wide["at_min_tokens"]["tokens"] // SEQ                # bench/gpu.py: the trainer's micro-batches
     cases = [(f"wide @ {k.split('_')[1]} tokens", wide[k], M, 0.0) for k in
              ("at_min_tokens", "at_2x_tokens", "at_4x_tokens", "at_8x_tokens") if "step_s" in wide.get(k, {})]
-    cases += [(f"wide @ min tokens{', as planned' if k.startswith('planned') else ''}, clip {k.split('_')[-1]}"
-               f"{', lean' if k.startswith('lean') else ''}", wide[k], M, float(k.split("_")[-1])) for k in sorted(wide)
+    clip_of = lambda k: float(re.search(r"clip_([0-9.]+)", k).group(1))  # noqa: E731  clip_1, lean_clip_0, clip_1_host
+    cases += [(f"wide @ min tokens{', as planned' if k.startswith('planned') else ''}, clip {clip_of(k):g}"
+               f"{', lean' if k.startswith('lean') else ''}{', every update on the host' if k.endswith('_host') else ''}",
+               wide[k], M, clip_of(k)) for k in sorted(wide)
               if k.startswith(("clip_", "planned_clip_", "lean_clip_")) and "step_s" in wide[k]]
     cases += [(f"peers: {k}", peers[k], peers[k]["tokens"] // SEQ, 0.0) for k in ("stream", "stream_0_resident")
               if "step_s" in peers.get(k, {})]
@@ -99,7 +102,7 @@ def measured(d):
             k = r.get("resident_units", 0)
             tw, p = predict(cfg, hw, r["tokens"] // SEQ, M, offload_activations=bool(r.get("offload")),
                             resident_units=k, grad_clip=clip, need_first=order == "need-first", mode=r.get("mode", "fast"),
-                            grad_slabs=r.get("grad_slabs", 3))
+                            grad_slabs=r.get("grad_slabs", 3), gpu_updated_units=r.get("gpu_updated_units", 0))
             a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
             worst = max(worst, abs(a - 1), abs(b - 1))
             lines.append(f"| {name} | {r['n_layer']} | {r['tokens']:,} | {M} | {k} | {r['step_s']:.3f} | "
@@ -118,7 +121,8 @@ def measured(d):
 
 
 def predictions(hw, res, wide):
-    """The engine as it is now (one host pass, resident units), on the measured H200: the issue-33 targets."""
+    """The engine as it is now (one host pass, resident units, streamed units updated on the GPU where the plan
+    picks them), on the measured H200: the issue-33 targets."""
     L = wide["n_layer"]
     cfg = model.GPTConfig(n_layer=L, **WIDE)
     units = len(model.units(cfg))
@@ -126,15 +130,16 @@ def predictions(hw, res, wide):
     gpu_only = wide["at_min_tokens"]["compute_only_s"]
     out = ["## Predictions: the engine now, on the measured H200 (twin; planner in brackets)", "",
            f"GPU-only time of the wide case (measured, compute_only_s): {gpu_only:.3f} s at 16,384 tokens.", "",
-           "| case | tokens | clip | mode | resident units | twin s | planner s | GPU-only / step | bottleneck |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    rows = [(4, 0.0, "fast", few), (4, 0.0, "lean", few), (4, 1.0, "fast", few), (4, 1.0, "lean", few),
-            (4, 0.0, "fast", None), (4, 1.0, "fast", None)]
-    for B, clip, mode, k in rows:
-        tw, p = predict(cfg, hw, B, 4, grad_clip=clip, mode=mode, resident_units=k)
+           "| case | tokens | clip | mode | resident units | updated on the GPU | twin s | planner s | GPU-only / step "
+           "| bottleneck |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [(4, clip, mode, few, g) for clip in (0.0, 1.0) for mode in ("fast", "lean") for g in (0, None)] + \
+        [(4, 0.0, "fast", None, None), (4, 1.0, "fast", None, None)]
+    for B, clip, mode, k, g in rows:
+        tw, p = predict(cfg, hw, B, 4, grad_clip=clip, mode=mode, resident_units=k, gpu_updated_units=g)
         ratio = gpu_only * B / 4 / tw["step_time_s"]
         out.append(f"| wide, {L} layers | {B * SEQ:,} | {clip:g} | {mode} | {p['resident_units']} of {units} | "
-                   f"{tw['step_time_s']:.3f} | ({p['step_time_s']:.3f}) | {ratio:.2f} | {tw['bottleneck']} |")
+                   f"{p['gpu_updated_units']}{' (the plan)' if g is None else ''} | {tw['step_time_s']:.3f} | "
+                   f"({p['step_time_s']:.3f}) | {ratio:.2f} | {tw['bottleneck']} |")
         print(out[-1], flush=True)
     sweep = []
     for mode in ("fast", "lean"):
@@ -143,7 +148,8 @@ def predictions(hw, res, wide):
                 _, p = predict(cfg, hw, B, 4, twin_too=False, grad_clip=clip, mode=mode, resident_units=few)
                 _, g = predict(cfg, hw, B, 4, twin_too=False, grad_clip=clip, mode=mode, resident_units=units)
                 sweep.append((mode, clip, B * SEQ, g["step_time_s"] / p["step_time_s"]))
-    out += ["", f"Token sweep (planner), {few} of {units} units resident: step with every unit resident / step "
+    out += ["", f"Token sweep (planner), {few} of {units} units resident, the plan's units updated on the GPU: step "
+                "with every unit resident / step "
                 "(the GPU-only share), and the smallest count reaching 0.95:", "",
             "| mode | clip | 16k | 32k | 64k | 128k | smallest >= 0.95 |", "|---|---|---|---|---|---|---|"]
     for mode in ("fast", "lean"):
@@ -161,15 +167,15 @@ def predictions(hw, res, wide):
     big = dict(hw, host_mem_gb=1536, name="h200 + 1.5 TB")
     out += ["", "120b on one H200 with 1.5 TB of host RAM and the measured 16-core host (planner; one sequence of "
                 "4096 tokens per micro-batch):", "",
-            "| mode | clip | tokens | fits | host TB | step s | model TFLOP/s | overlap | resident units | bottleneck |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| mode | clip | tokens | fits | host TB | step s | model TFLOP/s | overlap | resident units | updated on "
+            "the GPU | bottleneck |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for clip in (0.0, 1.0):
         for B in (4, 8, 16):
             p = planner.plan(model.PRESETS["120b"], big, batch_size=B, seq_len=SEQ, micro_batches=B, mode="lean",
                              grad_clip=clip, skip_nonfinite=False)
             out.append(f"| lean | {clip:g} | {B * SEQ:,} | {'yes' if p['fits'] else 'no'} | {p['host_bytes'] / 1e12:.2f} | "
                        f"{p['step_time_s']:.1f} | {p['model_tflops']:.0f} | {p['utilization']['compute']:.2f} | "
-                       f"{p['resident_units']} | {p['bottleneck']} |")
+                       f"{p['resident_units']} | {p['gpu_updated_units']} | {p['bottleneck']} |")
     return out
 
 
