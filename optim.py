@@ -29,13 +29,12 @@ class HostAdamW:
     def __init__(self, sizes, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                  pinned=None, shadow_dtype=None, grad_store=True, slabs=0, pool=None,
                  resident=(), on_device=None, gpu_updated=()):
-        """sizes: [(numel, n_decay)] per unit, the first n_decay elements decayed. shadow_dtype:
-        a copy of the master in the GPU's dtype, written by every step (None: stream the master).
-        grad_store: an fp32 gradient per unit; else grad[u] is None but while a slab (one of
-        `slabs` in `pool`) is lent to it. pinned(n, dtype): n page-locked zeros for what crosses
-        the link. On the GPU, in on_device(n, dtype)'s buffers: resident units whole (master, m,
-        v, gradient: 16 B/param, no shadow); of gpu_updated units the gradient and step count,
-        their master, m, v crossing for each update (step's `on`) and back."""
+        """sizes: [(numel, n_decay)] per unit, the first n_decay elements decayed. shadow_dtype: a
+        copy of the master in the GPU's dtype, written by every step (None: stream the master).
+        grad_store: an fp32 gradient per unit; else grad[u] is None but while a slab (of `slabs` in
+        `pool`) is lent to it. pinned(n, dtype): page-locked zeros, for what crosses the link. On
+        the GPU (on_device(n, dtype)): resident units whole (master, m, v, gradient); gpu_updated
+        units' gradient and step count (their master, m, v cross for step's `on`)."""
         self.sizes, self.lr, self.betas, self.eps, self.wd = [*sizes], lr, betas, eps, weight_decay
         self.resident, self.gpu_updated = set(resident), set(gpu_updated or ())
         self.pinned_bytes, self.on_gpu = 0, self.resident | self.gpu_updated   # their grads there
@@ -54,8 +53,9 @@ class HostAdamW:
                        for u, n in us] if shadow_dtype else None
         self.steps = [buf(u, 1, gpu=u in self.gpu_updated)[0] for u, _ in us]   # as torch.optim's
         self.pool, self.lent = pool if pool is not None else queue.Queue(), {}   # unit -> its slab
+        big = max((n for u, n in us if u not in self.on_gpu), default=1)   # host-updated units'
         for _ in range(0 if grad_store else slabs):
-            self.pool.put(buf(-1, max(n for n, _ in self.sizes), crosses=True))
+            self.pool.put(buf(-1, big, crosses=True))
 
     def lend(self, u):  # point grad[u] at a free slab, waiting until one is given back
         self.lent[u] = self.pool.get()
@@ -88,7 +88,7 @@ class HostAdamW:
         (n, n_decay), g, step = self.sizes[u], self.grad[u], self.steps[u]
         p, m, v = on or (self.master[u], self.m[u], self.v[u])
         step += 1
-        scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef, device=p.device)
+        scale = None if clip_coef == 1.0 else torch.full((), 1.0 / clip_coef, device=p.device)
         tile = n if u in self.on_gpu else TILE   # on the GPU: one call per region
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):  # [matrices | vectors]
             for a, b in ((a, min(a + tile, hi)) for a in range(lo, hi, tile)):

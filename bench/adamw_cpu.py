@@ -57,7 +57,8 @@ def main():
     unit = int(args.unit or min(LAYER_7B, max(total / 2, 2 * optim.TILE)))   # >= 2 tiles: one pass differs
     n_units = max(2, math.ceil(total / unit))
     N, n_triad = n_units * unit, max(unit, l3_bytes())                    # the triad: 3 arrays of >= the L3
-    need = N * (18 + 16) + n_triad * 12          # the store + shadow, torch's copy, the triad's arrays
+    need = N * (18 + 16) + n_triad * 12 + 24 * unit   # the store + shadow, torch's copy, the triad's arrays,
+    #                                                   the DMA part's two page-locked units (12 B/param each)
     if not args.smoke and hasattr(os, "sysconf") and need > 0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf(
             "SC_AVPHYS_PAGES"):
         sys.exit(f"adamw_cpu: {N:,} params need ~{need / 1e9:.0f} GB of free RAM; pass a smaller --params")

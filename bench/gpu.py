@@ -442,10 +442,12 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     for mult in S["token_sweep"] if sweep is None else sweep:   # the same trainer, more tokens (its M)
         bm = batch(cfg, mult * B, T)
         rm = time_steps(t.step, bm, 1, 2, drain=lambda: t.weights(copy=False))
-        out[f"at_{mult}x_tokens"] = rates(cfg, mult * B, T, dict(rm, engine="stream", n_layer=L, resident_units=k),
-                                          peak, off, compute_only(cfg, mult * B, T, M), k)
-        out[f"at_{mult}x_tokens"]["planned_step_s"] = planner.plan(cfg, "local", **dict(
-            kw(0.0, k), batch_size=mult * B))["step_time_s"]
+        out[f"at_{mult}x_tokens"] = rates(cfg, mult * B, T, dict(
+            rm, engine="stream", n_layer=L, resident_units=k, gpu_updated_units=p["gpu_updated_units"],
+            grad_slabs=p["grad_slabs"], mode="fast"), peak, off, compute_only(cfg, mult * B, T, M), k)
+        out[f"at_{mult}x_tokens"]["planned_step_s"] = planner.plan(cfg, "local", **dict(   # this trainer's
+            kw(0.0, k), batch_size=mult * B, gpu_updated_units=p["gpu_updated_units"], grad_slabs=p["grad_slabs"])
+        )["step_time_s"]
         save(out)
     if profile_dir:                                # the numbers are on disk before the (slow, optional) trace
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])

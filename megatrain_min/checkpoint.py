@@ -305,6 +305,7 @@ def load(trainer, path, verify_first=True):
                                   "or an infinity; the trainer is now partial")
         opt.steps[u].fill_(unit["step"])
         opt.refresh_shadow(u)
+    trainer.lanes.synchronize()   # what was written on the GPU (default stream): before any lane
     return {**doc["meta"], "step": doc["step"]}
 
 

@@ -18,8 +18,10 @@ What it is
     the bottleneck -- clipping, when every update waits for the global norm -- sharing the updates
     between the two shortens the step (the plan picks n: plan.timing).
 What it is not
-    Not a resident unit (16 B/param on the GPU, nothing crosses); not sharded (one process).
-    Exact: the same fused kernel on the same fp32 values as the host's (tests/test_stream.py).
+    Not a resident unit (16 B/param on the GPU, nothing crosses); not sharded (one process). Not a
+    new arithmetic: torch's fused AdamW on the same fp32 values -- on the CPU the host-updated
+    engine's very bits (tests/test_stream.py); on a GPU the CUDA kernel, and the unit's squared norm
+    a cuBLAS dot, equal to the reference within the central test's tolerances (tests/test_gpu.py).
 """
 import torch
 
@@ -47,6 +49,8 @@ class GpuUpdates:
         """The units (of trainer.order after the resident ones, the embedding aside), evenly
         spread; their scratches made (master, m, v fp32 + the shadow's dtype). Called by the
         engine before its store exists."""
+        if self.trainer is not None and self.trainer is not trainer:
+            raise ValueError("a GpuUpdates serves one trainer: hand each Trainer its own")
         self.trainer = t = trainer
         units = chosen(t.order, resident_units, t.embed, self.n)
         n, big = len(units), max((t.units[u].numel for u in units), default=0)

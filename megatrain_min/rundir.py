@@ -227,6 +227,7 @@ class Run:
             if self.resume_from is None:   # --init-from: the weights only
                 trainer.wait()
                 trainer.opt.reset()
+                trainer.lanes.synchronize()   # the step counts on the GPU zeroed before any lane
         print(f"resumed from {path} at step {self.start_step}" if self.resume_from else
               f"initialised from {path}")
 

@@ -217,7 +217,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         torch.distributed process group (default: the whole world, initialised). micro_batches are
         per rank: the step's batch is split over the ranks, then each rank's share into
         micro-batches. lanes: with a comm lane (ShardedLanes, record.SimLanes)."""
-        if kw.get("resident_units") or kw.get("gpu_updates"):
+        if kw.get("resident_units") or getattr(kw.get("gpu_updates"), "n", 0):
             raise ValueError("resident or GPU-updated units need one process holding whole units"
                              "; sharded ranks stream every unit (resident_units=0, no gpu_updates)")
         dev = checks.check_device(device)

@@ -207,7 +207,9 @@ def test_bottleneck_follows_tokens_per_step():
     # fast: the forward waits on H2D (2 B/param), the backward on D2H (4 B/param of fp32 grads)
     fast = P.plan(cfg, "h100", host_bw_gbs=1000, **tiny)
     assert fast["bottleneck"] == "d2h" and fast["critical_path"]["h2d"] > 0.25
-    assert P.plan(cfg, "h100", host_bw_gbs=5, **tiny)["bottleneck"] == "cpu_adam"
+    assert P.plan(cfg, "h100", host_bw_gbs=5, gpu_updated_units=0, **tiny)["bottleneck"] == "cpu_adam"
+    # ... unless the plan moves updates onto the link: then the link is what is left
+    assert P.plan(cfg, "h100", host_bw_gbs=5, **tiny)["bottleneck"] in ("h2d", "d2h")
     big = P.plan(cfg, "h100", batch_size=64, seq_len=4096, micro_batches=8)
     assert big["bottleneck"] == "compute" and big["utilization"]["compute"] > 0.95
     assert big["tokens_per_step"] > big["min_tokens_per_step"] > 1024
@@ -501,6 +503,28 @@ def test_gpu_updated_units_picked_where_they_shorten_the_step():
     with pytest.raises(P.PlanError, match="gpu_updated_units must be an integer >= 0"):
         P.plan(cfg, hw, mode="lean", gpu_updated_units=-1, **kw)
     assert P.plan(model.PRESETS["toy"], "local", device="cpu", batch_size=4, seq_len=64)["gpu_updated_units"] == 0
+
+
+def test_plan_weighs_gpu_updates_against_resident_units():
+    """A resident unit takes its AdamW off the host for 16 B/param of GPU memory, a GPU-updated one for 4 (and
+    the link's time): where the host sets the pace, the plan tries the updates first and residents in what is
+    left, and keeps that where the step is at least 1% shorter than filling the GPU with residents first (32b
+    on an H200, clipped, fast). Where residents alone leave nothing on the host's critical path (14b, no
+    clipping) it keeps them. Asked for residents, the plan only adds GPU updates beside them."""
+    kw = dict(batch_size=4, seq_len=4096, mode="fast")
+    big = model.PRESETS["32b"]
+    p = P.plan(big, "h200", grad_clip=1.0, **kw)
+    residents_first = P.plan(big, "h200", grad_clip=1.0, gpu_updated_units=0, **kw)
+    print(f"32b clip 1: {p['resident_units']} resident + {p['gpu_updated_units']} GPU-updated {p['step_time_s']:.2f} s;"
+          f" {residents_first['resident_units']} resident alone {residents_first['step_time_s']:.2f} s")
+    assert p["resident_units"] < residents_first["resident_units"] and p["gpu_updated_units"] > 0
+    assert p["step_time_s"] < 0.9 * residents_first["step_time_s"] and p["fits"]
+    assert "as many as fit beside the step and the GPU updates" in report.format_plan(p)
+    small = P.plan(model.PRESETS["14b"], "h200", grad_clip=0.0, **kw)
+    assert small["gpu_updated_units"] == 0 and small["resident_units"] == P.plan(
+        model.PRESETS["14b"], "h200", grad_clip=0.0, gpu_updated_units=0, **kw)["resident_units"]
+    asked = P.plan(big, "h200", grad_clip=1.0, resident_units=3, **kw)
+    assert asked["resident_units"] == 3 and asked["gpu_updated_units"] > 0
 
 
 def test_auto_mode_is_the_plans_pick():

@@ -39,7 +39,7 @@ import functools
 
 import model
 import stream
-from megatrain_min import checks, cli
+from megatrain_min import checks, cli, gpu_update
 from megatrain_min.cli import DEFAULTS, DTYPE_NAMES
 from megatrain_min.plan import hardware, memory, timing
 from megatrain_min.plan.hardware import GB, model_tflops
@@ -111,34 +111,53 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     if gpu_updated_units and s.world > 1:
         raise PlanError("units updated on the GPU need one process holding whole units; sharded "
                         "ranks update every unit on the host (--gpu-updated-units 0)")
-    if grad_slabs == 1 and s.tied and not s.defer and len(s.units) - 1 not in resident:
-        raise PlanError(f"{name}'s tied head holds a gradient slab until the embedding's scatter: "
-                        "grad_slabs must be >= 2 (or None: the plan's count)")
-    gpu_bytes = sum(gpu.values())
-
     # ---- time: each visit's seconds, the slabs that hide a gradient's trip, the schedule replayed
     v = timing.speeds(s)
     t, numel, rate = timing.visits(s, tile, v)
     @functools.cache
-    def simulated(k, g=0):       # the schedule replayed with k gradient slabs, g units GPU-updated
+    def simulated(k, g=0, r=None):   # the schedule replayed with k gradient slabs, r units resident
+        held = resident if r is None else set(s.order[:r])   # (None: the plan's), g GPU-updated
         return timing.simulate(
             s.L, t, numel, rate, defer_updates=s.defer, tied=s.tied, offload=offloaded, slabs=k,
             guard=skip_nonfinite and not s.defer, overlap=s.cuda, sharded=s.world > 1,
-            resident=timing.lane_units(s, resident),
-            gpu_updated=timing.lane_units(s, memory.gpu_updated(s, resident, g, {})))
+            resident=timing.lane_units(s, held),
+            gpu_updated=timing.lane_units(s, memory.gpu_updated(s, held, g, {})))
+
+    def step_with(g, r):           # the step with g units GPU-updated, r resident, a slab per host
+        return simulated(0 if s.defer else max(fewest, len(s.units) - r - g), g, r)[0]   # update
+
+    def best_gpu_updates(r, beside):   # the plan's count with r units resident, beside those bytes
+        return gpu_updates(lambda g: step_with(g, r),
+                           memory.gpu_updatable(s, set(s.order[:r]), beside))
+    fewest = 0 if s.defer else timing.slabs(t, s.tied, most=len(s.units) - len(resident))
+    g = gpu_updated_units
+    if g is None:
+        g = best_gpu_updates(len(resident), sum(gpu.values()))
+        if resident_units is None and s.cuda and s.world == 1:
+            # residents fill the GPU first (16 B/param each); a GPU-updated unit takes as much work
+            # off the host for 4 B/param: also try the updates first, then residents in what is left
+            bytes_of = lambda r: 16 * sum(s.units[u].numel for u in s.order[:r])  # noqa: E731
+            base = sum(gpu.values()) - bytes_of(len(resident))
+            first = best_gpu_updates(0, base)
+            room = base + memory.gpu_bytes_of(s, gpu_update.chosen(s.order, 0, s.embed, first))
+            r = len(memory.residents(s, None, room)) if first else len(resident)
+            g2 = best_gpu_updates(r, base + bytes_of(r))
+            if r != len(resident) and step_with(g2, r) < (1 - GPU_UPDATES_SAVE) * step_with(
+                    g, len(resident)):
+                gpu, offloaded, resident = memory.gpu(s, tile, offloaded, r)
+                g = g2
+    if grad_slabs == 1 and s.tied and not s.defer and len(s.units) - 1 not in resident:
+        raise PlanError(f"{name}'s tied head holds a gradient slab until the embedding's scatter: "
+                        "grad_slabs must be >= 2 (or None: the plan's count)")
+    on_gpu = memory.gpu_updated(s, resident, g, gpu)
+    gpu_bytes, streamed = sum(gpu.values()), len(s.units) - len(resident) - len(on_gpu)
+    fewest = 0 if s.defer else timing.slabs(t, s.tied, most=streamed)   # hide one gradient's trip
 
     def host_fits(k):
         return sum(memory.host(s, resident, k, offloaded, gpu_bytes, on_gpu)[0].values()) <= \
             host_limit
     host_limit = memory.host_limit(s)
-    streamed = len(s.units) - len(resident)      # a slab each at most
-    fewest = 0 if s.defer else timing.slabs(t, s.tied, most=streamed)   # hide one gradient's trip
-    g = gpu_updated_units if gpu_updated_units is not None else gpu_updates(   # (slabs: one per
-        lambda g: simulated(0 if s.defer else max(fewest, streamed - g), g)[0],   # host unit)
-        memory.gpu_updatable(s, resident, gpu_bytes))
-    on_gpu = memory.gpu_updated(s, resident, g, gpu)
-    gpu_bytes, streamed = sum(gpu.values()), streamed - len(on_gpu)
-    slabs = 0 if s.defer else grad_slabs or timing.slabs(
+    slabs = 0 if s.defer else grad_slabs or timing.slabs(   # a slab per host-updated unit at most
         t, s.tied, lambda k: simulated(k, len(on_gpu))[0], streamed, host_fits)
     host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes, on_gpu)
     host_bytes = sum(host.values())

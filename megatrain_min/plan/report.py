@@ -146,7 +146,7 @@ def resident_line(p):
     if p["resident_asked"] is not None:
         why = "as asked (--resident-units)"
     elif p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1:
-        why = "as many as fit beside the step"
+        why = "as many as fit beside the step" + (" and the GPU updates" if g else "")
     else:
         why = "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
     line = (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): "
