@@ -525,13 +525,15 @@ def markdown(res):
     for name, r in [(f"wide @ min tokens, {wide.get('streaming_resident_units')} resident",
                      _dig(res["cases"], ["wide", "at_min_tokens"]))] + \
             [(f"wide @ {m}x tokens", _dig(res["cases"], ["wide", f"at_{m}x_tokens"])) for m in (2, 4, 8)] + \
-            [("wide @ min tokens, grad clip 1", _dig(res["cases"], ["wide", "clip_1"]))] + \
+            [(f"wide @ min tokens, grad clip 1{how}", _dig(res["cases"], ["wide", key])) for key, how in (
+                ("lean_clip_1", ", --mode lean"), ("clip_1", ""), ("clip_1_host", ", every update on the host"))] + \
             [("wide @ min tokens, --mode lean", _dig(res["cases"], ["wide", "lean_clip_0"]))] + \
             [(f"wide as planned, clip {c}", _dig(res["cases"], ["wide", f"planned_clip_{c}"])) for c in (0, 1)] + \
             [(f"peers: {k}", _dig(res["cases"], ["peers", k]))
              for k in ("stream", "stream_0_resident", "resident", "resident_no_ckpt", "fsdp2_offload")] + \
             [(f"sweep L={L}", r) for L, r in (_dig(res["cases"], ["sweep", "depths"]) or {}).items()]:
         if isinstance(r, dict) and "step_s" in r:
+            name += f" ({r['gpu_updated_units']} updated on the GPU)" if r.get("gpu_updated_units") else ""
             rows.append(f"| {name} | {r.get('n_layer', '')} | {r['tokens']:,} | {f(r['step_s'], 3)} | "
                         f"{f(r.get('planned_step_s'), 3)} | {f(r['tokens_per_s'], 0)} | "
                         f"{f(r['model_tflops'], 1)} | {f(r.get('megatrain_tflops'), 1)} | {f(r.get('overlap'))} | "
