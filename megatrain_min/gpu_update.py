@@ -73,15 +73,16 @@ class GpuUpdates:
         n = t.units[u].numel
         host = [t.opt.master[u], t.opt.m[u], t.opt.v[u]]
         gpu = [self.scratch[k][i * n:(i + 1) * n] for i in range(3)]
-        t.h2d.wait(self.free[k])   # the scratch's last copies have left (u's own last D2H: the
-        #                            forward's copy of u waited for it, earlier on this lane)
-        for dst, src in zip(gpu, host):
-            dst.copy_(src, non_blocking=True)
-        t.opt.step(u, lr, clip_coef, on=gpu)
-        if self.low:                         # fast: the bf16 shadow, cast here
-            host.append(t.opt.shadow[u])
-            gpu.append(self.low[k][:n].copy_(gpu[0]))
-        done = t.h2d.record()
+        with t.h2d():
+            t.h2d.wait(self.free[k])   # the scratch's last copies have left (u's own last D2H:
+            #                            the forward's copy of u waited for it, earlier here)
+            for dst, src in zip(gpu, host):
+                dst.copy_(src, non_blocking=True)
+            t.opt.step(u, lr, clip_coef, on=gpu)
+            if self.low:                         # fast: the bf16 shadow, cast here
+                host.append(t.opt.shadow[u])
+                gpu.append(self.low[k][:n].copy_(gpu[0]))
+            done = t.h2d.record()
         with t.d2h():
             t.d2h.wait(done)
             for dst, src in zip(host, gpu):
