@@ -20,7 +20,7 @@ import json
 
 import model
 from megatrain_min import cli
-from megatrain_min.plan import replan
+from megatrain_min.plan import LEAN_FASTER, replan
 from megatrain_min.plan.fit import suggest
 from megatrain_min.plan.hardware import GB
 from megatrain_min.plan.memory import HOST_USABLE, count, size
@@ -117,7 +117,8 @@ def format_plan(p):
 def alternatives(p):
     """What two settings would change, each planned (replan), for a plan that fits on a GPU: the
     step time clipping costs (every update waits for the global norm), and the other --mode when it
-    is at least 5% faster (lean: the host's AdamW moves 6 B/param less, the link carries fp32)."""
+    is faster by --mode auto's margin (plan.LEAN_FASTER; lean: the host's AdamW moves 6 B/param
+    less, the link carries fp32)."""
     if not p["fits"] or p["hardware"]["gpu_mem_gb"] <= 0:
         return []
     lines, s = [], p["step_time_s"]
@@ -130,7 +131,7 @@ def alternatives(p):
     if p["dtype"] == "bf16":
         other = "lean" if p["mode"] == "fast" else "fast"
         q = replan(p, mode=other)
-        if q["fits"] and q["step_time_s"] <= 0.95 * s:
+        if q["fits"] and q["step_time_s"] <= LEAN_FASTER * s:
             why = ("the host's AdamW moves 6 B/param less; the link carries the fp32 master"
                    if other == "lean" else "half the bytes cross the link")
             lines.append(f"faster here: --mode {other}, {q['step_time_s']:.3g} s/step "
