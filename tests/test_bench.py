@@ -35,6 +35,10 @@ def test_bench_smoke(tmp_path):
     positive_where_measured(c["wide"]["at_min_tokens"])
     positive_where_measured(c["wide"]["at_2x_tokens"])
     assert c["wide"]["at_2x_tokens"]["tokens"] == 2 * c["wide"]["at_min_tokens"]["tokens"]
+    for key in ("lean_clip_1", "clip_1", "clip_1_host", "lean_clip_0", "at_2x_tokens"):   # each says its engine
+        positive_where_measured(c["wide"][key])
+        assert "gpu_updated_units" in c["wide"][key] and "grad_slabs" in c["wide"][key], key
+    assert c["wide"]["clip_1_host"]["gpu_updated_units"] == 0 and c["wide"]["lean_clip_1"]["mode"] == "lean"
     for peer in ("resident", "fsdp2_offload"):  # on the CPU: fp32 resident, plain FSDP2 on gloo (code paths only)
         assert c["peers"][peer].get("tokens_per_s", 0) > 0, c["peers"][peer]
     assert summary["overlap"] > 0 and summary["vs_fsdp2_offload"] > 0 and summary["vs_resident"] > 0
