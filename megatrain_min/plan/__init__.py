@@ -141,7 +141,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
             first = best_gpu_updates(0, base)
             room = base + memory.gpu_bytes_of(s, gpu_update.chosen(s.order, 0, s.embed, first))
             r = len(memory.residents(s, None, room)) if first else len(resident)
-            g2 = best_gpu_updates(r, base + bytes_of(r))
+            g2 = best_gpu_updates(r, base + bytes_of(r)) if r != len(resident) else g
             if r != len(resident) and step_with(g2, r) < (1 - GPU_UPDATES_SAVE) * step_with(
                     g, len(resident)):
                 gpu, offloaded, resident = memory.gpu(s, tile, offloaded, r)
@@ -200,6 +200,8 @@ def gpu_updates(step_of, most):
     """The plan's count of streamed units updated on the GPU: of 0 .. most (what fits), the fewest
     whose simulated step (step_of(g)) is within GPU_UPDATES_SAVE of the fastest -- 0 where it saves
     less than that. Every count while most <= 32; else a grid, then every count around its best."""
+    if not most:
+        return 0
     grid = range(most + 1) if most <= 32 else sorted({*range(0, most + 1, -(-most // 16)), most})
     steps = {g: step_of(g) for g in grid}
     if most > 32:
