@@ -75,11 +75,11 @@ def test_resident_units_equal_reference(cfg, resident, clip, offload):
 
 @pytest.mark.parametrize("n,resident", [(2, 0), (99, 1)], ids=["2-of-the-streamed", "every-streamed"])
 @pytest.mark.parametrize("clip,offload", [(0.0, False), (0.5, True)], ids=["noclip", "clip-offload"])
-@pytest.mark.parametrize("cfg,dtype,mode", [(model.PRESETS["toy"], torch.float32, "fast"),
-                                            (SPECIAL, torch.float32, "fast"),
-                                            (model.PRESETS["toy"], torch.bfloat16, "fast"),
-                                            (model.PRESETS["toy"], torch.bfloat16, "lean")],
-                         ids=["toy", "gqa-bias-qknorm-tied", "toy-bf16-fast", "toy-bf16-lean"])
+@pytest.mark.parametrize("cfg,dtype,mode", [   # the fast tier: toy fp32 and bf16 lean; all: the slow one
+    pytest.param(model.PRESETS["toy"], torch.float32, "fast", id="toy"),
+    pytest.param(SPECIAL, torch.float32, "fast", id="gqa-bias-qknorm-tied", marks=pytest.mark.slow),
+    pytest.param(model.PRESETS["toy"], torch.bfloat16, "fast", id="toy-bf16-fast", marks=pytest.mark.slow),
+    pytest.param(model.PRESETS["toy"], torch.bfloat16, "lean", id="toy-bf16-lean")])
 def test_gpu_updated_units_equal_reference(cfg, dtype, mode, n, resident, clip, offload):
     """Streamed units updated on the device (gpu_update.GpuUpdates: the gradient stays there, master, m and v
     cross for the update and back, with the bf16 shadow in fast mode) give, step for step, the very bits of the
