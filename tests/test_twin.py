@@ -120,12 +120,12 @@ def test_twin_and_planner_agree(preset, hw, mode, clip, resident):
 
 
 def test_gpu_updated_units_in_twin_and_planner():
-    """Clipping (every update after the backward) on the measured H200 profile, 10 streamed layers of 7B width at
+    """Clipping (every update after the backward) on the measured H200 profile, 6 streamed layers of 7B width at
     16k tokens, lean mode: the plan updates about half of the streamed units on the GPU (gpu_update.GpuUpdates:
     master, m, v over PCIe both ways while the host updates the others). The twin replays the engine doing so;
     both models agree with each other, and both find the step at least 15% shorter than with every update on
     the host."""
-    cfg = model.GPTConfig(n_layer=10, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
+    cfg = model.GPTConfig(n_layer=6, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
                           max_seq_len=4096)
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134)
     got = {}
@@ -139,10 +139,10 @@ def test_gpu_updated_units_in_twin_and_planner():
                    gpu_updated_units=p["gpu_updated_units"])
         r = tw.result_of(cfg, 4 * 4096)
         got[asked] = r["step_time_s"], p["step_time_s"], p["gpu_updated_units"]
-        print(f"{p['gpu_updated_units']} of 11 updated on the GPU: twin {r['step_time_s']:.3f} s, plan "
+        print(f"{p['gpu_updated_units']} of 7 updated on the GPU: twin {r['step_time_s']:.3f} s, plan "
               f"{p['step_time_s']:.3f} s")
         assert 0.95 <= r["step_time_s"] / p["step_time_s"] <= 1.05
-    assert got[0][2] == 0 and 3 <= got[None][2] <= 8
+    assert got[0][2] == 0 and 2 <= got[None][2] <= 5
     assert got[None][0] < 0.85 * got[0][0] and got[None][1] < 0.85 * got[0][1]
 
 
