@@ -123,17 +123,21 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
             resident=timing.lane_units(s, held),
             gpu_updated=timing.lane_units(s, memory.gpu_updated(s, held, g, {})))
 
-    def step_with(g, r):           # the step with g units GPU-updated, r resident, a slab per host
-        return simulated(0 if s.defer else max(fewest, len(s.units) - r - g), g, r)[0]   # update
+    def step_with(g, r, what=0):   # the step (what=2: its critical path), g units GPU-updated, r
+        slabs = 0 if s.defer else max(fewest, len(s.units) - r - g)   # resident, a slab per host
+        return simulated(slabs, g, r)[what]                             # update
+
+    def host_bound(r):   # the host's AdamW on the critical path (else GPU updates cannot help)
+        return step_with(0, r, 2)["cpu_adam"] >= GPU_UPDATES_SAVE * step_with(0, r)
 
     def best_gpu_updates(r, beside):   # the plan's count with r units resident, beside those bytes
-        return gpu_updates(lambda g: step_with(g, r),
-                           memory.gpu_updatable(s, set(s.order[:r]), beside))
+        most = memory.gpu_updatable(s, set(s.order[:r]), beside) if host_bound(r) else 0
+        return gpu_updates(lambda g: step_with(g, r), most)
     fewest = 0 if s.defer else timing.slabs(t, s.tied, most=len(s.units) - len(resident))
     g = gpu_updated_units
     if g is None:
         g = best_gpu_updates(len(resident), sum(gpu.values()))
-        if resident_units is None and s.cuda and s.world == 1:
+        if resident_units is None and s.cuda and s.world == 1 and host_bound(len(resident)):
             # residents fill the GPU first (16 B/param each); a GPU-updated unit takes as much work
             # off the host for 4 B/param: also try the updates first, then residents in what is left
             bytes_of = lambda r: 16 * sum(s.units[u].numel for u in s.order[:r])  # noqa: E731
@@ -199,15 +203,14 @@ GPU_UPDATES_SAVE = 0.01   # the plan updates units on the GPU where that saves >
 def gpu_updates(step_of, most):
     """The plan's count of streamed units updated on the GPU: of 0 .. most (what fits), the fewest
     whose simulated step (step_of(g)) is within GPU_UPDATES_SAVE of the fastest -- 0 where it saves
-    less than that. Every count while most <= 32; else a grid, then every count around its best."""
+    less than that: a grid of 9 counts (every count up to 8), then every count around its best."""
     if not most:
         return 0
-    grid = range(most + 1) if most <= 32 else sorted({*range(0, most + 1, -(-most // 16)), most})
-    steps = {g: step_of(g) for g in grid}
-    if most > 32:
-        best = min(steps, key=steps.get)
-        steps.update({g: step_of(g) for g in range(max(0, best - -(-most // 16)),
-                                                   min(most, best + -(-most // 16)) + 1)})
+    stride = -(-most // 8)
+    steps = {g: step_of(g) for g in sorted({*range(0, most + 1, stride), most})}
+    best = min(steps, key=steps.get)
+    steps.update({g: step_of(g) for g in range(max(0, best - stride + 1),
+                                               min(most, best + stride))})
     fastest = min(steps.values())
     return min(g for g, t in steps.items() if t <= fastest * (1 + GPU_UPDATES_SAVE))
 
