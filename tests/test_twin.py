@@ -122,28 +122,23 @@ def test_twin_and_planner_agree(preset, hw, mode, clip, resident):
 def test_gpu_updated_units_in_twin_and_planner():
     """Clipping (every update after the backward) on the measured H200 profile, 6 streamed layers of 7B width at
     16k tokens, lean mode: the plan updates about half of the streamed units on the GPU (gpu_update.GpuUpdates:
-    master, m, v over PCIe both ways while the host updates the others). The twin replays the engine doing so;
-    both models agree with each other, and both find the step at least 15% shorter than with every update on
-    the host."""
+    master, m, v over PCIe both ways while the host updates the others). The twin replays the engine doing so and
+    agrees with the planner; both find the step at least 15% shorter than the planner's with every update on the
+    host (the twin and the planner agree on that one elsewhere: test_need_first_order_in_twin_and_planner)."""
     cfg = model.GPTConfig(n_layer=6, vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008,
                           max_seq_len=4096)
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=134)
-    got = {}
-    for asked in (0, None):
-        p = planner.plan(cfg, hw, batch_size=4, seq_len=4096, micro_batches=1, dtype="bf16", grad_clip=1.0,
-                         mode="lean", skip_nonfinite=False, resident_units=0, offload_activations=False,
-                         gpu_updated_units=asked)
-        tw = twin.Twin(p["hardware"])
-        record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(4, 4096), dtype=torch.bfloat16,
-                   micro_batches=1, grad_clip=1.0, mode="lean", resident_units=0,
-                   gpu_updated_units=p["gpu_updated_units"])
-        r = tw.result_of(cfg, 4 * 4096)
-        got[asked] = r["step_time_s"], p["step_time_s"], p["gpu_updated_units"]
-        print(f"{p['gpu_updated_units']} of 7 updated on the GPU: twin {r['step_time_s']:.3f} s, plan "
-              f"{p['step_time_s']:.3f} s")
-        assert 0.95 <= r["step_time_s"] / p["step_time_s"] <= 1.05
-    assert got[0][2] == 0 and 2 <= got[None][2] <= 5
-    assert got[None][0] < 0.85 * got[0][0] and got[None][1] < 0.85 * got[0][1]
+    host, p = (planner.plan(cfg, hw, batch_size=4, seq_len=4096, micro_batches=1, dtype="bf16", grad_clip=1.0,
+                            mode="lean", skip_nonfinite=False, resident_units=0, offload_activations=False,
+                            gpu_updated_units=g) for g in (0, None))
+    tw = twin.Twin(p["hardware"])
+    record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(4, 4096), dtype=torch.bfloat16,
+               micro_batches=1, grad_clip=1.0, mode="lean", resident_units=0, gpu_updated_units=p["gpu_updated_units"])
+    r = tw.result_of(cfg, 4 * 4096)
+    print(f"{p['gpu_updated_units']} of 7 updated on the GPU: twin {r['step_time_s']:.3f} s, plan "
+          f"{p['step_time_s']:.3f} s; none: plan {host['step_time_s']:.3f} s")
+    assert 0.95 <= r["step_time_s"] / p["step_time_s"] <= 1.05 and 2 <= p["gpu_updated_units"] <= 5
+    assert max(r["step_time_s"], p["step_time_s"]) < 0.85 * host["step_time_s"]
 
 
 def test_offload_ring_keeps_peak_memory_flat_in_depth():

@@ -131,8 +131,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         return step_with(0, r, 2)["cpu_adam"] >= GPU_UPDATES_SAVE * step_with(0, r)
 
     def best_gpu_updates(r, beside):   # the plan's count with r units resident, beside those bytes
-        most = memory.gpu_updatable(s, set(s.order[:r]), beside) if host_bound(r) else 0
-        return gpu_updates(lambda g: step_with(g, r), most)
+        most = memory.gpu_updatable(s, set(s.order[:r]), beside)   # (arithmetic: first)
+        return gpu_updates(lambda g: step_with(g, r), most if most and host_bound(r) else 0)
     fewest = 0 if s.defer else timing.slabs(t, s.tied, most=len(s.units) - len(resident))
     g = gpu_updated_units
     if g is None:
