@@ -145,7 +145,7 @@ def add_step(p):
                    help="global grad-norm clip, 0 = off (default: %(default)s)")
     p.add_argument("--mode", default=DEFAULTS["mode"], choices=["auto", "fast", "lean"],
                    help="host memory mode. fast: stream a bf16 shadow; lean: stream fp32, 12 "
-                        "B/param; auto: the plan picks -- lean where it is >= 5%% faster or the "
+                        "B/param; auto: the plan picks -- lean where it is >= 2%% faster or the "
                         "one that fits, else fast (default: %(default)s)")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bf16", "fp32"],
                    help="compute dtype (default: bf16 on cuda, fp32 on cpu)")

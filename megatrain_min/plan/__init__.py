@@ -123,9 +123,17 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
             resident=timing.lane_units(s, held),
             gpu_updated=timing.lane_units(s, memory.gpu_updated(s, held, g, {})))
 
+    def host_bytes_with(g, r, k):   # the host's bytes with g units GPU-updated, r resident, k slabs
+        held = set(s.order[:r])
+        return sum(memory.host(s, held, k, offloaded, 0, memory.gpu_updated(s, held, g, {}))[0]
+                   .values())
+
     def step_with(g, r, what=0):   # the step (what=2: its critical path), g units GPU-updated, r
-        slabs = 0 if s.defer else max(fewest, len(s.units) - r - g)   # resident, a slab per host
-        return simulated(slabs, g, r)[what]                             # update
+        k = 0 if s.defer else len(s.units) - r - g   # resident; a slab per host update, as many
+        if k:                                        # as the host holds (at least the fewest)
+            one = host_bytes_with(g, r, 1) - host_bytes_with(g, r, 0)
+            k = min(k, int((host_limit - host_bytes_with(g, r, 0)) // max(one, 1)))
+        return simulated(max(fewest, k) if not s.defer else 0, g, r)[what]
 
     def host_bound(r):   # the host's AdamW on the critical path (else GPU updates cannot help)
         return step_with(0, r, 2)["cpu_adam"] >= GPU_UPDATES_SAVE * step_with(0, r)
@@ -134,6 +142,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
         most = memory.gpu_updatable(s, set(s.order[:r]), beside)   # (arithmetic: first)
         return gpu_updates(lambda g: step_with(g, r), most if most and host_bound(r) else 0)
     fewest = 0 if s.defer else timing.slabs(t, s.tied, most=len(s.units) - len(resident))
+    host_limit = memory.host_limit(s)
     g = gpu_updated_units
     if g is None:
         g = best_gpu_updates(len(resident), sum(gpu.values()))
@@ -147,7 +156,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
             r = len(memory.residents(s, None, room)) if first else len(resident)
             g2 = best_gpu_updates(r, base + bytes_of(r)) if r != len(resident) else g
             if r != len(resident) and step_with(g2, r) < (1 - GPU_UPDATES_SAVE) * step_with(
-                    g, len(resident)):
+                    g, len(resident)) and host_bytes_with(g2, r, fewest) <= host_limit:   # (fits)
                 gpu, offloaded, resident = memory.gpu(s, tile, offloaded, r)
                 g = g2
     if grad_slabs == 1 and s.tied and not s.defer and len(s.units) - 1 not in resident:
@@ -160,7 +169,6 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     def host_fits(k):
         return sum(memory.host(s, resident, k, offloaded, gpu_bytes, on_gpu)[0].values()) <= \
             host_limit
-    host_limit = memory.host_limit(s)
     slabs = 0 if s.defer else grad_slabs or timing.slabs(   # a slab per host-updated unit at most
         t, s.tied, lambda k: simulated(k, len(on_gpu))[0], streamed, host_fits)
     host, store, pinned_bytes = memory.host(s, resident, slabs, offloaded, gpu_bytes, on_gpu)
