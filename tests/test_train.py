@@ -42,6 +42,7 @@ def bad(tmp_path, name, content):
     (["--n-head", "4", "--n-kv-head", "3"], "not a multiple of n_kv_head"),
     (["--seq-len", "4096"], "allow it with --max-seq-len 4096"),
     (["--tile-tokens", "-1"], "--tile-tokens must be >= 0"),
+    (["--gpu-updated-units", "-1"], "--gpu-updated-units must be >= 0"),
     (["--max-seq-len", "0"], "--max-seq-len must be positive"),
     (["--batch-size", "6", "--micro-batches", "4"], "not divisible"),
     (["--data", "/nonexistent/file.txt"], "does not exist"),

@@ -137,17 +137,21 @@ def gpu_updated(s, resident, n, gpu):
     the largest one's master, m, v (+ its bf16 shadow in fast mode)."""
     units = gpu_update.chosen(s.order, len(resident), s.embed, n)
     if units:
-        gpu[f"GPU-updated units: {len(units)}, fp32 grads 4 B/param"] = \
-            4 * sum(s.units[u].numel for u in units)
-        gpu["GPU update scratch: 2 x master, m, v" + (", shadow" if s.shadow else "")] = \
-            gpu_bytes_of(s, units) - 4 * sum(s.units[u].numel for u in units)
+        grads, scratch = gpu_parts_of(s, units)
+        gpu[f"GPU-updated units: {len(units)}, fp32 grads 4 B/param"] = grads
+        gpu["GPU update scratch: 2 x master, m, v" + (", shadow" if s.shadow else "")] = scratch
     return set(units)
 
 
-def gpu_bytes_of(s, units):
-    """The GPU bytes of updating `units` there (gpu_updated's components)."""
+def gpu_parts_of(s, units):
+    """(gradients, scratches): the GPU bytes of updating `units` there (gpu_update.GpuUpdates)."""
     big = max((s.units[u].numel for u in units), default=0)
-    return 4 * sum(s.units[u].numel for u in units) + 2 * big * (12 + 2 * s.shadow)
+    return 4 * sum(s.units[u].numel for u in units), 2 * big * (12 + 2 * s.shadow)
+
+
+def gpu_bytes_of(s, units):
+    """The GPU bytes of updating `units` there, in all."""
+    return sum(gpu_parts_of(s, units))
 
 
 def gpu_updatable(s, resident, gpu_bytes):
