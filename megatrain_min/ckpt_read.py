@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 import model
+from megatrain_min import publish
 from megatrain_min.checks import all_finite, check_config
 from megatrain_min.tokenizer import file_sha256
 
@@ -167,7 +168,10 @@ def check_tokenizer(path, doc):
     src = args.get("init_from") if isinstance(args, dict) else None
     fix = f"copy it back from {src or 'the model directory the run started from'}"
     for name in tok.get("files", []):
-        f = Path(path) / name
+        try:                       # a name from meta.json: a file of this checkpoint, no other
+            f = publish.inside(path, name)
+        except publish.Unsafe as e:
+            raise CheckpointError(f"{e}; the checkpoint was edited") from None
         if not f.exists():
             raise CheckpointError(f"{f} is missing: {Path(path).name} was saved with it (its "
                                   f"tokenizer's files); {fix}")
@@ -242,6 +246,10 @@ def verify_files(path, doc, crc=True, layouts=None, want=None):
     files = [(u, Path(path) / p["file"], p) for u, unit in enumerate(doc["units"])
              for p in parts(unit)]
     for _, f_path, p in files:
+        try:                       # a plain name (_check_fields), but a symlink may lead away
+            publish.inside(path, p["file"])
+        except publish.Unsafe as e:
+            raise CheckpointError(f"{e}; the checkpoint was edited") from None
         if not f_path.is_file():
             raise CheckpointError(f"{f_path} is missing; the checkpoint is incomplete")
         if (size := f_path.stat().st_size) != p["bytes"]:

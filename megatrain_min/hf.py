@@ -233,6 +233,11 @@ def check_export_dir(model_dir):
     if not isinstance(listed, list):
         raise HFError(f"{d} exists and is not a model directory written by save_hf (no "
                       f"{EXPORT_MARKER}); pick a new or empty directory, nothing there is replaced")
+    try:                                   # the names it will remove: inside d, every one
+        for name in listed:
+            publish.inside(d, name)
+    except publish.Unsafe as e:
+        raise HFError(f"{e}; pick a new or empty directory") from None
     added = [n for n in names if n not in listed and n != EXPORT_MARKER]
     if added:
         raise HFError(f"{d} holds {added[0]!r}, which its export did not write ({len(added)} such "

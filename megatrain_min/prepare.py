@@ -105,6 +105,11 @@ def _existing(out, given, differs, force):
             and names <= set(meta["files"]) | {META}):
         raise PrepareError(f"--out {given} exists and holds files that prepare did not write; "
                            "nothing there is replaced: pick a new or empty directory")
+    try:                                         # the names --force would remove: inside out
+        for name in meta["files"]:
+            publish.inside(out, name)
+    except publish.Unsafe as e:
+        raise PrepareError(f"--out {given}: {e}; pick a new or empty directory") from None
     try:
         PreparedTokens(out)
         complete = True

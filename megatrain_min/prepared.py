@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain_min import data
+from megatrain_min import data, publish
 from megatrain_min.tokenizer import HFTokenizer
 
 FORMAT, VERSION = "megatrain-min prepared tokens", 1
@@ -196,7 +196,10 @@ class PreparedTokens:
                                    f"{sorted(meta['files'])} is not what prepare writes (it was "
                                    f"edited); prepare the data again")
             for name, size in self.meta["files"].items():
-                f = self.path / name
+                try:                                # a name from meta.json: here, nowhere else
+                    f = publish.inside(self.path, name)
+                except publish.Unsafe as e:
+                    raise PrepareError(f"{e}; prepare the data again") from None
                 if not f.is_file() or f.stat().st_size != size:
                     what = "missing" if not f.is_file() else "of another size than meta.json says"
                     raise PrepareError(f"{f} is {what}; the directory is damaged: prepare it again")

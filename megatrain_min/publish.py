@@ -19,6 +19,11 @@ What it is
                     out's inode never changes: a shell in it, a mount, stay.
       writers(out)  the PIDs of live processes staging into out (another prepare or export)
       alive(pid)    whether the PID at the tail of a staging directory's name is running
+      inside(d, name)
+                    d / name, where `name` was read from a file (an export's marker, a prepared
+                    meta.json, a checkpoint's): untrusted, so refused (Unsafe) when it is absolute,
+                    holds '..' or resolves, symlinks included, outside d. publish() removes only
+                    names that pass it.
 What it is not
     Not a transaction over several directories, and not a run's lock (runlock.py is that).
 """
@@ -32,6 +37,27 @@ from pathlib import Path
 
 class Conflict(ValueError):
     """Another process put an output at the same place while this one was writing. One line."""
+
+
+class Unsafe(ValueError):
+    """A file name read from a file would reach outside its directory. One line."""
+
+
+def inside(directory, name):
+    """directory / name, when `name` (read from a file we did not just write) names something inside
+    directory: a relative path of plain parts (no '', '.', '..'), that does not resolve (symlinks
+    included) outside it. Else Unsafe: a crafted list would make a caller read or remove elsewhere."""
+    d = Path(directory)
+    plain = isinstance(name, str) and "\0" not in name and "\\" not in name
+    parts = name.split("/") if plain else []
+    if not parts or any(part in ("", ".", "..") for part in parts):
+        raise Unsafe(f"{d} lists {name!r} among its files, which is not a file name inside it "
+                     "(absolute, '..' or empty): the list was edited; nothing was changed")
+    target = d / name
+    if not target.resolve().is_relative_to(d.resolve()):
+        raise Unsafe(f"{d} lists {name!r} among its files, which resolves outside it (a symlink "
+                     f"to {target.resolve()}); nothing was changed")
+    return target
 
 
 def alive(pid):
@@ -100,6 +126,8 @@ def publish(tmp, out, expect, state, last, old=()):
     as another process left it and tmp removed, when state(out) is no longer `expect`."""
     tmp, out = Path(tmp), Path(out)
     try:
+        for name in old:                      # a crafted list: refused before anything changes
+            inside(out, name)
         with locked(out.parent):
             if state(out) != expect:
                 raise Conflict(f"{out} was written by another process while this one ran; nothing "
@@ -112,7 +140,7 @@ def publish(tmp, out, expect, state, last, old=()):
             if (out / last).exists():
                 os.unlink(out / last)            # from here out is not a finished output
             for name in [n for n in old if n not in new] + [n for n in new if n != last]:
-                target = out / name
+                target = out / name                  # old: checked by inside() above
                 if target.is_dir() and not target.is_symlink():
                     shutil.rmtree(target)
                 elif target.exists() or target.is_symlink():

@@ -644,6 +644,70 @@ CLI.update({
 })
 
 
+# ---- round 4: names read from files we did not write (a crafted list must never remove or read elsewhere)
+def _outside(t):
+    """A user's files beside the target: what a crafted list names as ../notes.txt and ../mydocs."""
+    (t / "notes.txt").write_text("my notes\n")
+    (t / "mydocs").mkdir()
+    (t / "mydocs" / "a.txt").write_text("a document\n")
+
+
+def _crafted_prepared(t, w):
+    """prepare --force onto a prepared directory whose meta.json lists ../notes.txt and ../mydocs."""
+    _outside(t)
+    d = copy(w / "prep", t / "p")
+    doc = json.loads((d / "meta.json").read_text())
+    doc["files"].update({"../notes.txt": 9, "../mydocs": 4096})
+    (d / "meta.json").write_text(json.dumps(doc))
+    return _prep(t, "--out", d, "--force", world=w, words=["../notes.txt", "nothing was changed"])
+
+
+def _crafted_marker(t, out, listed):
+    """A copy of world's export at t/out whose marker also lists `listed`."""
+    _outside(t)
+    d = t / out
+    doc = json.loads((d / hf.EXPORT_MARKER).read_text())
+    doc["files"] += listed
+    (d / hf.EXPORT_MARKER).write_text(json.dumps(doc))
+    return d
+
+
+def _export_over_crafted_marker(t, w):
+    copy(w / "hf", t / "exp")
+    _crafted_marker(t, "exp", ["../notes.txt", "../mydocs"])
+    return ["export", w / "run" / "ckpt-00000002", t / "exp"], 2, ["../notes.txt"], [], dict(module=HF)
+
+
+def _save_hf_over_crafted_marker(t, w):
+    copy(w / "hf", t / "exp")
+    _crafted_marker(t, "exp", ["../notes.txt"])
+    return ["--save-hf", t / "exp"], 2, ["--save-hf", "../notes.txt"], []
+
+
+def _export_over_a_symlink_out(t, w):
+    """The marker lists a name that is a symlink leading out of the export: refused, not followed."""
+    copy(w / "hf", t / "exp")
+    _crafted_marker(t, "exp", ["notes-link"])
+    (t / "exp" / "notes-link").symlink_to(t / "notes.txt")
+    return ["export", w / "run" / "ckpt-00000002", t / "exp"], 2, ["notes-link", "outside"], [], dict(module=HF)
+
+
+def _ckpt_tokenizer_lists_outside(ck):
+    """A checkpoint whose meta.json (CRC recomputed) lists a tokenizer file ../notes.txt."""
+    (ck.parent / "notes.txt").write_text("my notes\n")
+    edit_meta(ck, lambda doc: doc["tokenizer"]["files"].append("../notes.txt"))
+
+
+CLI.update({
+    # lost (a security defect: a received directory was enough)
+    "prepare-force-over-a-crafted-file-list": _crafted_prepared,
+    "export-over-a-crafted-marker": _export_over_crafted_marker,
+    "save-hf-over-a-crafted-marker": _save_hf_over_crafted_marker,
+    "export-over-a-marker-listing-a-symlink-out": _export_over_a_symlink_out,
+    "init-from-ckpt-listing-a-tokenizer-file-outside": _init_from_ckpt(_ckpt_tokenizer_lists_outside,
+                                                                      ["../notes.txt"]),
+})
+
 def verdict(r, before, code, words, unmade=None):
     if lost(before):
         return "data lost"
@@ -973,6 +1037,25 @@ API.update({
     "second-ctrl-c-after-the-stop-save": (_second_ctrl_c_after_the_stop_save, None, []),
 })
 
+
+def _publish_with_a_crafted_old_list(tmp):
+    """publish.publish handed an old list naming ../notes.txt: refused before anything is removed."""
+    from megatrain_min import publish
+    _outside(tmp)
+    (tmp / "out").mkdir()
+    (tmp / "out" / "last.json").write_text("{}")
+    before = files_under(tmp)
+    staged = publish.stage(tmp / "out")
+    (staged / "last.json").write_text("{}")
+    try:
+        publish.publish(staged, tmp / "out", None, lambda out: None, "last.json", ["../notes.txt", "../mydocs"])
+    finally:
+        assert not lost(before), "data lost"
+
+
+API.update({
+    "publish-old-list-outside": (_publish_with_a_crafted_old_list, ValueError, ["../notes.txt"]),
+})
 
 @pytest.mark.parametrize("name", API)
 def test_api(name, tmp_path):
