@@ -277,8 +277,12 @@ print(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val loss
 
 # --- export and sample ----------------------------------------------------------------------------
 if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 alone, to write
-    final = trainer.weights(to=0) if WORLD > 1 else trainer.weights(copy=False) \
-        if args.engine == "stream" else trainer.weights()
+    if WORLD > 1:
+        final = trainer.weights(to=0)
+    elif args.engine == "stream":
+        final = hf.MasterWeights(trainer)   # a tensor at a time: no second copy of the model
+    else:
+        final = trainer.weights()
     try:
         if RANK == 0:
             hf.save_hf(cfg, final, run.hf_dir, dtype=DTYPES[args.save_hf_dtype],

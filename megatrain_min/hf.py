@@ -39,6 +39,7 @@ import re
 import shutil
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -243,6 +244,26 @@ def check_export_dir(model_dir):
         raise HFError(f"{d} holds {added[0]!r}, which its export did not write ({len(added)} such "
                       "files); pick a new or empty directory, nothing there is replaced")
     return d
+
+
+class MasterWeights(Mapping):
+    """{key: fp32 CPU tensor} of a stream.Trainer's master weights, each tensor copied from the
+    store as it is read (save_hf reads one at a time): an export never holds a second copy of the
+    model, and nothing written into a tensor reaches the store (whose shadow would go stale)."""
+
+    def __init__(self, trainer):
+        trainer.wait()                               # no update in flight
+        self.views = {k: v for u, lay in enumerate(trainer.units)
+                      for k, v in lay.key_views(trainer.opt.master[u]).items()}
+
+    def __getitem__(self, key):
+        return self.views[key].to("cpu", copy=True)
+
+    def __iter__(self):
+        return iter(self.views)
+
+    def __len__(self):
+        return len(self.views)
 
 
 # ----------------------------------------------------------- export: our checkpoint -> transformers

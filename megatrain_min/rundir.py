@@ -31,8 +31,7 @@ from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, run
 from megatrain_min.exits import EXIT, fail, state
 
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
-            "seed", "data",
-            "init_from", "chat_format")
+            "seed", "data", "init_from", "chat_format", "optimizer")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
 
 
@@ -174,12 +173,12 @@ class Run:
                 fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its "
                      f"copy is {ours}); resume with the model directory the run started from")
             was = ck.get("data_fingerprint")  # the data: its content decides, not how it is spelled
-            changed = [k for k in SAME_RUN
-                       if not same(k, ck["args"].get(k), vars(a)[k], was is not None)]
+            # a flag added since the checkpoint was saved: what every run had then, its default
+            then = {k: ck["args"].get(k, cli.DEFAULTS.get(k)) for k in SAME_RUN}
+            changed = [k for k in SAME_RUN if not same(k, then[k], vars(a)[k], was is not None)]
             if changed:    # before the model's check: a missing --init-from makes another model
-                was = ', '.join(
-                    '--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
-                fail(f"--resume: {path.name} was made with other settings ({was}); pass the same "
+                said = ", ".join(f"--{k.replace('_', '-')} {then[k]}" for k in changed)
+                fail(f"--resume: {path.name} was made with other settings ({said}); pass the same "
                      "flags to continue bit-exactly")
             ckpt_read.check_model(path, doc, cfg)
             if was is not None and was != self.fingerprint:
@@ -218,8 +217,8 @@ class Run:
         if path is None:
             return
         if (path / "meta.json").is_file():  # ours (a Hugging Face model's weights made the trainer)
-            try:
-                checkpoint.load(trainer, path)
+            try:   # --init-from: the weights alone (whatever update rule saved them)
+                checkpoint.load(trainer, path, weights_only=self.resume_from is None)
             except ckpt_read.CheckpointError as e:
                 before = ckpt_read.before(path) if self.resume_from else None
                 fail(f"{e}" + (f"; the checkpoint before it may be intact: --resume {before}"

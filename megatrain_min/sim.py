@@ -35,9 +35,9 @@ def check_main(a, cfg, p):
     (bf16 matmuls are slow on a CPU), streaming every unit and updating it on the host unless
     --resident-units or --gpu-updated-units asks."""
     checker = race.Checker()
-    kw = dict(engine.arguments(p), dtype=DTYPES[a.dtype or "fp32"],
-              resident_units=a.resident_units or 0,
-              gpu_updates=engine.parts(gpu_updated_units=a.gpu_updated_units or 0)["gpu_updates"])
+    homes = engine.parts(resident_units=a.resident_units or 0,
+                         gpu_updated_units=a.gpu_updated_units or 0)["homes"]
+    kw = dict(engine.arguments(p), dtype=DTYPES[a.dtype or "fp32"], homes=homes)
     record.run(cfg, [checker], a.steps or 2, batch=(a.batch_size, a.seq_len), **kw)
     print(checker.summary())
     return 1 if checker.races else 0

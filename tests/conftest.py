@@ -23,16 +23,50 @@ SPECIAL = model.GPTConfig(vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, d_mod
                           qkv_bias=True, qk_norm=True, tie_embeddings=True, max_seq_len=64)
 
 
-def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, gpu_updated_units=0,
-           checked=True, **kw):
+def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, resident_units=0,
+           gpu_updated_units=0, checked=True, **kw):
     """A trainer on `weights`, handed the objects that plain settings make (engine.parts: activations.HostRing,
-    guard.Guard, tiling.Tiled, gpu_update.GpuUpdates): checks.CheckedTrainer, every argument checked, or
-    stream.Trainer itself (checked=False)."""
+    guard.Guard, tiling.Tiled, homes.Homes): checks.CheckedTrainer, every argument checked, or stream.Trainer
+    itself (checked=False)."""
     import stream
     from megatrain_min import checks
     from megatrain_min.engine import parts
     cls = checks.CheckedTrainer if checked else stream.Trainer
-    return cls(cfg, weights, **{**parts(offload_activations, skip_nonfinite, tile_tokens, gpu_updated_units), **kw})
+    handed = parts(offload_activations, skip_nonfinite, tile_tokens, resident_units, gpu_updated_units)
+    return cls(cfg, weights, **{**handed, **kw})
+
+
+def homed(t, kind):
+    """The units of trainer t whose home is a `kind` (stream.Streamed, resident.Resident, gpu_update.GpuUpdated;
+    exactly that class), sorted."""
+    return sorted(u for u, home in enumerate(t.home) if type(home) is kind)
+
+
+class ReferenceLion(torch.optim.Optimizer):
+    """Lion written from its paper (Chen et al. 2023, Algorithm 2), plain PyTorch, one parameter at a time: the
+    oracle of megatrain_min/lion.py. For each parameter p with gradient g and moment m (zeros at first):
+        c = beta1 * m + (1 - beta1) * g;  p = p - lr * (sign(c) + weight_decay * p);  m = beta2 * m + (1 - beta2) * g"""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                c = m.mul(beta1).add(p.grad, alpha=1 - beta1)      # beta1 m + (1 - beta1) g
+                p.mul_(1 - lr * wd)
+                p.add_(torch.sign(c), alpha=-lr)
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)          # beta2 m + (1 - beta2) g
+
+
+def reference_lion(betas=(0.9, 0.99)):
+    """ReferenceTrainer's optimizer= for a Lion run: ReferenceLion on its parameter groups."""
+    return lambda groups, lr: ReferenceLion(groups, lr=lr, betas=betas)
 
 
 def random_batch(cfg, B, T, gen, ignore_frac=0.2):

@@ -27,7 +27,7 @@ def state(t):
     """Everything a checkpoint holds, copied: master, m, v per unit, and the Adam step counts."""
     t.weights()  # waits for pending updates
     units = range(len(t.units))
-    return [[t.opt.state(u)[s].clone() for u in units] for s in ("master", "m", "v")] + [steps(t)]
+    return [[t.opt.tensors(u)[s].clone() for u in units] for s in ("master", "m", "v")] + [steps(t)]
 
 
 def steps(t):
@@ -243,7 +243,7 @@ cfg = model.GPTConfig(n_layer=8, d_model=256, d_ff=704)
 t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu")
 for k in range(1, 10_000):
     for u in range(len(t.units)):
-        for s in t.opt.state(u).values():
+        for s in t.opt.tensors(u).values():
             s.fill_(k)
         t.opt.steps[u].fill_(k)
     checkpoint.save(t, sys.argv[1], k, {{"k": k}}, keep=2)
@@ -273,7 +273,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_whole(tmp_path):
     t = engine(cfg, model.init_weights(cfg, 1), device="cpu")
     k = checkpoint.load(t, path)["k"]
     assert path.name == f"ckpt-{k:08d}" and k >= 2
-    assert all(bool((x == k).all()) for u in range(len(t.units)) for x in t.opt.state(u).values())
+    assert all(bool((x == k).all()) for u in range(len(t.units)) for x in t.opt.tensors(u).values())
     assert steps(t) == [k] * len(t.units)
     checkpoint.save(t, out, k + 1, keep=2)                      # the next save clears the debris
     assert not list(out.glob(".tmp-*"))

@@ -262,7 +262,7 @@ def test_nonfinite_gradient_skips_that_units_update():
     t.wait()
 
     def state(u):  # what a unit's update changes, copied: master, m, v and its step count
-        return [s.clone() for s in t.opt.state(u).values()] + [t.opt.steps[u].item()]
+        return [s.clone() for s in t.opt.tensors(u).values()] + [t.opt.steps[u].item()]
 
     before = [state(u) for u in range(len(t.units))]
     real = t.update_unit

@@ -57,7 +57,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
          host_mem_gb=None, host_bw_gbs=None, residual_dtype="fp32", grad_slabs=None,
          skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None, tile_tokens=None,
          gpus=1,
-         nodes=1, device=None, resident_units=None, gpu_updated_units=None):
+         nodes=1, device=None, resident_units=None, gpu_updated_units=None,
+         optimizer=cli.DEFAULTS["optimizer"]):
     """The memory and throughput plan of training cfg: a JSON-ready dict (report.py prints it).
 
     hardware: a hardware.HARDWARE name, "local", or a dict like HARDWARE's rows. batch_size:
@@ -85,7 +86,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     fit in the memory the step leaves (one rank). gpu_updated_units: how many of the other streamed
     units are updated on the GPU (megatrain_min/gpu_update.py: their gradient there, 4 B/param;
     master, m, v cross both ways); None: the count that makes the simulated step fastest, within
-    the memory left (gpu_updates). mode "auto": the plan picks (auto_mode).
+    the memory left (gpu_updates). mode "auto": the plan picks (auto_mode). optimizer: the update
+    rule (cli.RULES): its state is 4 B/param per name on the host, its update's DRAM traffic 8.
     """
     if mode == "auto":
         return auto_mode(cfg, **{k: v for k, v in locals().items() if k not in ("cfg", "mode")})
@@ -97,7 +99,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
             raise ValueError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
         s = Setting(cfg, hw, batch_size, seq_len or cfg.max_seq_len, micro_batches, mode, dtype,
                     residual_dtype, grad_clip, skip_nonfinite, chunk_tokens, host_speed, gpus,
-                    nodes)
+                    nodes, optimizer)
     except ValueError as e:
         raise PlanError(str(e)) from None
     name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
@@ -182,7 +184,7 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     # ---- the plan, JSON-ready
     return dict(
         config=name, model=cfg.to_dict(), hardware=hw, mode=mode, mode_asked=mode, mode_why=None,
-        dtype=dtype,
+        dtype=dtype, optimizer=optimizer,
         residual_dtype=residual_dtype, batch_size=batch_size, seq_len=s.seq_len,
         micro_batches=micro_batches, tokens_per_step=s.tokens_step, gpus=gpus, nodes=nodes,
         world=s.world, grad_clip=grad_clip, defer_updates=s.defer, chunk_tokens=chunk_tokens,
@@ -268,7 +270,7 @@ def replan(p, **change):
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"],
               host_speed=p["host_speed"], tile_tokens=p["tile_asked"], gpus=p["gpus"],
               nodes=p["nodes"], resident_units=p["resident_asked"],
-              gpu_updated_units=p["gpu_updated_asked"])
+              gpu_updated_units=p["gpu_updated_asked"], optimizer=p["optimizer"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the
@@ -294,5 +296,6 @@ def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
               host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, tile_tokens=a.tile_tokens,
               skip_nonfinite=guarded, gpus=a.gpus, nodes=a.nodes,
               resident_units=getattr(a, "resident_units", None),
-              gpu_updated_units=getattr(a, "gpu_updated_units", None))
+              gpu_updated_units=getattr(a, "gpu_updated_units", None),
+              optimizer=getattr(a, "optimizer", cli.DEFAULTS["optimizer"]))
     return plan(cfg, hw or a.hardware, **{**kw, **change})

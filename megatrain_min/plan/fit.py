@@ -32,7 +32,8 @@ def check(p):
     where = "this machine has" if hw["name"] == "local" else f"--hardware {hw['name']} has"
     if not p["fits_host"]:
         what = " + ".join(
-            ["fp32 master + Adam m, v"] + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
+            [f"fp32 master + {p['optimizer']} state"]
+            + ["bf16 shadow"] * ("bf16 shadow (streamed)" in p["host"])
             + ["fp32 grads"] * p["defer_updates"]
             + ["boundary activations"] * p["offload_activations"]
             + ["the step's activations (device buffers, on the CPU)"]

@@ -81,16 +81,17 @@ def format_plan(p):
              (f"   {verdict(p['fits_gpu'])} in {size(hw['gpu_mem_gb'] * GB)}" if cuda else ""), "",
              resident_line(p), "",
              f"{'time per layer visit':<50}{'ms':>10}"]
-    adam = "CPU AdamW" + (" + grad-norm pass" if p["defer_updates"] else "")
+    rule = cli.RULES[p["optimizer"]].__name__           # the update rule: AdamW, Lion
+    adam = f"CPU {rule}" + (" + grad-norm pass" if p["defer_updates"] else "")
     rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
         ("H2D weights", t["load"]), ("forward: 2NT + attention", t["fwd"]),
         ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
         (adam, t["adam"] + t["norm"] * p["defer_updates"]),
         ("head: loss forward + backward, 6 V d T", t["head"]))]
-    if p["gpu_updated_units"]:                     # gpu_update.GpuUpdates.step: its copies each way
+    if p["gpu_updated_units"]:                     # gpu_update.GpuUpdated.update: copies each way
         rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
-            ("GPU-updated unit: master, m, v H2D (+ AdamW)", t["visit_h2d"] + t["gpu_adam"]),
-            ("GPU-updated unit: master, m, v (+ shadow) D2H", t["visit_d2h"]))]
+            (f"GPU-updated unit: master, state H2D (+ {rule})", t["visit_h2d"] + t["gpu_adam"]),
+            ("GPU-updated unit: master, state (+ shadow) D2H", t["visit_d2h"]))]
     if many:
         rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
             ("all_gather of the weights (comm lane)", t["all_gather"]),
