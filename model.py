@@ -232,8 +232,7 @@ def units(cfg):
     if not cfg.tie_embeddings:
         out.append(Layout("embed", [("embed", EMBED, (V, d), normal(INIT_STD))]))
     for i in range(cfg.n_layer):
-        entries = [(s, f"model.layers.{i}.{s}", shape, init)
-                   for s, shape, init in layer_entries(cfg)]
+        entries = [(s, f"model.layers.{i}.{s}", *rest) for s, *rest in layer_entries(cfg)]
         out.append(Layout(f"layer.{i}", entries))
     head_key = EMBED if cfg.tie_embeddings else HEAD
     head = [("lm_head", head_key, (V, d), normal(INIT_STD)), ("norm", NORM, (d,), ONES)]
@@ -389,7 +388,7 @@ def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
 # ------------------------------------------------------------------------------ the reference model
 def layer_weights(cfg, weights, i):
     """{short name: tensor} of layer i, taken from a weights dict."""
-    return {s: weights[f"model.layers.{i}.{s}"] for s, _, _ in layer_entries(cfg)}
+    return {s: weights[f"model.layers.{i}.{s}"] for s, *_ in layer_entries(cfg)}
 
 
 def head_weights(cfg, weights):
