@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 import model  # noqa: E402
 from conftest import check_close, check_loss, check_updates, engine, random_batch, rel_diff  # noqa: E402
-from megatrain_min import checks, hf_load  # noqa: E402
+from megatrain_min import checks, hf, hf_load  # noqa: E402
 from megatrain_min.hf import save_hf  # noqa: E402
 from megatrain_min.hf_load import HFError, load_hf  # noqa: E402
 
@@ -41,6 +41,7 @@ FAMILIES = {  # each family with the feature it brings
     "qwen2-bias-tied": lambda: Qwen2Config(**BASE, num_key_value_heads=4, tie_word_embeddings=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3-qknorm-headdim": lambda: Qwen3Config(**BASE, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+    "llama-gelu-tanh": lambda: LlamaConfig(**BASE, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh"),
 }
 
 
@@ -227,6 +228,68 @@ def test_sharded_transformers_checkpoint(tmp_path):
         check_close("logits", model.forward(cfg, w, x), hf_model(d)(x).logits, LOGITS)
 
 
+# ----------------------------------------------------------------------------- a key left out: transformers' default
+SIZES = dict(vocab_size=101, intermediate_size=96, num_hidden_layers=2)
+# Each family made from transformers' own class defaults (sizes aside), its head count chosen so that no two
+# defaults coincide (Mistral's 8 key/value heads and Qwen's 32 are not the head count): every key config_from_hf
+# reads then holds transformers' default, and deleting one must leave the same model.
+AT_DEFAULTS = {
+    "llama": lambda: LlamaConfig(**SIZES, hidden_size=64, num_attention_heads=4),
+    "mistral": lambda: MistralConfig(**SIZES, hidden_size=64, num_attention_heads=16),
+    "qwen2": lambda: Qwen2Config(**SIZES, hidden_size=128, num_attention_heads=64),
+    "qwen2-window": lambda: Qwen2Config(**SIZES, hidden_size=128, num_attention_heads=64, use_sliding_window=True,
+                                        max_window_layers=0),
+    "qwen3": lambda: Qwen3Config(**SIZES, hidden_size=128, num_attention_heads=64),
+}
+DEFAULTED = ("rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "head_dim", "hidden_act",
+             "rope_parameters", "rope_theta", "tie_word_embeddings", "sliding_window", "use_sliding_window",
+             "max_window_layers", "layer_types", "attention_bias", "mlp_bias", "partial_rotary_factor")
+
+
+def as_transformers_reads_it(t):
+    """Our GPTConfig's fields, as transformers' config object t (AutoConfig) sets them."""
+    window = getattr(t, "sliding_window", None)
+    if t.model_type != "mistral" and "sliding_attention" not in (getattr(t, "layer_types", None) or []):
+        window = None                                        # Llama has none; Qwen slides only in those layers
+    return dict(norm_eps=t.rms_norm_eps, max_seq_len=t.max_position_embeddings, n_kv_head=t.num_key_value_heads,
+                head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+                hidden_act=t.hidden_act, rope_theta=t.rope_parameters["rope_theta"],
+                tie_embeddings=t.tie_word_embeddings, sliding_window=window)
+
+
+@pytest.mark.parametrize("family", AT_DEFAULTS)
+def test_a_key_left_out_means_transformers_default(tmp_path, family):
+    """config.json with one key deleted (each key config_from_hf has a default for, in turn) is read as transformers
+    reads the same file: its own class default, per family (hf_load.HF_DEFAULTS)."""
+    AT_DEFAULTS[family]().save_pretrained(tmp_path)
+    full = json.loads((tmp_path / "config.json").read_text())
+    tried = [k for k in DEFAULTED if k in full]
+    assert {"rms_norm_eps", "max_position_embeddings", "num_key_value_heads", "hidden_act"} <= set(tried)
+    for key in tried:
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != key}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = as_transformers_reads_it(transformers.AutoConfig.from_pretrained(tmp_path))
+        ours = hf_load.config_from_hf({k: v for k, v in full.items() if k != key})
+        got = {k: getattr(ours, k) for k in theirs}
+        assert got == theirs, f"{family} without {key!r}: {got} here, {theirs} in transformers"
+
+
+def test_tie_left_out_of_an_untied_checkpoint(tmp_path):
+    """tie_word_embeddings left out of an untied checkpoint: untied, as in transformers (its default is False). One
+    departure, kept on purpose: a checkpoint with no lm_head.weight and no tie_word_embeddings loads tied here,
+    where transformers would start a random head."""
+    d = make_hf(tmp_path / "hf", FAMILIES["llama-gqa"]())
+    c = json.loads((d / "config.json").read_text())
+    c.pop("tie_word_embeddings")
+    (d / "config.json").write_text(json.dumps(c))
+    cfg, w = load_hf(d)
+    assert cfg.tie_embeddings is False is hf_model(d).config.tie_word_embeddings
+    x = tokens(cfg)
+    with torch.no_grad():
+        check_close("logits", model.forward(cfg, w, x), hf_model(d)(x).logits, LOGITS)
+
+
 # ----------------------------------------------------------------------------- save_hf
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_hf_loads_in_transformers(tmp_path, family):
@@ -263,6 +326,59 @@ def test_bf16_save_and_tokenizer_files(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     _, w2 = load_hf(out)
     assert all(torch.equal(w2[k], w[k].bfloat16().float()) for k in w)
+
+
+# ----------------------------------------------------------------------------- what the export can represent
+OTHER = {"rope_scaling": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=16), "sliding_window": 8}
+
+
+def another(name, value):
+    """A value of config field `name` other than `value`."""
+    if name in OTHER:
+        return OTHER[name]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2
+    return {"silu": "gelu"}.get(value, "silu")
+
+
+def test_every_config_field_reaches_config_json_or_is_refused():
+    """config_to_hf derives config.json from every field of GPTConfig: each field changed alone changes config.json,
+    or the export refuses the model (hf.architecture) -- never the same file for another model."""
+    base = model.GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=64)
+    written = hf.config_to_hf(base)
+    for f in dataclasses.fields(model.GPTConfig):
+        cfg = dataclasses.replace(base, **{f.name: another(f.name, getattr(base, f.name))})
+        try:
+            assert hf.config_to_hf(cfg) != written, f"{f.name} changed, config.json did not"
+        except HFError as e:
+            print(f"{f.name}: refused ({e})")
+
+
+def test_export_refuses_what_the_architecture_cannot_represent(tmp_path, monkeypatch):
+    """A model no transformers family computes is refused by save_hf in one line, nothing written: a qkv bias with
+    q/k norm; a tensor the architecture has no place for (a per-layer gate added to the layout); a config field
+    config_to_hf does not write, at other than its default."""
+    cases = {"qkv bias AND q/k norm": (model.GPTConfig(vocab_size=64, n_layer=2, d_model=64, d_ff=96, qkv_bias=True,
+                                                         qk_norm=True), None)}
+    entries = model.layer_entries
+    cases["has no tensor model.layers.0.gate"] = (model.GPTConfig(vocab_size=64, n_layer=2, d_model=64, d_ff=96),
+                                                  lambda cfg: entries(cfg) + [("gate", (1,), model.ONES)])
+    cases["no place for hidden_act='gelu'"] = (model.GPTConfig(vocab_size=64, n_layer=2, d_model=64, d_ff=96,
+                                                               hidden_act="gelu"), "drop hidden_act")
+    for words, (cfg, change) in cases.items():
+        with monkeypatch.context() as m:
+            if change == "drop hidden_act":
+                m.setattr(hf, "EXPORTED", hf.EXPORTED - {"hidden_act"})
+            elif change is not None:
+                m.setattr(model, "layer_entries", change)
+            with pytest.raises(HFError) as e:
+                save_hf(cfg, model.init_weights(cfg), tmp_path / "out")
+        print(e.value)
+        assert words in str(e.value) and "\n" not in str(e.value)
+        assert not list(tmp_path.iterdir())
 
 
 # ----------------------------------------------------------------------------- training from a checkpoint
@@ -330,6 +446,7 @@ BAD = {  # name: (how to break a fresh tiny Llama checkpoint, words the message 
     "rope-scaling": (lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8}),
                      "rope scaling type 'yarn'"),
     "o-proj-bias": (lambda d: _edit_config(d, attention_bias=True), "attention_bias"),
+    "activation": (lambda d: _edit_config(d, hidden_act="relu2"), "hidden_act=relu2"),
     "missing-tensor": (lambda d: _drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight is missing"),
     "no-weights": (lambda d: (d / "model.safetensors").unlink(), "no model.safetensors"),
 }
