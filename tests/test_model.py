@@ -51,12 +51,19 @@ def test_init_is_seeded_and_scaled():
 
 
 # ----------------------------------------------------------------------------- initial values, declared in the layout
+# The tensors a layout held at 52eb41c: the suffix rule below is the oracle for these (a tensor a reader adds is
+# initialised as its own entry declares, and not compared).
+TODAY = {"embed", "lm_head", "norm", "input_layernorm.weight", "post_attention_layernorm.weight",
+         *(f"self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias")),
+         *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")), "self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+
+
 def init_by_suffix(cfg, layout, gen):
     """model.init_unit as it was before each layout entry declared its initial values (52eb41c), frozen here as the
     oracle: chosen by the name's suffix -- matrices N(0, 0.02), o_proj and down_proj scaled by 1/sqrt(2 n_layer),
     norm gains 1, every other vector 0."""
     out = {}
-    for e in layout.entries:
+    for e in (e for e in layout.entries if e.short in TODAY):
         if len(e.shape) == 1:
             norm = e.short.endswith("norm.weight") or e.short == "norm"
             out[e.key] = torch.ones(e.shape) if norm else torch.zeros(e.shape)
@@ -72,7 +79,7 @@ def test_every_presets_declared_init_is_the_suffix_rule(name):
     """Every entry of every preset's layout declares what the suffix rule chose (7b and up are too big to make)."""
     cfg = SPECIAL if name == "gqa-bias-qknorm-tied" else model.PRESETS[name]
     for lay in model.units(cfg):
-        for e in lay.entries:
+        for e in (e for e in lay.entries if e.short in TODAY):
             if len(e.shape) == 1:
                 want = model.ONES if e.short.endswith("norm.weight") or e.short == "norm" else model.ZEROS
             elif e.short.endswith(("o_proj.weight", "down_proj.weight")):
@@ -85,14 +92,16 @@ def test_every_presets_declared_init_is_the_suffix_rule(name):
 @pytest.mark.parametrize("cfg", [model.PRESETS["toy"], SPECIAL], ids=["toy", "gqa-bias-qknorm-tied"])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_init_weights_and_lazy_init_are_todays_bit_for_bit(cfg, seed):
+    """init_weights and LazyInit make today's tensors, bit for bit (a tensor added since that draws from the
+    generator before them changes them: this test then says which)."""
     gen = torch.Generator().manual_seed(seed)
     want = {}
     for lay in model.units(cfg):
         want.update(init_by_suffix(cfg, lay, gen))
     got, lazy = model.init_weights(cfg, seed), LazyInit(cfg, seed)
-    assert list(got) == list(want) == list(lazy)
+    assert list(got) == list(lazy) and set(want) <= set(got)
     for k in want:
-        assert torch.equal(got[k], want[k]) and torch.equal(lazy[k], want[k]), k
+        assert torch.equal(got[k], want[k]) and torch.equal(lazy[k], want[k]), f"{k}: not 52eb41c's initial values"
 
 
 def test_an_entry_without_initial_values_is_refused_at_construction(monkeypatch):
