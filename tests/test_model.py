@@ -55,7 +55,8 @@ def test_init_is_seeded_and_scaled():
 # initialised as its own entry declares, and not compared).
 TODAY = {"embed", "lm_head", "norm", "input_layernorm.weight", "post_attention_layernorm.weight",
          *(f"self_attn.{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias")),
-         *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")), "self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+         *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+         "self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 
 def init_by_suffix(cfg, layout, gen):
