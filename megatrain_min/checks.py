@@ -63,6 +63,9 @@ def check_config(cfg):
     for k in ("rope_theta", "norm_eps"):
         if not (real(getattr(cfg, k)) and getattr(cfg, k) > 0):
             raise ValueError(f"{k} must be a finite number > 0, got {getattr(cfg, k)!r}")
+    if cfg.hidden_act not in model.ACTIVATIONS:
+        raise ValueError(f"hidden_act must be one of {', '.join(model.ACTIVATIONS)} "
+                         f"(model.ACTIVATIONS), got {cfg.hidden_act!r}")
     for k in ("qkv_bias", "qk_norm", "tie_embeddings"):
         if not isinstance(getattr(cfg, k), bool):
             raise ValueError(f"{k} must be True or False, got {getattr(cfg, k)!r}")

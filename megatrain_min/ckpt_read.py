@@ -8,6 +8,9 @@ What it is
                       the finished checkpoints of a run's output directory: ckpt-STEP holding a
                       meta.json (a name alone, or a half-copied directory, is none)
       read_meta(path) meta.json with its format, version, fields and own CRC checked
+      config_of(path, doc)
+                      the model config it was saved with: a field added to model.GPTConfig since
+                      (missing from its meta.json) takes the default
       check_model(path, doc, cfg)
                       the same byte order, config and parameter layout as model cfg (meta.json
                       alone: train.py asks before allocating a trainer)
@@ -46,6 +49,7 @@ On disk
 Try it
     python -m pytest tests/test_checkpoint.py tests/test_export.py   # damaged, foreign, edited
 """
+import dataclasses
 import json
 import re
 import sys
@@ -287,18 +291,37 @@ def overlap(part, lo, hi):
     return max(lo, part["lo"]), min(hi, part["hi"])
 
 
+def config_of(path, doc):
+    """The model config checkpoint `path` (doc: its read_meta) was saved with. A field its meta.json
+    does not hold -- one added to model.GPTConfig since -- takes the dataclass default, which by the
+    rule of a default computes what the model computed before the field existed. CheckpointError
+    for a field this code does not have, or values that make no config."""
+    there = doc["config"]
+    known = {f.name for f in dataclasses.fields(model.GPTConfig)}
+    unknown = [k for k in there if k not in known]
+    if unknown:
+        k = unknown[0]
+        raise CheckpointError(f"{path} is for another model: {k}={there[k]!r} in the checkpoint, a "
+                              "config field this code does not have")
+    try:
+        return check_config(model.GPTConfig(**there))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}/meta.json: its config is not a model config ({e})") from None
+
+
 def check_model(path, doc, cfg):
     """CheckpointError unless checkpoint `path` (doc: its read_meta) holds model cfg: same byte
-    order, same config, same parameter layout. Reads nothing but meta.json: train.py asks before
-    allocating a trainer."""
+    order, same config (config_of: a field missing from its meta.json is the default), same
+    parameter layout. Reads nothing but meta.json: train.py asks before allocating a trainer."""
     if doc["byteorder"] != sys.byteorder:
         raise CheckpointError(f"{path} was written on a {doc['byteorder']}-endian machine; this "
                               f"one is {sys.byteorder}")
-    here, there = cfg.to_dict(), doc["config"]
-    for k in list(here) + [k for k in there if k not in here]:
-        if there.get(k) != here.get(k):
-            raise CheckpointError(f"{path} is for another model: {k}={there.get(k)!r} in "
-                                  f"the checkpoint, {here.get(k)!r} in this run (first "
+    here = cfg.to_dict()
+    there = config_of(path, doc).to_dict()
+    for k in here:
+        if there[k] != here[k]:
+            raise CheckpointError(f"{path} is for another model: {k}={there[k]!r} in "
+                                  f"the checkpoint, {here[k]!r} in this run (first "
                                   "differing config field)")
     ours = [(lay.name, lay.numel) for lay in model.units(cfg)]
     theirs = [(u["name"], u["numel"]) for u in doc["units"]]
@@ -370,10 +393,7 @@ def read_weights(path, verify=True):
     for."""
     path = Path(path)
     doc = read_meta(path)
-    try:
-        cfg = check_config(model.GPTConfig(**doc["config"]))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}/meta.json: its config is not a model config ({e})") from None
+    cfg = config_of(path, doc)
     check_model(path, doc, cfg)                  # byte order, and units that match the config
     layouts = model.units(cfg)
     verify_files(path, doc, crc=verify, layouts=layouts)

@@ -3,7 +3,8 @@
 What it is
     Run(args) owns --out (and --save-hf) for train.py:
       check()     before anything is allocated: no other run holds --out's lock, every place the run
-                  writes to is writable, an export never replaces what is not an earlier export, the
+                  writes to is writable, an export never replaces what is not an earlier export
+                  and is of a model its architecture represents (hf.architecture), the
                   disk holds a checkpoint (12 B/param) and the export; --resume reads the
                   checkpoint's meta.json (its tokenizer files verified) and refuses other settings.
                   The data's samplers are wrapped: a data file found damaged while training
@@ -44,6 +45,13 @@ def same(flag, then, now, fingerprinted):
     if flag == "init_from" and then and now and os.path.exists(then) and os.path.exists(now):
         return os.path.samefile(then, now)
     return then == now
+
+
+def settings_then(args):
+    """The SAME_RUN settings a checkpoint was made with (args: its meta's flags). A flag its meta
+    does not hold -- added since -- had its default (cli.DEFAULTS), or, with no default there, is
+    "(not recorded)": a refusal names the flag, never a KeyError."""
+    return {k: args.get(k, cli.DEFAULTS.get(k, "(not recorded)")) for k in SAME_RUN}
 
 
 def check_path(path, flag):
@@ -133,6 +141,7 @@ class Run:
         if hf_dir is not None:
             try:
                 hf.check_export_dir(hf_dir)
+                hf.architecture(cfg)       # a model transformers cannot represent: refused now
             except hf_load.HFError as e:
                 fail(f"--save-hf: {e}")
             if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
@@ -173,12 +182,11 @@ class Run:
                 fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its "
                      f"copy is {ours}); resume with the model directory the run started from")
             was = ck.get("data_fingerprint")  # the data: its content decides, not how it is spelled
-            # a flag added since the checkpoint was saved: what every run had then, its default
-            then = {k: ck["args"].get(k, cli.DEFAULTS.get(k)) for k in SAME_RUN}
+            then = settings_then(ck["args"])
             changed = [k for k in SAME_RUN if not same(k, then[k], vars(a)[k], was is not None)]
             if changed:    # before the model's check: a missing --init-from makes another model
-                said = ", ".join(f"--{k.replace('_', '-')} {then[k]}" for k in changed)
-                fail(f"--resume: {path.name} was made with other settings ({said}); pass the same "
+                flags = ', '.join(f"--{k.replace('_', '-')} {then[k]}" for k in changed)
+                fail(f"--resume: {path.name} was made with other settings ({flags}); pass the same "
                      "flags to continue bit-exactly")
             ckpt_read.check_model(path, doc, cfg)
             if was is not None and was != self.fingerprint:

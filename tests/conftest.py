@@ -77,19 +77,77 @@ def random_batch(cfg, B, T, gen, ignore_frac=0.2):
     return tok, tgt
 
 
+# ----------------------------------------------------------------------------- comparisons that say what differs
+# One home for the comparisons of an engine with its reference and of the model with transformers: a failure
+# names the step, the tensor and the worst relative difference, beside the bound it broke. Each bound is set by
+# its test at about 10x the difference measured on the dev machine, the measurement in a comment beside it;
+# `python -m pytest -s` prints every measured difference ("measured ...").
+def rel_diff(a, b):
+    """max|a - b| / max|b| of two tensors (computed in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def check_close(what, got, want, tol):
+    """Tensors got vs want: rel_diff <= tol, else a failure naming `what` (e.g. "step 2: logits") and the worst
+    element. Returns the relative difference."""
+    r = rel_diff(got, want)
+    print(f"measured {what}: {r:.2e} (bound {tol:.0e})")
+    if r > tol:
+        i = (got.detach().double() - want.detach().double()).abs().argmax()
+        at = tuple(int(j) for j in torch.unravel_index(i, want.shape))
+        raise AssertionError(f"{what}: max relative difference {r:.2e} > bound {tol:.0e} (max|a - b| / max|b|); "
+                             f"worst element {list(at)}: {got[at].item():.6g} vs {want[at].item():.6g}")
+    return r
+
+
+def check_loss(step, got, want, tol, what="loss"):
+    """One step's losses got (the engine's) vs want (the reference's): |got - want| / |want| <= tol, else a failure
+    naming the step. Returns the relative difference."""
+    r = abs(got - want) / abs(want)
+    print(f"measured step {step} {what}: {r:.2e} (bound {tol:.0e})")
+    if not r <= tol:
+        raise AssertionError(f"step {step}: {what} {got!r} vs reference {want!r}: relative difference {r:.2e} > "
+                             f"bound {tol:.0e}")
+    return r
+
+
 def losses_agree(a, b, cfg, gen, steps, B, T, rtol):
-    """Step trainers a and b on the same random batches; every step's losses agree to rtol (relative)."""
+    """Step trainers a and b on the same random batches; every step's losses agree to rtol (check_loss)."""
     for s in range(steps):
         tok, tgt = random_batch(cfg, B, T, gen)
-        la, lb = a.step(tok, tgt), b.step(tok, tgt)
-        assert abs(la - lb) / abs(lb) <= rtol, f"step {s}: loss {la} vs {lb}"
+        check_loss(s, a.step(tok, tgt), b.step(tok, tgt), rtol)
+
+
+def update_diffs(w0, wa, wb):
+    """{key: (||(wa - w0) - (wb - w0)||^2, ||wb - w0||^2)} per tensor, in float64."""
+    out = {}
+    for k in wb:
+        num = float(((wa[k].double() - wb[k].double()) ** 2).sum())
+        den = float(((wb[k].double() - w0[k].double()) ** 2).sum())
+        out[k] = (num, den)
+    return out
 
 
 def update_rel(w0, wa, wb):
     """||(wa - w0) - (wb - w0)|| / ||wb - w0|| over all tensors: how far two updates are apart."""
-    num = sum(((wa[k] - wb[k]).double() ** 2).sum() for k in wb) ** 0.5
-    den = sum(((wb[k] - w0[k]).double() ** 2).sum() for k in wb) ** 0.5
-    return float(num / den)
+    d = update_diffs(w0, wa, wb)
+    return (sum(n for n, _ in d.values()) / sum(s for _, s in d.values())) ** 0.5
+
+
+def check_updates(when, w0, wa, wb, tol):
+    """The updates wa - w0 (the engine's) and wb - w0 (the reference's) agree: update_rel <= tol, else a failure
+    naming `when` (e.g. "after step 5"), the whole difference and the tensor that differs most (its own
+    ||difference|| / ||update||). Returns update_rel."""
+    d = update_diffs(w0, wa, wb)
+    r = (sum(n for n, _ in d.values()) / sum(s for _, s in d.values())) ** 0.5
+    print(f"measured {when} updates: {r:.2e} (bound {tol:.0e})")
+    if not r <= tol:
+        key = max(d, key=lambda k: d[k][0])
+        own = (d[key][0] / d[key][1]) ** 0.5 if d[key][1] else float("inf")
+        raise AssertionError(f"{when}: weight updates differ by {r:.2e} relative (||difference|| / ||update||, "
+                             f"all tensors) > bound {tol:.0e}; most of it in {key}: {own:.2e} of its own update")
+    return r
 
 
 SPLIT = {  # the split regexes of the published tokenizer.json files (Llama 3 groups up to 3 digits, Qwen2 none)

@@ -1,8 +1,10 @@
 """The project's central test: stream.Trainer (weights in host memory, one layer at a time, recompute,
 layer-major micro-batches) equals plain PyTorch training (megatrain_min.reference: one autograd graph,
 torch.optim.AdamW) step for step, on the CPU in fp32.
-Tolerances (docs/design.md, section 'Numerics contract'): per-step loss <= 1e-5 relative; weight updates
-<= 1e-3 relative by the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
+Tolerances (docs/design.md, section 'Numerics contract'): about 10x the difference measured on the dev machine,
+per dtype, the measurement beside each bound below; weight updates are compared by the norm of their difference
+(Adam magnifies rounding in near-zero gradients). A failure names the step, the tensor and the worst relative
+difference (conftest.check_loss, check_updates); `python -m pytest -s` prints every measured difference."""
 import dataclasses
 import gc
 import math
@@ -19,7 +21,8 @@ import cuda_doubles
 import model
 import optim
 import stream
-from conftest import ROOT, SPECIAL, engine, homed, losses_agree, random_batch, reference_lion, update_rel
+from conftest import (ROOT, SPECIAL, check_loss, check_updates, engine, homed, losses_agree, random_batch,
+                      reference_lion, update_rel)
 from megatrain_min import plan
 from megatrain_min.gpu_update import GpuUpdated
 from megatrain_min.lion import Lion
@@ -27,6 +30,23 @@ from megatrain_min.resident import Resident
 from megatrain_min.reference import ReferenceTrainer
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# Bounds: about 10x the worst difference measured on the 2-core dev machine (torch 2.13, CPU), the measurement
+# beside each; re-measure with `python -m pytest -s -v tests/test_stream.py | grep measured`. (The older 1e-5 and
+# 1e-3 let a clipping epsilon of 1e-3 instead of 1e-6 pass: it moves the clipped cases' updates to 3.5e-5..8.5e-5
+# and their losses to 3.8e-6.)
+# fp32 engine vs reference, per-step loss: measured 2.2e-7 (test_stream_equals_reference[toy-1-clip-ckpt-offload],
+# the worst of 80 steps); resident, GPU-updated, CUDA-double and tiled cases 6.5e-8..9e-8
+LOSS_FP32 = 2e-6
+# fp32 engine vs reference, weight updates: measured 2.9e-6 (the same case); resident, GPU-updated and CUDA-double
+# cases 5.7e-7..7.7e-7
+UPDATE_FP32 = 3e-5
+# the same at T = 2048 in tiles of 700 (test_tiled_engine_equals_reference_at_2048_tokens): measured 1.3e-5, its
+# longer sums rounding more
+UPDATE_FP32_LONG = 1.3e-4
+LOSS_BF16 = 3e-4       # bf16 engine vs the autocast reference, per-step loss: measured 2.6e-5
+# bf16 engine vs the autocast reference, weight updates: measured 6.7e-3 (32 layers of bf16 rounding; the design's
+# bound 1e-2 is kept, tighter than 10x: a bound is never loosened)
+UPDATE_BF16 = 1e-2
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["ckpt-gpu", "ckpt-offload"])
@@ -38,17 +58,12 @@ def test_stream_equals_reference(cfg, M, clip, offload):
     w0 = model.init_weights(cfg, seed=0)
     ours = engine(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, offload_activations=offload, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, **HP)
-    worst = 0.0
     for step in range(5):
         tok, tgt = random_batch(cfg, 4, 24, gen)
         ours.set_lr(HP["lr"] * (1 - 0.1 * step))
         ref.set_lr(HP["lr"] * (1 - 0.1 * step))
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        worst = max(worst, abs(a - b) / abs(b))
-        assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
-    rel = update_rel(w0, ours.weights(), ref.weights())
-    print(f"max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
-    assert rel <= 1e-3
+        check_loss(step, ours.step(tok, tgt), ref.step(tok, tgt), LOSS_FP32)
+    check_updates("after step 4", w0, ours.weights(), ref.weights(), UPDATE_FP32)
     assert set(ours.weights()) == set(w0)
 
 
@@ -69,11 +84,9 @@ def test_resident_units_equal_reference(cfg, resident, clip, offload):
     assert all(ours.opt.shadow[u] is None for u in want)
     for step in range(4):
         tok, tgt = random_batch(cfg, 4, 24, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
-    rel = update_rel(w0, ours.weights(), ref.weights())
-    print(f"{len(want)} resident: update rel diff {rel:.1e}")
-    assert rel <= 1e-3 and all(ours.opt.steps[u].item() == 4 for u in range(len(ours.units)))
+        check_loss(step, ours.step(tok, tgt), ref.step(tok, tgt), LOSS_FP32)
+    check_updates(f"after step 3, {len(want)} resident", w0, ours.weights(), ref.weights(), UPDATE_FP32)
+    assert all(ours.opt.steps[u].item() == 4 for u in range(len(ours.units)))
 
 
 @pytest.mark.parametrize("n,resident", [(2, 0), (99, 1)], ids=["2-of-the-streamed", "every-streamed"])
@@ -111,7 +124,7 @@ def test_gpu_updated_units_equal_reference(cfg, dtype, mode, n, resident, clip, 
         a, h, b = ours.step(tok, tgt), host.step(tok, tgt), ref.step(tok, tgt)
         assert a == h, f"step {step}: loss {a} vs the host-updated engine's {h}"
         if dtype == torch.float32:
-            assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
+            check_loss(step, a, b, LOSS_FP32)
     ours.wait(), host.wait()
     for u in range(len(ours.units)):
         mine, theirs = ours.opt.tensors(u), host.opt.tensors(u)
@@ -120,9 +133,8 @@ def test_gpu_updated_units_equal_reference(cfg, dtype, mode, n, resident, clip, 
         if ours.opt.shadow[u] is not None:   # what the next forward streams
             assert torch.equal(ours.opt.shadow[u], host.opt.shadow[u])
     if dtype == torch.float32:
-        rel = update_rel(w0, ours.weights(), ref.weights())
-        print(f"{len(want)} updated on the device: update rel diff {rel:.1e}")
-        assert rel <= 1e-3
+        check_updates(f"after step 3, {len(want)} updated on the device", w0, ours.weights(), ref.weights(),
+                      UPDATE_FP32)
 
 
 LION = dict(lr=1e-3, weight_decay=1.0)   # the Lion paper's advice against HP's AdamW: lr 10x lower, decay 10x higher
@@ -199,8 +211,9 @@ def test_micro_batches_equal_one_batch():
     gen = torch.Generator().manual_seed(3)
     w0 = model.init_weights(cfg, 0)
     one, four = (engine(cfg, w0, device="cpu", micro_batches=m, **HP) for m in (1, 4))
-    losses_agree(four, one, cfg, gen, steps=3, B=8, T=16, rtol=1e-6)
-    assert update_rel(w0, four.weights(), one.weights()) <= 1e-4
+    losses_agree(four, one, cfg, gen, steps=3, B=8, T=16, rtol=1e-6)                      # measured 1.0e-7
+    # measured 1.8e-5 (the older bound 1e-4 kept, tighter than 10x)
+    check_updates("after step 2, 4 micro-batches vs 1", w0, four.weights(), one.weights(), 1e-4)
 
 
 def test_two_identical_runs_match_bit_for_bit():
@@ -222,7 +235,7 @@ def test_evaluate_equals_reference_loss(gen):
     t = engine(cfg, w0, device="cpu", micro_batches=2, chunk_tokens=5, **HP)
     tok, tgt = random_batch(cfg, 4, 16, gen)
     ref = model.loss(cfg, w0, tok, tgt).item()
-    assert abs(t.evaluate(tok, tgt) - ref) / ref <= 1e-6
+    check_loss(0, t.evaluate(tok, tgt), ref, 1e-6, "evaluation loss")                  # measured 1.0e-7
     assert all(torch.equal(v, w0[k]) for k, v in t.weights().items())  # evaluation changes nothing
 
 
@@ -328,9 +341,7 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
     worst = 0.0
     for step in range(2):
         tok, tgt = random_batch(cfg, B, T, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        worst = max(worst, abs(a - b) / abs(b))
-        assert abs(a - b) / abs(b) <= loss_tol, f"step {step}: loss {a} vs {b}"
+        worst = max(worst, check_loss(step, ours.step(tok, tgt), ref.step(tok, tgt), loss_tol))
     return worst, update_rel(w0, ours.weights(), ref.weights())
 
 
@@ -339,16 +350,15 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
 @pytest.mark.parametrize("M", [1, 2])
 def test_bf16_engine_equals_autocast_reference(M, clip, resident):
     """bf16 compute: the engine (blocks and head under autocast, fp32 residual, weights from the bf16
-    shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= 1e-3
-    relative at every step, weight updates <= 1e-2 relative after 2 steps (docs/design.md, section 'Numerics
-    contract')."""
+    shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= LOSS_BF16
+    relative at every step, weight updates <= UPDATE_BF16 relative after 2 steps (docs/design.md, section
+    'Numerics contract')."""
     w0 = model.init_weights(NARROW, 0)
     ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M,
                   resident_units=resident, **HP)
     ref = ReferenceTrainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
-    worst, rel = two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=1e-3)
-    print(f"bf16 engine vs autocast reference: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
-    assert rel <= 1e-2
+    two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=LOSS_BF16)
+    check_updates("after step 1 (bf16)", w0, ours.weights(), ref.weights(), UPDATE_BF16)
 
 
 def test_bf16_residual_option_is_explicit_and_drifts_further():
@@ -499,8 +509,9 @@ def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch
     assert {s.device for s in gpu.streams} == {t.dev} and len(gpu.streams) == 3     # h2d, compute, d2h
     worker = [] if p["resident_units"] == len(t.units) else [(True, 0)]   # all resident: the thread never starts
     assert [(who.startswith("optimizer"), d) for who, d in gpu.set_device_calls] == worker, gpu.set_device_calls
-    assert all(abs(ours - theirs) / theirs <= 1e-5 for ours, theirs in zip(losses, expected)), (losses, expected)
-    assert update_rel(w0, got, ref.weights()) <= 1e-3
+    for step, (ours, theirs) in enumerate(zip(losses, expected)):
+        check_loss(step, ours, theirs, LOSS_FP32)
+    check_updates("after step 2", w0, got, ref.weights(), UPDATE_FP32)
     assert len(homed(t, Resident)) == p["resident_units"] == (0 if resident == 0 else len(t.units)
                                                                if resident is None else resident)
     assert len(homed(t, GpuUpdated)) == p["gpu_updated_units"] == gpu_updated
@@ -536,13 +547,12 @@ LONG = model.GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model
 def test_tiled_engine_equals_reference_at_2048_tokens():
     """Sequence tiling in the engine (tiles of 700 tokens: 2048 is not a multiple), boundary activations through
     the host ring as at long T, against the plain PyTorch reference, which runs the untiled layer: 2 steps at 2 x 2048
-    tokens in 2 micro-batches, loss <= 1e-5, updates <= 1e-3."""
+    tokens in 2 micro-batches, loss <= LOSS_FP32, updates <= UPDATE_FP32_LONG."""
     w0 = model.init_weights(LONG, seed=0)
     ours = engine(LONG, w0, device="cpu", micro_batches=2, offload_activations=True, tile_tokens=700, **HP)
     ref = ReferenceTrainer(LONG, w0, device="cpu", micro_batches=2, **HP)
-    worst, rel = two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=1e-5)
-    print(f"tiled engine vs reference at T=2048: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
-    assert rel <= 1e-3
+    two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=LOSS_FP32)
+    check_updates("after step 1, tiles of 700 at T=2048", w0, ours.weights(), ref.weights(), UPDATE_FP32_LONG)
     with pytest.raises(ValueError, match="tile_tokens"):
         engine(LONG, w0, device="cpu", tile_tokens=-1)
     with pytest.raises(ValueError, match="tile_tokens"):
