@@ -395,9 +395,11 @@ def buffer_names(t):
     for name, v in vars(t).items():
         if not name.startswith("_") and name not in ("opt", "batch", "host_buffers", "home"):
             walk(name, v)
-    for what in ("master", "m", "v", "grad", "shadow"):
-        for u, buf in enumerate(getattr(t.opt, what) or []):
-            walk(f"{what}[{t.units[u].name}]", buf)
+    per_unit = {"master": t.opt.master, **t.opt.state, "grad": t.opt.grad, "shadow": t.opt.shadow}
+    for what, bufs in per_unit.items():
+        for u, buf in enumerate(bufs):
+            if buf is not None:
+                walk(f"{what}[{t.units[u].name}]", buf)
     if t.batch is not None:
         walk("targets", t.batch.targets)
     for handed in (t.activations, *set(t.home)):

@@ -56,7 +56,7 @@ def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     p = P.plan(cfg, "h100", batch_size=8, mode=mode, dtype=dtype, grad_clip=clip, resident_units=0,
                gpu_updated_units=0)   # every unit streamed, updated on the host
     assert p["host_bytes_per_param"] == per_param               # the store: exact, whole bytes
-    assert p["host"]["fp32 master"] == p["host"]["Adam m (fp32)"] == p["host"]["Adam v (fp32)"] == 4 * N
+    assert p["host"]["fp32 master"] == p["host"]["AdamW m (fp32)"] == p["host"]["AdamW v (fp32)"] == 4 * N
     assert p["host"].get("bf16 shadow (streamed)", 0) == (2 * N if mode == "fast" and dtype == "bf16" else 0)
     assert p["host"].get("fp32 grad store (global norm first)", 0) == (4 * N if clip else 0)
     assert p["host_bytes"] > per_param * N                      # + staging, runtime: never less
@@ -97,7 +97,7 @@ def test_120b_lean_fits_h200_with_1536_gb():
     assert p["host_bytes_per_param"] == 12 and p["host_bytes"] / p["params"] >= 12
     assert p["host_bytes"] <= 1536e9 and p["mode"] == "lean"
     table = report.format_plan(p)
-    assert "fp32 master" in table and "Adam m" in table and "FITS" in table
+    assert "fp32 master" in table and "AdamW m" in table and "FITS" in table
     fit.check(p)                                                   # fits: no error
     # 8 x 4096 tokens: the fp32 residual checkpoints (122 GB) leave the GPU for the host, past 1.5 TB; the plan
     # names the nearest setting that fits, and a bf16 residual fits too
@@ -486,7 +486,7 @@ def test_gpu_updated_units_picked_where_they_shorten_the_step():
         assert chosen[:2] == [2, 4] and 0 not in chosen                        # every other, from layer 1
         assert p["gpu"][f"GPU-updated units: {g}, fp32 grads 4 B/param"] == 4 * n
         shadow = mode == "fast"
-        assert p["gpu"]["GPU update scratch: 2 x master, m, v" + (", shadow" if shadow else "")] == \
+        assert p["gpu"]["GPU update scratch: 2 x master, state" + (", shadow" if shadow else "")] == \
             2 * units[chosen[0]].numel * (12 + 2 * shadow)
         grads = "fp32 grad store (global norm first)"
         assert host["host"][grads] - p["host"][grads] == 4 * n
