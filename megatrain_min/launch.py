@@ -21,7 +21,9 @@ A rank that stops answering
     A rank whose process stops running -- SIGSTOP, a paused container or VM, a process frozen whole
     -- is silent there; after HEARTBEAT_S seconds of silence (60 by default; HEARTBEAT_ENV sets it)
     this process names the rank, ends the run (SIGKILL to every rank: a checkpoint being written
-    stays a .tmp-* directory, every finished one whole) and exits 5. Without this the other ranks
+    stays a .tmp-* directory, every finished one whole) and exits 5. HEARTBEAT_ENV is checked
+    before any rank starts: not a number of seconds > 0 is refused in one line (exit 2), below
+    HEARTBEAT_LEAST (5 s) it is raised to that, with a warning. Without this the other ranks
     wait in a collective for torch's timeout (10 minutes), then the agent waits 30 s more for the
     frozen one. A rank alive but stuck in one call (a hung kernel) still beats: the collective
     timeout catches it.
@@ -33,6 +35,7 @@ What it is not
 """
 import glob
 import logging
+import math
 import os
 import shutil
 import signal
@@ -52,6 +55,9 @@ EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell rep
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
 HEARTBEAT_S = 60                              # seconds of silence: a rank has stopped answering
 HEARTBEAT_ENV = "MEGATRAIN_MIN_HEARTBEAT_S"   # ... when set here (a test: a few seconds)
+# the least silence taken for a frozen rank: a healthy rank on a loaded machine may miss a beat of a
+# second or so (its thread not scheduled); a smaller HEARTBEAT_ENV is raised to this, with a warning
+HEARTBEAT_LEAST = 5
 BEATS_ENV = "MEGATRAIN_MIN_BEATS"             # where the ranks beat (set for them by ranks())
 
 
@@ -113,7 +119,8 @@ def checks_then_ranks(n, argv, out):
     """In the parent: fork; wait for the child, which runs train.py's checks and leaves at
     hand_over; exit with its code when it refused, else start the ranks and exit with theirs. In the
     child: return, output quiet but errors (no warnings). argv: train.py's flags without
-    --nproc-per-node; out: its --out."""
+    --nproc-per-node; out: its --out. First, HEARTBEAT_ENV checked (check_heartbeat)."""
+    check_heartbeat()
     sys.stdout.flush(), sys.stderr.flush()
     child = os.fork()
     if child == 0:   # rank 0 prints what this would, warnings included
@@ -136,12 +143,33 @@ def hand_over(run):
 
 
 def heartbeat_s():
-    """HEARTBEAT_S, or HEARTBEAT_ENV's seconds when it is a number > 0."""
+    """HEARTBEAT_S, or HEARTBEAT_ENV's seconds, at least HEARTBEAT_LEAST. ValueError (one line)
+    when HEARTBEAT_ENV is set to anything but a finite number of seconds > 0."""
+    raw = os.environ.get(HEARTBEAT_ENV)
+    if raw is None:
+        return HEARTBEAT_S
     try:
-        wait = float(os.environ.get(HEARTBEAT_ENV, HEARTBEAT_S))
+        wait = float(raw)
     except ValueError:
-        wait = HEARTBEAT_S
-    return wait if wait > 0 else HEARTBEAT_S
+        wait = math.nan
+    if not (math.isfinite(wait) and wait > 0):
+        raise ValueError(f"{HEARTBEAT_ENV}={raw!r} is not a number of seconds > 0 (how long a rank "
+                         f"may be silent before the run is ended); set it to {HEARTBEAT_LEAST} or "
+                         f"more, or unset it for {HEARTBEAT_S}")
+    return max(wait, HEARTBEAT_LEAST)
+
+
+def check_heartbeat():
+    """Before any rank starts: exits.fail (one line, exit 2) for a HEARTBEAT_ENV heartbeat_s()
+    refuses; a warning when it raises one below HEARTBEAT_LEAST."""
+    try:
+        wait = heartbeat_s()
+    except ValueError as e:
+        exits.fail(str(e))
+    if HEARTBEAT_ENV in os.environ and wait > float(os.environ[HEARTBEAT_ENV]):
+        warnings.warn(f"{HEARTBEAT_ENV}={os.environ[HEARTBEAT_ENV]} is below the least silence "
+                      f"taken for a frozen rank: {HEARTBEAT_LEAST} s is used (a healthy rank on a "
+                      "busy machine may miss a beat that short)")
 
 
 def heartbeat(rank):

@@ -122,6 +122,10 @@ class Run:
                 fail("--resume needs --engine stream (the reference engine keeps no "
                      "host store to checkpoint)")
             self.resume_from = ckpt_read.latest(out) if a.resume == "latest" else Path(a.resume)
+            if self.resume_from is not None and self.resume_from.is_file():
+                fail(f"--resume {a.resume} is a file; --resume takes a checkpoint directory" + (
+                    f": --resume {self.resume_from.parent}"
+                    if ckpt_read.is_checkpoint(self.resume_from.parent) else ""))
             if self.resume_from is None and (out / "config.json").is_file():
                 fail(f"--resume: {out} holds a run that stopped before its first checkpoint: "
                      f"nothing to resume. To start over, remove {out}/config.json and "
