@@ -136,6 +136,8 @@ class Run:
             self._resume(cfg, source.train, init_dir)
         hf_base = None
         if hf_dir is not None:
+            # what is there now, before it is checked: the export replaces only that
+            self.hf_state = hf.export_state(hf_dir)
             try:
                 hf.check_export_dir(hf_dir)
             except hf_load.HFError as e:
@@ -150,8 +152,6 @@ class Run:
                 fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace "
                      "the model this run starts from")
             hf_base = writable(hf_dir.parent, "--save-hf")
-            # what is there now: the export replaces only that
-            self.hf_state = hf.export_state(hf_dir)
         # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
         need = {}
         for base, n in ((out_base, 12 * n_params if a.engine == "stream" else 0),
