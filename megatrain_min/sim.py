@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -74,10 +75,12 @@ def check_memory(a, cfg):
     before anything is allocated."""
     have = host_available_bytes()
     mem = have / GB if a.host_mem is None else min(a.host_mem, have / GB)
-    p = plan.from_flags(a, cfg, "local", guarded=bool(a.skip_nonfinite), device=torch.device("cpu"),
-                        dtype=a.dtype or "fp32", host_mem_gb=mem,
-                        resident_units=a.resident_units or 0,
-                        gpu_updated_units=a.gpu_updated_units or 0)
+    with warnings.catch_warnings():    # a count capped: the plan of the run's hardware says it
+        warnings.simplefilter("ignore")
+        p = plan.from_flags(a, cfg, "local", guarded=bool(a.skip_nonfinite),
+                            device=torch.device("cpu"), dtype=a.dtype or "fp32", host_mem_gb=mem,
+                            resident_units=a.resident_units or 0,
+                            gpu_updated_units=a.gpu_updated_units or 0)
     weights = 4 * p["params"]                        # model.init_weights: fp32, kept by record.run
     need = p["host_bytes"] + weights
     if need > p["host_limit_bytes"]:
@@ -189,10 +192,11 @@ def main(argv=None):
         cli.check(a)
         check_flags(a)
         cfg = check_config(cli.config_of(a))
+        held = check_memory(a, cfg) if a.command == "check" else None   # before anything else
         p = plan.from_flags(a, cfg, dtype=a.dtype or "bf16", guarded=bool(a.skip_nonfinite),
                                host_speed=getattr(a, "host_speed", 1.0))
         if a.command == "check":
-            return check_main(a, cfg, p, check_memory(a, cfg))
+            return check_main(a, cfg, p, held)
         return timeline_main(a, cfg, p)
     except ValueError as e:
         ap.exit(2, f"error: {e}\n")

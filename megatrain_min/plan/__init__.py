@@ -297,7 +297,8 @@ def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
     guarded: train.py's non-finite guard; change: arguments of plan() that replace the flags').
     real: the plan of a run about to train here, whose --host-mem may lower this machine's memory,
     never raise it, and whose --engine reference keeps no unit on the GPU (nothing streams). A
-    count of units above what the model has is used as all of them, with a warning (capped)."""
+    count of units above what the model has is used as all of them, with a warning when the plan
+    fits (capped)."""
     if real and a.host_mem is not None and a.host_mem * GB > hardware.host_available_bytes():
         raise PlanError(f"--host-mem {a.host_mem:g} GB is more than this machine has "
                         f"available ({hardware.host_available_bytes() / GB:.0f} GB); a run is "
@@ -314,7 +315,7 @@ def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
     if real and getattr(a, "engine", "stream") == "reference":   # one model in memory, no units
         kw.update(resident_units=0, gpu_updated_units=0)
     p = plan(cfg, hw or a.hardware, **{**kw, **change})
-    for line in capped(p):
+    for line in capped(p) if p["fits"] else ():   # (a plan that does not fit: its refusal says it)
         warnings.warn(line)
     return p
 
