@@ -70,7 +70,8 @@ LAUNCH = args.nproc_per_node > 1 and WORLD == 1   # N ranks from here, all check
 if LAUNCH:   # the checks below run in a child (this process, the ranks' parent, never touches CUDA)
     WORLD = GPUS = args.nproc_per_node
     if not (args.plan or args.json or args.max_context):
-        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"), args.out)
+        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"), args.out,
+                                 args.save_hf)
 try:
     cli.check(args, WORLD)
 except cli.FlagError as e:

@@ -9,7 +9,9 @@ What it is
     never touches CUDA (the plan reads GPU memory, and a CUDA context would hold GPU 0's memory
     until the end). Then ranks() runs train.py on N local ranks through torch.distributed's own
     launcher (elastic_launch, what torchrun runs) and exits with the documented code of the rank
-    that failed (torchrun itself exits 1 whatever happened, after a report of its own).
+    that failed (torchrun itself exits 1 whatever happened, after a report of its own). What
+    --save-hf holds is taken before the checks (EXPORT_STATE_ENV, export_state): the ranks start
+    seconds later, and an export that lands meanwhile is another run's, never replaced.
 Signals
     A SIGTERM, SIGHUP, SIGQUIT or Ctrl-C here is passed on to every rank, as torchrun does, and this
     process waits for them: on SIGTERM, SIGHUP or a first Ctrl-C they save at the end of their step
@@ -34,6 +36,7 @@ What it is not
     them with SIGTERM.
 """
 import glob
+import json
 import logging
 import math
 import os
@@ -49,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_min import checks, ckpt_read, exits, stops
+from megatrain_min import checks, ckpt_read, exits, hf, stops
 
 EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell reports it
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
@@ -59,6 +62,7 @@ HEARTBEAT_ENV = "MEGATRAIN_MIN_HEARTBEAT_S"   # ... when set here (a test: a few
 # second or so (its thread not scheduled); a smaller HEARTBEAT_ENV is raised to this, with a warning
 HEARTBEAT_LEAST = 5
 BEATS_ENV = "MEGATRAIN_MIN_BEATS"             # where the ranks beat (set for them by ranks())
+EXPORT_STATE_ENV = "MEGATRAIN_MIN_EXPORT_STATE"   # what --save-hf held at the launch (export_state)
 
 
 def without(argv, flag):
@@ -115,12 +119,16 @@ def _pass_on(pids, passed=None):
     return handler
 
 
-def checks_then_ranks(n, argv, out):
+def checks_then_ranks(n, argv, out, save_hf=None):
     """In the parent: fork; wait for the child, which runs train.py's checks and leaves at
     hand_over; exit with its code when it refused, else start the ranks and exit with theirs. In the
     child: return, output quiet but errors (no warnings). argv: train.py's flags without
-    --nproc-per-node; out: its --out. First, HEARTBEAT_ENV checked (check_heartbeat)."""
+    --nproc-per-node; out: its --out; save_hf: its --save-hf, whose export_state is taken now, for
+    the ranks (they start seconds later: an export that lands meanwhile is another run's, and wins).
+    First, HEARTBEAT_ENV checked (check_heartbeat)."""
     check_heartbeat()
+    if save_hf:
+        os.environ[EXPORT_STATE_ENV] = json.dumps(hf.export_state(save_hf))
     sys.stdout.flush(), sys.stderr.flush()
     child = os.fork()
     if child == 0:   # rank 0 prints what this would, warnings included
@@ -131,6 +139,14 @@ def checks_then_ranks(n, argv, out):
         signal.signal(s, _pass_on(lambda: [child]))
     code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     sys.exit((EXIT_OF_SIGNAL - code if code < 0 else code) or ranks(n, argv, out))
+
+
+def export_state(hf_dir):
+    """hf.export_state(hf_dir): as the launcher saw it before any rank started (EXPORT_STATE_ENV,
+    set by checks_then_ranks), else now."""
+    if EXPORT_STATE_ENV in os.environ:
+        return json.loads(os.environ[EXPORT_STATE_ENV])
+    return hf.export_state(hf_dir)
 
 
 def hand_over(run):

@@ -27,7 +27,8 @@ import time
 import uuid
 from pathlib import Path
 
-from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock, stops
+from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, launch, prepared, runlock
+from megatrain_min import stops
 from megatrain_min.exits import EXIT, fail, state
 
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
@@ -136,8 +137,9 @@ class Run:
             self._resume(cfg, source.train, init_dir)
         hf_base = None
         if hf_dir is not None:
-            # what is there now, before it is checked: the export replaces only that
-            self.hf_state = hf.export_state(hf_dir)
+            # what is there now (--nproc-per-node: at the launch), before it is checked: the
+            # export replaces only that
+            self.hf_state = launch.export_state(hf_dir)
             try:
                 hf.check_export_dir(hf_dir)
             except hf_load.HFError as e:

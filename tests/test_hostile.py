@@ -936,6 +936,12 @@ AT_ONCE = {  # name: setup(tmp, world) -> ([argv of each], how to run them, whol
         [[*TINY, "--steps", str(s), "--seed", str(k), "--out", t / f"o{k}", "--save-hf", t / "exp"]
          for k, s in ((0, 20), (1, 2))], dict(hold=("o0/metrics.jsonl", t / "exp")),
         lambda t: _export_whole(t / "exp")),
+    # round 4: --nproc-per-node's ranks start seconds after its checks; the launcher is held between the two (its
+    # checks made --out) while another run exports: the ranks took what --save-hf held then, and replaced it
+    "a-2-rank-run-and-another-save-hf-into-one-new-dir": lambda t, w: (
+        [[*TINY, "--nproc-per-node", "2", "--out", t / "o0", "--save-hf", t / "exp"],
+         [*TINY, "--seed", "1", "--out", t / "o1", "--save-hf", t / "exp"]],
+        dict(hold=("o0", t / "exp"), env={"OMP_NUM_THREADS": "1"}), lambda t: _export_whole(t / "exp")),
 }
 
 
