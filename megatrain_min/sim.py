@@ -12,7 +12,9 @@ What it is
                  (twin.Twin): step time, tokens/s, overlap, busy and critical-path shares per lane,
                  peak device memory -- predictions, beside the planner's.
     It takes train.py's model and step flags with the same defaults (megatrain_min/cli.py); check
-    runs a 4 x 16 batch unless told otherwise.
+    runs a 4 x 16 batch unless told otherwise. Bad input is one line and exit 2 before anything
+    runs: sim's own flags (check_flags), and for check the memory the real engine would take on
+    this CPU (check_memory, as train.py checks a run's: a 7B check is refused, not attempted).
 Try it
     python -m megatrain_min.sim check --config toy --micro-batches 2
     python -m megatrain_min.sim timeline --config 7b --hardware h100 --batch-size 4 --seq-len 4096

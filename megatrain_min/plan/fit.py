@@ -3,9 +3,10 @@
 What it is
     check(p): None when plan p fits; else PlanError, one line: what is short, by how much, what this
     machine (or --hardware) has, the nearest setting that fits. suggest(p): that setting, as
-    train.py flags -- fewer units on the GPU than asked, a larger --host-mem than given, the
-    memory modes, activation offload, a smaller loss chunk, a sequence tile, more micro-batches, a
-    smaller batch, a bf16 residual, then smaller presets, each tried by planning again.
+    train.py flags -- fewer units on the GPU than asked, more of this machine's memory than
+    --host-mem gave, the memory modes, activation offload, a smaller loss chunk, a sequence tile,
+    more micro-batches, a smaller batch, a bf16 residual, then smaller presets, each tried by
+    planning again.
     max_context(p): the longest --seq-len that fits with p's other settings (doubling, then
     bisection); longest_context(p): the same, or PlanError saying why not even 1024 tokens fit.
 What it is not
@@ -91,24 +92,25 @@ def fewer_units(p):
 
 
 def more_host_mem(p):
-    """--host-mem X, the least (in tenths of a GB, whole GB from 10) with which p fits, when p's
-    host memory came from --host-mem and this host (for --hardware local) has X; else None."""
-    if p["host_mem_asked"] is None or p["fits_host"]:
+    """--host-mem X, the least (in tenths of a GB, whole GB from 10) with which p fits, when p plans
+    for this machine (--hardware local) with less memory than it has (--host-mem) and it has X; else
+    None. (For a profile --host-mem is that machine's memory: not a setting to change.)"""
+    if p["host_mem_asked"] is None or p["fits_host"] or p["hardware"]["name"] != "local":
         return None
     gb = p["host_bytes"] / HOST_USABLE / GB
     gb = math.ceil(gb) if gb >= 10 else math.ceil(gb * 10) / 10
-    if p["hardware"]["name"] == "local" and gb * GB > host_available_bytes():
+    if gb * GB > host_available_bytes():
         return None
     return f"--host-mem {gb:g}" if replan(p, host_mem_gb=gb)["fits"] else None
 
 
 def suggest(p):
     """The nearest setting that fits, as train.py flags, or None. Tried in order: fewer units on
-    the GPU than asked (--resident-units, --gpu-updated-units), a larger --host-mem when one was
-    given, the memory modes, activation offload, a smaller loss chunk, a (smaller) sequence tile,
-    more micro-batches (smaller recompute activations), a smaller batch, a bf16 residual (it
-    trades accuracy for memory, so it comes last), then smaller presets. (Fewer micro-batches never
-    helps: the slots and boundary activations do not depend on them.)"""
+    the GPU than asked (--resident-units, --gpu-updated-units), a larger --host-mem where one
+    lowered this machine's, the memory modes, activation offload, a smaller loss chunk, a
+    (smaller) sequence tile, more micro-batches (smaller recompute activations), a smaller batch, a
+    bf16 residual (it trades accuracy for memory, so it comes last), then smaller presets. (Fewer
+    micro-batches never helps: the slots and boundary activations do not depend on them.)"""
     asked = fewer_units(p) or more_host_mem(p)
     if asked:
         return asked

@@ -139,19 +139,12 @@ def alternatives(p):
     return lines
 
 
-def on_device(p):
-    """Where a plan's resident units live, in words: 'on the GPU', or on a CPU run 'on the device
-    (a CPU run: host memory)'."""
-    return "on the GPU" if p["hardware"]["gpu_mem_gb"] > 0 else \
-        "on the device (a CPU run: host memory)"
-
-
 def resident_line(p):
     """What the plan keeps on the GPU and updates there, and why (--resident-units,
     --gpu-updated-units): what was asked beside what is used when they differ."""
     k, g = p["resident_units"], p["gpu_updated_units"]
     n = len(model.units(model.GPTConfig(**p["model"])))
-    where = on_device(p)
+    where = "on the GPU" if p["hardware"]["gpu_mem_gb"] > 0 else "on the device"   # a CPU run's
     if p["resident_asked"] is not None:
         why = "as asked (--resident-units)" if p["resident_asked"] == k else \
             f"--resident-units {p['resident_asked']} asked: all there are"
@@ -167,8 +160,7 @@ def resident_line(p):
         return line + (f", the host updates the other {n - k}" if k else "") + unused
     why = "the plan's pick: a faster step" if asked is None else "as asked" if asked == g else \
         f"--gpu-updated-units {asked} asked: every streamed unit but the embedding"
-    there = "on the GPU" if p["hardware"]["gpu_mem_gb"] > 0 else "on the device"
-    return (f"{line}; of the {n - k} streamed, {g} updated {there} ({why}; their master, m, v "
+    return (f"{line}; of the {n - k} streamed, {g} updated {where} ({why}; their master, m, v "
             f"cross for it, the gradient stays), the host updates {n - k - g}")
 
 
@@ -176,13 +168,15 @@ def describe_run(p, world=1, gpus=1):
     """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus
     per node)."""
     many = world > 1
+    where = "on the GPU" if p["hardware"]["gpu_mem_gb"] > 0 else \
+        "on the device (a CPU run: host memory)"
     return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: --mode {p['mode']}, "
             f"host {p['host_bytes'] / GB:.2f} GB{' per node' if many else ''} "
             f"({p['host_bytes_per_param']:.1f} B/param in the store, {p['pinned_bytes'] / GB:.2f} "
             f"GB page-locked), device {p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, "
             "boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}, "
-            f"{p['resident_units']} units resident {on_device(p)}, {p['gpu_updated_units']} "
+            f"{p['resident_units']} units resident {where}, {p['gpu_updated_units']} "
             f"updated there; predicted {p['tokens_per_s']:,.0f} "
             f"tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
 
