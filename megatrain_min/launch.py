@@ -127,11 +127,11 @@ def checks_then_ranks(n, argv, out, save_hf=None):
     the ranks (they start seconds later: an export that lands meanwhile is another run's, and wins).
     First, HEARTBEAT_ENV checked (check_heartbeat)."""
     check_heartbeat()
-    try:
-        if save_hf:
+    if save_hf:
+        try:
             os.environ[EXPORT_STATE_ENV] = json.dumps(hf.export_state(save_hf))
-    except OSError:            # unreadable: the checks below say so (the ranks never start)
-        pass
+        except OSError:        # unreadable: the checks below say so (the ranks never start)
+            pass
     sys.stdout.flush(), sys.stderr.flush()
     child = os.fork()
     if child == 0:   # rank 0 prints what this would, warnings included
