@@ -31,7 +31,8 @@ Nothing lost
     by chunk on the way, ~9 GB/s, beside the CRC), and load() refuses them, naming the tensor. A
     write error (disk full, file too large, no permission) raises SaveError with the temporary
     directory removed. `keep` prunes only checkpoints of the same run (meta["run"]), never another
-    run's, and a step saved again replaces only its own run's checkpoint. Debris of a killed save is
+    run's (a symbolic link: the link, never what it leads to), and a step saved again replaces only
+    its own run's checkpoint. Debris of a killed save is
     removed only when the process that wrote it is gone. One run per directory: runlock.py.
 What it is not
     Not torch.save of a state dict (pickle: a second copy of the model in memory, and loading runs
@@ -164,10 +165,14 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
     if keep and lead:
         mine = [p for _, p in checkpoints(out) if _run_of(p) == meta.get("run")]
         for old in mine[:-keep]:
+            link = os.readlink(old) if old.is_symlink() else None
             try:
                 _remove(old)
             except OSError as e:                # the new checkpoint is whole; an old one just stays
                 warnings.warn(f"could not delete the old checkpoint {old}: {e}")
+            if link is not None and not old.is_symlink():
+                warnings.warn(f"--keep: the old checkpoint {old} was a symbolic link: the link is "
+                              f"removed, {link} (what it leads to) is left as it is")
     return final
 
 
@@ -243,7 +248,11 @@ def _fsync_close(f):
 
 def _remove(path):
     """Delete a checkpoint, renaming it to .tmp-* first so a half-deleted one never looks like a
-    checkpoint."""
+    checkpoint. A symbolic link (a checkpoint moved to another disk, say) is unlinked, never
+    followed: what it leads to is not in --out, and stays."""
+    if path.is_symlink():
+        os.unlink(path)
+        return
     doomed = path.with_name(f".tmp-del-{path.name}-{os.getpid()}")
     os.rename(path, doomed)
     shutil.rmtree(doomed)

@@ -132,6 +132,10 @@ def read_meta(path, tokenizer=True):
     CheckpointError); tokenizer: and the tokenizer files it was saved with, each there and the same
     (check_tokenizer)."""
     path = Path(path)
+    if path.is_file():                        # ckpt-00000002/meta.json, say: offer its directory
+        hint = f"; the checkpoint is its directory, {path.parent}" \
+            if is_checkpoint(path.parent) else ""
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory{hint}")
     if not (path / "meta.json").is_file():
         hint = f"; it holds checkpoints, the latest is {latest(path)}" if latest(path) else ""
         raise CheckpointError(f"{path} is not a checkpoint directory (no meta.json){hint}")

@@ -115,6 +115,12 @@ def _num(v):
     return f"{int(v):,}" if whole else f"{v:g}"
 
 
+def warn_in_one_line():
+    """Warnings as errors are said: one line, 'warning: MESSAGE' (not Python's file:line and the
+    source line)."""
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+
+
 def survive_closed_pipe():
     """stdout and stderr survive a reader that went away (`python train.py --plan --json | head -c
     100`, a closed ssh session): no BrokenPipeError traceback, no "Exception ignored" at exit; a
@@ -345,6 +351,11 @@ def check(a, world=1):
             if given:
                 raise FlagError(f"{flag} with --engine reference: the reference engine writes no "
                                 f"checkpoint; drop {flag}, or use --engine stream")
+        for flag in ("resident_units", "gpu_updated_units"):   # one model in memory: no units
+            if getattr(a, flag):
+                raise FlagError(f"--{flag.replace('_', '-')} {getattr(a, flag)} with --engine "
+                                "reference: the reference engine holds the whole model in one "
+                                "place and streams no unit; drop it, or use --engine stream")
     for flag, default in (("hardware", DEFAULTS["hardware"]), ("gpus", 1), ("nodes", 1)):
         if getattr(a, flag) != default and not planning:
             raise FlagError(f"--{flag} {getattr(a, flag)} applies to --plan (a run is checked "

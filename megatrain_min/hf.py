@@ -178,7 +178,8 @@ ANY = object()
 def export_state(model_dir):
     """What save_hf would replace at model_dir now: None (nothing there), else the text of its
     export marker (each export's differs). save_hf(replaces=state) replaces only that: an export
-    another run wrote there in between is kept."""
+    another run wrote there in between is kept. Take it before check_export_dir and before reading
+    the weights (they take a while): what lands after it is another process's, and wins."""
     d = Path(model_dir)
     if not d.is_dir() or not any(p for p in d.iterdir() if not publish.is_staging(p)):
         return None
@@ -328,9 +329,11 @@ def export_source(ckpt, model_dir):
 
 def export(ckpt, model_dir, dtype=torch.bfloat16):
     """Write checkpoint `ckpt` as a transformers directory (save_hf), with the tokenizer files it
-    carries."""
+    carries. model_dir is replaced only when it still holds what it held before the checkpoint was
+    read (export_state first: an export another process put there meanwhile wins)."""
+    state = export_state(model_dir)
     cfg, weights = export_source(ckpt, model_dir)
-    return save_hf(cfg, weights, model_dir, dtype=dtype, tokenizer_from=ckpt)
+    return save_hf(cfg, weights, model_dir, dtype=dtype, tokenizer_from=ckpt, replaces=state)
 
 
 def main(argv=None):
@@ -353,9 +356,9 @@ def main(argv=None):
     p.error = e.error = fail                   # argparse's complaints: one line and exit code 2 too
     survive_closed_pipe()                      # and a stdout that cannot encode a path
     a = p.parse_args(argv)
-    try:
+    try:   # what out_dir holds before it is checked: replaced only if it still holds it at the end
+        state = export_state(a.out_dir)
         cfg, weights = export_source(a.ckpt, a.out_dir)
-        state = export_state(a.out_dir)        # replaced only if it still holds this at the end
     except ckpt_read.CheckpointError as err:
         before = ckpt_read.before(Path(a.ckpt).absolute())
         fail(f"{err}" + (f"; the checkpoint before it may be intact: export {before}"

@@ -28,7 +28,8 @@ import time
 import uuid
 from pathlib import Path
 
-from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock, stops
+from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, launch, prepared, runlock
+from megatrain_min import stops
 from megatrain_min.exits import EXIT, fail, state
 
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
@@ -129,6 +130,10 @@ class Run:
                 fail("--resume needs --engine stream (the reference engine keeps no "
                      "host store to checkpoint)")
             self.resume_from = ckpt_read.latest(out) if a.resume == "latest" else Path(a.resume)
+            if self.resume_from is not None and self.resume_from.is_file():
+                fail(f"--resume {a.resume} is a file; --resume takes a checkpoint directory" + (
+                    f": --resume {self.resume_from.parent}"
+                    if ckpt_read.is_checkpoint(self.resume_from.parent) else ""))
             if self.resume_from is None and (out / "config.json").is_file():
                 fail(f"--resume: {out} holds a run that stopped before its first checkpoint: "
                      f"nothing to resume. To start over, remove {out}/config.json and "
@@ -139,6 +144,9 @@ class Run:
             self._resume(cfg, source.train, init_dir)
         hf_base = None
         if hf_dir is not None:
+            # what is there now (--nproc-per-node: at the launch), before it is checked: the
+            # export replaces only that
+            self.hf_state = launch.export_state(hf_dir)
             try:
                 hf.check_export_dir(hf_dir)
                 hf.architecture(cfg)       # a model transformers cannot represent: refused now
@@ -154,8 +162,6 @@ class Run:
                 fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace "
                      "the model this run starts from")
             hf_base = writable(hf_dir.parent, "--save-hf")
-            # what is there now: the export replaces only that
-            self.hf_state = hf.export_state(hf_dir)
         # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
         need = {}
         for base, n in ((out_base, 12 * n_params if a.engine == "stream" else 0),

@@ -224,6 +224,10 @@ for line in sys.stdin:
                 os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), fd)
             if req["fsize"] is not None:                  # `ulimit -f`: a write past it fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+            if req["memory"] is not None:                 # `ulimit -v`: this many bytes more than it maps now
+                status = open("/proc/self/status").read().splitlines()
+                vm = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+                resource.setrlimit(resource.RLIMIT_AS, (vm + req["memory"], vm + req["memory"]))
             if req["modes"]:                              # root ignores file modes: drop CAP_DAC_OVERRIDE and
                 import ctypes                             # CAP_DAC_READ_SEARCH (capability bits 1, 2) so they apply
                 libc = ctypes.CDLL(None, use_errno=True)
@@ -262,8 +266,9 @@ class TrainCLI:
     """cli(*args, cwd=...) -> subprocess.CompletedProcess of `python train.py *args`; cli.start(...) -> a Run
     with .pid, whose result cli.wait(run) gives (runs may overlap: the lock and signal tests).
     script: another script of the repository (a lesson, a bench), or module: `python -m module *args`;
-    env: variables set in the child; fsize: RLIMIT_FSIZE in bytes; modes: file modes apply even to root (the
-    tests run as root in containers)."""
+    env: variables set in the child; fsize: RLIMIT_FSIZE in bytes; memory: RLIMIT_AS, in bytes beyond what the
+    child maps at its start (a command that would allocate more fails there, not on the machine); modes: file
+    modes apply even to root (the tests run as root in containers)."""
 
     def __init__(self, tmp):
         self.tmp, self.n = tmp, 0
@@ -275,12 +280,14 @@ class TrainCLI:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
-    def start(self, *args, cwd=ROOT, fsize=None, modes=False, timeout=300, script="train.py", module=None, env=None):
+    def start(self, *args, cwd=ROOT, fsize=None, modes=False, timeout=300, script="train.py", module=None, env=None,
+              memory=None):
         self.n += 1
         out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
         argv = [str(a) for a in args]
         pid = self._ask(dict(argv=argv, cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize, modes=modes,
-                             timeout=timeout, script=str(script), module=module, env=env or {}))["pid"]
+                             timeout=timeout, script=str(script), module=module, env=env or {},
+                             memory=memory))["pid"]
         return SimpleNamespace(pid=pid, argv=[module or str(script), *argv], out=out, err=err)
 
     def wait(self, run):

@@ -599,10 +599,11 @@ def test_a_data_file_truncated_under_a_run_ends_it_in_one_line(cli, tmp_path):
 
 def test_a_frozen_rank_is_named_within_the_heartbeat_bound(cli, tmp_path):
     """--nproc-per-node 2, a rank frozen (SIGSTOP: a paused VM, a stopped process): the launcher names it once it
-    has been silent for the heartbeat bound (MEGATRAIN_MIN_HEARTBEAT_S: 60 s by default, 2 s here), ends the run
-    in one line with exit 5, and every checkpoint is whole (without it: ten minutes of silence, then 'killed')."""
+    has been silent for the heartbeat bound (MEGATRAIN_MIN_HEARTBEAT_S: 60 s by default, here its least, 5 s), ends
+    the run in one line with exit 5, and every checkpoint is whole (without it: ten minutes of silence, then
+    'killed')."""
     from megatrain_min import launch
-    out, bound = tmp_path / "o", 2
+    out, bound = tmp_path / "o", launch.HEARTBEAT_LEAST
     run = cli.start("--nproc-per-node", "2", *LONG, "--save-every", "1", "--out", out, cwd=tmp_path,
                     env={launch.HEARTBEAT_ENV: str(bound), "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120

@@ -427,6 +427,8 @@ def test_resident_units_fill_the_gpu_memory_the_step_leaves():
     assert auto["pinned_bytes"] < none["pinned_bytes"] and auto["step_time_s"] <= none["step_time_s"]
     assert three["step_time_s"] <= none["step_time_s"] and auto["step_time_s"] <= three["step_time_s"]
     assert P.plan(cfg, "h200", gpus=2, **dict(kw, batch_size=8))["resident_units"] == 0
+    with pytest.raises(P.PlanError, match="--resident-units 3: units kept resident need one process"):
+        P.plan(cfg, "h200", gpus=2, resident_units=3, **dict(kw, batch_size=8))     # every sharded run refuses it
     assert P.plan(model.PRESETS["toy"], "local", device="cpu", batch_size=4, seq_len=64)["resident_units"] == 0
     wide = dataclasses.replace(model.PRESETS["7b"], n_layer=24)        # 5.1B fits whole: resident training
     small = P.plan(wide, "h200", **kw)
@@ -497,7 +499,7 @@ def test_gpu_updated_units_picked_where_they_shorten_the_step():
     asked = P.plan(cfg, hw, mode="lean", gpu_updated_units=3, **kw)
     assert (asked["gpu_updated_units"], asked["gpu_updated_asked"]) == (3, 3)
     assert "(as asked;" in report.format_plan(asked)
-    assert P.plan(cfg, hw, mode="lean", **dict(kw, batch_size=8), gpus=2)["gpu_updated_units"] == 0
+    assert P.plan(cfg, hw, mode="lean", **dict(kw, batch_size=8, resident_units=0), gpus=2)["gpu_updated_units"] == 0
     with pytest.raises(P.PlanError, match="one process holding whole units"):
         P.plan(cfg, hw, mode="lean", gpu_updated_units=2, **dict(kw, batch_size=8), gpus=2)
     with pytest.raises(P.PlanError, match="gpu_updated_units must be an integer >= 0"):

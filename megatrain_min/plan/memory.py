@@ -155,7 +155,7 @@ def gpu_updated(s, resident, n, gpu):
 
 
 def gpu_parts_of(s, units):
-    """(gradients, scratches): the GPU bytes of updating `units` there (gpu_update.GpuUpdates)."""
+    """(gradients, scratches): the GPU bytes of updating `units` there (gpu_update.GpuUpdated)."""
     big = max((s.units[u].numel for u in units), default=0)
     return 4 * sum(s.units[u].numel for u in units), 2 * big * (4 * (1 + s.states) + 2 * s.shadow)
 

@@ -193,7 +193,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     (or their norm taken) on the h2d lane, their gradient copied on d2h, the embedding's rows
     gathered and its dy scattered on the GPU: the host waits for none of it. gpu_updated: units
     whose gradient stays on the GPU (copied D2D, its norm taken there) and whose update crosses
-    the link (gpu_update.GpuUpdates: master, m, v H2D into one of two scratches after its last D2H,
+    the link (gpu_update.GpuUpdated: master, state H2D into one of two scratches after its last D2H,
     the kernel, then D2H) on the h2d and d2h lanes; the unit's next H2D waits for that D2H."""
     need_first = NEED_FIRST if need_first is None else need_first
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam") + (("comm",) if sharded else ()),
