@@ -159,7 +159,8 @@ class HostStore:
         scale = None
         if coef != 1.0:   # the fused kernel divides the gradient by it
             scale = torch.full((), 1.0 / coef, device=p.device)
-        tile = n if p.device.type != "cpu" or on else TILE   # on the GPU: one call per region
+        on_gpu = on is not None or self.where[u]["master"] == "gpu"
+        tile = n if on_gpu else TILE   # on the GPU: one call per region
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
@@ -172,8 +173,10 @@ class HostStore:
             step -= found_inf
 
     def grad_sq(self, u):
-        """Unit u's squared gradient norm: a 0-d tensor on the gradient's device."""
-        return torch.dot(self.grad[u], self.grad[u])
+        """Unit u's squared gradient norm: a float, or -- its gradient on the GPU -- a 0-d tensor
+        there (read once its lane got there: no host sync now)."""
+        sq = torch.dot(self.grad[u], self.grad[u])
+        return sq if self.where[u]["grad"] == "gpu" else float(sq)
 
 
 def page_locked(n, dtype=torch.float32):
