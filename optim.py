@@ -20,9 +20,11 @@ What it is not
 Reference
     torch.optim.AdamW(fused=True), its kernel: equal (tests/test_optim.py); bench/adamw_cpu.py.
 """
+import ctypes
 import mmap
 import os
 import queue
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -186,14 +188,35 @@ def page_locked(n, dtype=torch.float32):
     # numpy owns the memory and frees it; mem: its page-aligned part, no page shared with another
     raw = np.zeros(size + mmap.PAGESIZE, dtype=np.uint8)
     mem = raw[-raw.ctypes.data % mmap.PAGESIZE:][:size]
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(mem.ctypes.data, size, 0))
+    err = int(torch.cuda.cudart().cudaHostRegister(mem.ctypes.data, size, 0))
     if err:
+        cuda_last_error()   # cleared: the next kernel launch on this thread is not blamed for it
         raise MemoryError(f"CUDA could not page-lock {size / 1e9:.2f} GB of host memory (cudaError"
                           f" {err}); free host memory, raise `ulimit -l`, or plan a smaller run")
     # numpy runs the finalizers before it frees the memory: unregistered first
-    weakref.finalize(raw, cudart.cudaHostUnregister, mem.ctypes.data).atexit = False
+    weakref.finalize(raw, unregister, mem.ctypes.data).atexit = False
     return torch.from_numpy(mem).view(dtype)[:n]
+
+
+def unregister(ptr):
+    """cudaHostUnregister of page_locked's pages (a finalizer: a failure is warned, not raised)."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err:
+        cuda_last_error()
+        warnings.warn(f"cudaHostUnregister failed (cudaError {err}); the pages stay locked")
+
+
+def cuda_last_error():
+    """CUDA's cudaGetLastError(): the error this thread's last failed runtime call left, cleared.
+    torch's binding of the runtime (torch.cuda.cudart) has none in torch 2.11-2.13: the runtime
+    torch loaded is asked by its soname (0: it could not be found)."""
+    runtime = torch.cuda.cudart()
+    if not hasattr(runtime, "cudaGetLastError"):
+        try:
+            runtime = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+        except (OSError, AttributeError):
+            return 0
+    return int(runtime.cudaGetLastError())
 
 
 def resolve_device(device=None):

@@ -86,6 +86,22 @@ def test_gpu_updated_units_are_race_free(kw):
     assert all(s["copies"] for s in c.steps[:2])
 
 
+def test_the_guard_takes_no_host_sync_for_a_unit_updated_on_the_gpu():
+    """The non-finite guard without clipping asks each unit's gradient before its update. A unit updated on the
+    GPU (resident, or streamed and updated there) has its update issued by the main thread in the backward: its
+    verdict is a device flag the update skips itself on (guard.Guard.found_inf), never a read of the gradient on
+    the host, which would block the main thread until the GPU drained and leave it idle before the next layer.
+    The step's host syncs: the loss (twice: the guard's check, the step's result) and the gradient slabs."""
+    c = race.Checker()
+    record.run(TOY, [c], 2, batch=(4, 16), grad_clip=0.0, skip_nonfinite=True, resident_units=2,
+               gpu_updated_units=2)
+    assert not c.races, c.summary()
+    for s in c.steps[:2]:
+        waits = {**s["syncs"], **s["worker_waits"]}
+        assert not [w for w in waits if "device tensor" in w], waits
+        assert sum(n for w, n in s["syncs"].items() if "host_wait" in w) == 2, s["syncs"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("old,buffer,what", [
     ("t.comp.wait_event(t.h2d.record())", "master[", "write on h2d / read on compute"),   # rows before the update
