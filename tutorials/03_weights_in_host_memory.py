@@ -12,7 +12,9 @@
 #   `optim.HostStore`, which updates one unit's flat buffer with two calls of torch's fused CPU
 #   kernel;
 # * why that fused kernel matters: we time it against the plain for-loop and foreach
-#   implementations.
+#   implementations;
+# * that the update rule is handed in: a third one (SGD with momentum) in a dozen lines, checked
+#   through the engine against `torch.optim.SGD`.
 #
 # Lesson 2 showed that only one layer's graph is ever needed. So the weights need not live on the
 # GPU at all: they live in host RAM, next to the optimizer that updates them, and visit the GPU.
@@ -32,7 +34,9 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
         else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
+from megatrain_min.reference import ReferenceTrainer  # noqa: E402
 from optim import AdamW, HostStore, page_locked  # noqa: E402
+from stream import Trainer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 torch.manual_seed(0)
@@ -267,6 +271,53 @@ print(f"fused HostStore is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py c
       "torch's fused at 50M)")
 
 # %% [markdown]
+# ## 6. A third update rule, in one place
+#
+# The store does not know AdamW: it runs the **update rule** it is handed (`optim.AdamW` by
+# default; `megatrain_min/lion.py` is a second one). A rule is two things: the names of its
+# per-parameter state (`state`, fp32, allocated by the store, saved by checkpoints, counted by the
+# planner) and `update(p, g, state, step, lr, weight_decay, grad_scale, found_inf)`, which updates
+# one region of a unit's flat buffers in place. SGD with momentum (decoupled decay, as AdamW's):
+#
+# ```
+# p <- p * (1 - lr * wd);    buf <- mu buf + g;    p <- p - lr buf
+# ```
+#
+# Handed to the engine it trains a model exactly as `torch.optim.SGD(momentum=mu)` does in plain
+# PyTorch (`megatrain_min.reference.ReferenceTrainer(optimizer=...)`, the whole model in memory).
+
+# %%
+class SGDMomentum:
+    state = ("buf",)                                   # one fp32 buffer per parameter
+
+    def __init__(self, momentum=0.9):
+        self.momentum = momentum
+
+    def update(self, p, g, state, step, lr, weight_decay, grad_scale=None, found_inf=None):
+        if grad_scale is not None:                     # clipping: the gradient divided by it
+            g.div_(grad_scale)
+        buf = state["buf"]
+        buf.mul_(self.momentum).add_(g)
+        p.mul_(1 - lr * weight_decay).add_(buf, alpha=-lr)
+
+
+w0 = model.init_weights(cfg, seed=0)
+sgd = dict(lr=0.05, weight_decay=0.0, grad_clip=1.0, micro_batches=2, device="cpu")
+ours = Trainer(cfg, w0, rule=SGDMomentum(0.9), **sgd)
+ref = ReferenceTrainer(cfg, w0, optimizer=lambda groups, lr: torch.optim.SGD(groups, lr=lr,
+                                                                          momentum=0.9), **sgd)
+gen = torch.Generator().manual_seed(0)
+for _ in range(4):
+    tokens = torch.randint(0, cfg.vocab_size, (4, 33), generator=gen)
+    loss_ours = ours.step(tokens[:, :-1], tokens[:, 1:])
+    loss_ref = ref.step(tokens[:, :-1], tokens[:, 1:])
+got, want = ours.weights(), ref.weights()
+diff_sgd = max(float((got[k] - want[k]).abs().max()) for k in want)
+print(f"SGD with momentum through the engine vs torch.optim.SGD after 4 steps: loss {loss_ours:.5f} "
+      f"vs {loss_ref:.5f}, max |weight diff| {diff_sgd:.1e}; the store holds "
+      f"{list(ours.opt.tensors(0))} per unit")
+
+# %% [markdown]
 # ## Check
 #
 # The scratch AdamW and `optim.HostStore` give the same weights as `torch.optim.AdamW` after 5
@@ -277,5 +328,6 @@ print(f"fused HostStore is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py c
 # %%
 assert diff_scratch < 1e-6, diff_scratch
 assert diff_host < 1e-6, diff_host
+assert diff_sgd < 1e-5 and abs(loss_ours - loss_ref) / loss_ref < 1e-5, (diff_sgd, loss_ours, loss_ref)
 print(f"OK  scratch AdamW max diff {diff_scratch:.1e}, HostStore max diff {diff_host:.1e}, "
       f"fused vs loop {speedup:.1f}x")
