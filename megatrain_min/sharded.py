@@ -16,12 +16,10 @@ What it is
         AdamW    shard r, on the rank's optimizer thread (clipping: the squared norm summed over the
                  ranks)
 
-    The collectives are issued on a fourth lane, comm, and ordered by events like the copies. With
-    NCCL, c10d runs a collective on its own stream after the work issued so far on the current
-    stream (comm) and makes comm wait for it, so events recorded on comm mark its end: to the stream
-    checker (megatrain_min/record.py, race.py) a collective is an op of the comm lane that reads its
-    input and writes its output (megatrain_min/cost.py names what each c10d op writes: their schemas
-    do not).
+    The collectives are issued on a fourth lane, comm, and ordered by events like the copies (NCCL
+    runs one after the work issued so far on comm and makes comm wait for it: an event recorded on
+    comm marks its end). To the stream checker a collective is an op of the comm lane that reads its
+    input and writes its output (megatrain_min/cost.py names what each c10d op writes).
     The engine is stream.Trainer handed Shards, the placement of the units over the ranks (which
     part of each unit this rank holds, how big a slot is, which rows of the batch it computes, the
     sums over the ranks), and ShardedStreamed, every unit's home: the embedding's rows in and dy
@@ -29,16 +27,12 @@ What it is
     together (update). ShardedTrainer replaces the data movement of the slots alone: a unit's
     weights in (load_unit), its gradient out (grad_to_host).
 The embedding
-    Sharded like any unit. Its rows are gathered where that moves the fewest bytes without a (V, d)
-    buffer on the GPU: every rank knows the whole step's token ids (the global batch), so it writes,
-    for every token of the step, the part of the token's row that its shard holds (zeros elsewhere)
-    into a pinned (B*T, d) buffer; that crosses PCIe and one reduce_scatter sums the parts -- each
-    element is held by exactly one rank, so the sum is exact -- leaving each rank the rows of its
-    own sequences. Per step that is B*T*d per GPU over PCIe and (N-1)/N of it over NVLink, against
-    gathering the table, V*d every step into a (V, d) device buffer (128k x 8k fp32 = 4.2 GB for
-    Llama-3-70B, where 32k tokens are 1.1 GB). The backward is the adjoint: dy of every rank is
-    all_gathered in global order, comes down to the host, and each rank adds into its shard of the
-    gradient the parts of the rows it holds, token by token in the order one process adds them.
+    Sharded like any unit, its rows gathered without a (V, d) buffer on the GPU: every rank writes,
+    for every token of the step (it knows the global batch), the part of the token's row its shard
+    holds (zeros elsewhere) into a pinned (B*T, d) buffer; that crosses PCIe and one reduce_scatter
+    sums the parts (each element held by one rank: exact), leaving each rank its sequences' rows --
+    B*T*d per GPU, where gathering the table would move V*d a step (4.2 GB at 70b). The backward is
+    the adjoint: dy all_gathered in global order, D2H, each rank adding its parts token by token.
 Exact
     N ranks train what one process trains with the same global batch: rank r computes sequences
     [r B/N, (r+1) B/N) of the step's B, the loss is the sum of the ranks' shares of the global mean,
@@ -227,16 +221,13 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         self.comm, self.rank, self.world = lanes.comm, shards.rank, shards.world
         super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards,
                          homes=ShardedStreamed, **kw)
-        # ---- device: two weight shards (H2D lands there, the gather reads them), two fp32 gradient
-        # shards (the reduce_scatter writes them, D2H reads them), one verdict per unit (a finite
-        # gradient?). Made on comm.
+        # ---- device, made on comm: two weight shards (H2D lands there, the gather reads them), two
+        # gradient shards (the reduce_scatter writes them, D2H reads them), a verdict per unit
         s_max = max(n for n, _ in self.opt.sizes)
         with self.comm():
             self.wshard = [torch.empty(s_max, dtype=self.dtype, device=self.dev) for _ in range(2)]
-            self.gshard = [
-                torch.empty(s_max, dtype=torch.float32, device=self.dev) for _ in range(2)]
-            self.finite_dev = torch.ones(len(self.units), dtype=torch.float32, device=self.dev)
-        # its host copy
+            self.gshard = [torch.empty(s_max, device=self.dev) for _ in range(2)]   # fp32
+            self.finite_dev = torch.ones(len(self.units), device=self.dev)
         self.finite = self.host_buffer("finite", (len(self.units),), torch.float32).fill_(1)
         # gather -> H2D, D2H -> reduce_scatter
         self.shard_free, self.gshard_free = [None, None], [None, None]
