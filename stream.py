@@ -27,12 +27,11 @@ copied weights), slot_free[s] (compute -> H2D: never overwrite weights in use), 
 (D2H -> compute: never zero a grad slot before its copy left), loss_ready (compute -> host); and
 host-side hand-offs: an update ends before its unit is copied again (_await_update), the worker
 waits for a gradient's D2H event, a gradient waits for a free slab (GRAD_SLABS).
-bf16 = torch.autocast(bf16) around blocks and head, the residual (x, dy) fp32: the reference's
-arithmetic. The engine is handed its variations as objects: the layer (model, tiling.Tiled), the
-boundary activations' store (OnDevice, activations.HostRing), the placement of the units over
-processes (Whole, sharded.Shards), guard.Guard, the update rule (optim.AdamW, lion.Lion), and
-where each unit lives and its update runs, its home: Streamed below (the paper's engine), or, from
-megatrain_min.homes, resident on the GPU or streamed but updated there.
+bf16 = torch.autocast(bf16) around blocks and head, the residual (x, dy) fp32: the reference's.
+Handed in (defaults here): the layer (model; tiling.Tiled), the boundary activations' store
+(OnDevice; activations.HostRing), the placement over processes (Whole; sharded.Shards), a guard,
+the update rule (optim.AdamW; lion.Lion), and each unit's home (Streamed, the paper's engine; in
+megatrain_min.homes: resident on the GPU, or streamed but updated there).
 """
 import math
 from collections import namedtuple
@@ -45,11 +44,9 @@ import model
 import optim
 
 GRAD_SLABS = 3   # pinned fp32 slabs for gradients (no clipping): two rotate, a tied head holds one
-# the engine's defaults (optim.py: the optimizer's)
-MICRO_BATCHES = 1
-GRAD_CLIP = 0.0   # no clipping
-# the step's batch: tokens where the embedding table is (its home), targets on the device
-Batch = namedtuple("Batch", "tokens targets n_tok rope")
+MICRO_BATCHES = 1   # the engine's defaults (optim.py: the optimizer's)
+GRAD_CLIP = 0.0     # no clipping
+Batch = namedtuple("Batch", "tokens targets n_tok rope")   # tokens: where the embedding gathers
 
 
 class Trainer:

@@ -81,7 +81,8 @@ try:
     if init_dir is not None and (init_dir / "meta.json").is_file():     # one of our checkpoints
         if args.engine != "stream":
             fail("--init-from a checkpoint needs --engine stream")
-        base = model.GPTConfig(**ckpt_read.read_meta(init_dir)["config"])
+        meta = ckpt_read.read_meta(init_dir)
+        base = ckpt_read.config_of(init_dir, meta)   # a field it lacks: the default
     elif init_dir is not None:                                          # a transformers directory
         base, init_weights = hf_load.load_hf(init_dir)
     if init_dir is not None and (init_dir / "tokenizer.json").is_file():
