@@ -18,6 +18,9 @@ models (megatrain_min/twin.py, plan/timing.py) assume neither slows the other be
     python bench/adamw_cpu.py                       # >= 4x the L3 in all, units of up to a 7B-width layer
     python bench/adamw_cpu.py --params 8e8 --unit 202383360   # 4 Llama-2-7B-width layers (gpu_run.sh: ~40 GB)
     python bench/adamw_cpu.py --json OUT.json
+    python bench/adamw_cpu.py --dma-only --params 4.05e8 --unit 202383360   # gpu_run.sh --quick: ~10 s
+--dma-only: the lean AdamW alone (its yardstick) and the DMA part, nothing else; the values are filled, not drawn
+(AdamW's speed does not depend on them, and drawing 2 x 400M normals takes seconds).
 """
 import argparse
 import json
@@ -52,6 +55,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is reported")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, not the speed")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--dma-only", action="store_true",
+                    help="the lean AdamW alone and under both copy engines (dma_contention), nothing else")
     args = ap.parse_args()
     total = 2e5 if args.smoke else args.params or 4 * l3_bytes() / 18     # >= 4x the L3 at 18 B/param
     unit = int(args.unit or min(LAYER_7B, max(total / 2, 2 * optim.TILE)))   # >= 2 tiles: one pass differs
@@ -63,6 +68,8 @@ def main():
             "SC_AVPHYS_PAGES"):
         sys.exit(f"adamw_cpu: {N:,} params need ~{need / 1e9:.0f} GB of free RAM; pass a smaller --params")
     n_decay = unit * 99 // 100                    # [matrices | vectors], as a layer
+    if args.dma_only:
+        return dma_only(unit, n_decay, n_units, args)
     print(f"{n_units} units x {unit:,} params = {N:,} ({N * 18 / 1e9:.1f} GB with the shadow; L3 "
           f"{l3_bytes() / 2**20:.0f} MiB); torch {torch.__version__}, {torch.get_num_threads()} threads")
 
@@ -122,6 +129,29 @@ def main():
                                               best["lean (no shadow)"], unit, 28 * N, args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def dma_only(unit, n_decay, n_units, args):
+    """--dma-only: the lean AdamW over n_units units alone (best of args.rounds), then under both copy engines."""
+    lean = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4)
+    for u in range(n_units):
+        lean.master[u].fill_(0.02)
+        lean.grad[u].fill_(1e-3)
+    adamw, best = (lambda: [lean.step(u) for u in range(n_units)]), math.inf
+    for _ in range(args.rounds):
+        adamw()                                    # warm (first touch, caches)
+        t0 = time.perf_counter()
+        adamw()
+        best = min(best, time.perf_counter() - t0)
+    N = n_units * unit
+    result = dict(params=N, unit=unit, units=n_units, threads=torch.get_num_threads(), torch=torch.__version__,
+                  tile=optim.TILE, rows={"lean (no shadow)": dict(ms_per_unit=best / n_units * 1e3,
+                                                                 gbs=28 * N / best / 1e9, bytes_per_param=28)})
+    print(f"lean AdamW: {best / n_units * 1e3:.1f} ms per unit of {unit:,}, {28 * N / best / 1e9:.0f} GB/s")
+    if torch.cuda.is_available():
+        result["dma_contention"] = contention(adamw, best, unit, 28 * N, args.rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 def contention(adamw, adamw_alone_s, unit, adamw_bytes, rounds):
