@@ -592,7 +592,7 @@ def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: 
     kw = lambda B, T, clip, mode, g: dict(batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip,  # noqa: E731
                                           mode=mode, resident_units=k, gpu_updated_units=g, skip_nonfinite=False)
     out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg), units=len(model.units(cfg)), resident_units=k,
-               micro_batches=M, budget_s=budget_s, rows={}, trainers=[])
+               micro_batches=M, model=cfg.to_dict(), budget_s=budget_s, rows={}, trainers=[])
     start, steps_per_shape = time.time(), QUICK_LEAD + QUICK_STEPS + QUICK_STEADY
     for mode in modes:
         for clip in (1.0, 0.0):
