@@ -584,8 +584,9 @@ def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: 
     memory mode of `modes`, with the plan's count of units updated on the GPU (at the first token count) and
     with none: one trainer per (mode, clip, count), timed at every token count, the planner's step beside
     each row. In that order -- the plan's pick beside its baseline, lean first (--mode auto's pick there)
-    -- while the planned cost (QUICK_TRAINER_S + the planned steps) fits in what is left of budget_s; the
-    rest are listed with their prediction, "skipped"."""
+    -- while the planned cost fits in what is left of budget_s: the planned steps and what a trainer costs
+    besides (QUICK_TRAINER_S, or more where the trainers so far took more); the rest are listed with their
+    prediction, "skipped"."""
     cfg = dataclasses.replace(S["wide"], n_layer=S["quick_layers"])
     M, k = QUICK_M, len(model.units(cfg)) // 10
     shapes = [(M, tokens // M) for tokens in S["quick_tokens"]]                     # (B, T)
@@ -605,7 +606,9 @@ def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: 
                                                offload_activations=off) for B, T in shapes[1:]]
                 picks = [g] + [planner.plan(cfg, "local", **kw(B, T, clip, mode, None))["gpu_updated_units"]
                                if asked is None else g for B, T in shapes[1:]]   # the plan's own, at each count
-                need = QUICK_TRAINER_S + steps_per_shape * sum(p["step_time_s"] for p in plans)
+                steps_s = steps_per_shape * sum(p["step_time_s"] for p in plans)
+                extra = max([QUICK_TRAINER_S] + [x["wall_s"] - x["planned_steps_s"] for x in out["trainers"]])
+                need = extra + steps_s          # (what the trainers so far cost besides their planned steps)
                 left = None if budget_s is None else budget_s - (time.time() - start)
                 why = ("the plan picks no GPU-updated unit here: the row with none measures it"
                        if asked is None and g == 0 else
@@ -620,7 +623,7 @@ def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: 
                                              skipped=why)
                 if why:
                     continue
-                t0 = time.time()
+                began = t0 = time.time()
                 t = trainer(cfg, M, off, resident=k, grad_clip=clip, grad_slabs=slabs or stream.GRAD_SLABS,
                             mode=mode, gpu_updated=g)
                 built = time.time() - t0
@@ -635,7 +638,8 @@ def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: 
                 t0 = time.time()
                 del t
                 free_memory()
-                out["trainers"].append(dict(rows=names, build_s=built, free_s=time.time() - t0))
+                out["trainers"].append(dict(rows=names, build_s=built, free_s=time.time() - t0,
+                                            wall_s=time.time() - began, planned_steps_s=steps_s))
     out["wall_s"] = time.time() - start
     return out
 

@@ -12,9 +12,9 @@
 #          26 units resident) at 16,384 and 12,288 tokens, clip 1 and 0, lean then fast, the plan's GPU-updated
 #          units and none -- a trainer per (mode, clip, units), each row's steady and per-step-synced step beside
 #          the planner's (results.md); a trainer whose planned cost no longer fits the budget is listed, skipped.
-#   Estimated on an H200 from the measured runs' costs (bench/NOTES.md, 2026-11-28): tests ~30 s, adamw ~12 s,
-#   bench start + pinned ~10 s; a streamed trainer ~25 s (build, first touch, free) + 8 steps (~13-24 s): the
-#   four lean trainers (8 rows) in ~165 s, ~220 s in all; the four fast ones (~170 s more) are skipped.
+#   Estimated on an H200 from the measured runs' costs (bench/NOTES.md, 2026-11-28): tests ~38 s, adamw ~12 s,
+#   bench start + pinned ~8 s; a streamed trainer ~25 s (build, first touch, free) + 8 steps (13-24 s): the four
+#   lean trainers (8 rows) in ~163 s, ~225 s in all; the four fast ones (~170 s more) are listed, skipped.
 # The full run: the GPU tests, the host AdamW on buffers far beyond the L3 (bench/adamw_cpu.py), the single-GPU
 # benchmark (the headline), the host's issue cost fitted on this GPU, then -- with 2 or more GPUs and time left --
 # the multi-GPU case. Logs and results in $OUT.

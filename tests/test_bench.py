@@ -158,3 +158,14 @@ def test_time_steps_steady_beside_synced():
         g.sync = was
     assert r["step_synced_s"] >= 0.14 and len(r["steps_synced_s"]) == 2
     assert 0.1 <= r["step_s"] < 0.85 * r["step_synced_s"], r
+
+
+@slow
+def test_quick_case_keeps_to_its_budget():
+    """bench/gpu.py's quick case starts no trainer whose planned cost (its planned steps and what a trainer costs
+    besides, QUICK_TRAINER_S) no longer fits its budget: with none left every row is listed with its plan,
+    skipped for the budget, and nothing is built."""
+    g = bench_gpu()
+    q = g.quick_case(g.SMOKE, None, budget_s=0.0)
+    assert q["trainers"] == [] and len(q["rows"]) == 16
+    assert all(r["skipped"].startswith("the budget") and r["planned_step_s"] > 0 for r in q["rows"].values())
