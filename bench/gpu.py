@@ -61,8 +61,8 @@ FULL = dict(wide=model.GPTConfig(n_layer=1, **LLAMA7B_LAYER), seq=4096, max_dept
             quick_layers=24, quick_tokens=(16384, 12288), quick_gpu_updated=None)
 SMOKE = dict(wide=model.GPTConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head=4, d_model=64, d_ff=176, max_seq_len=64),
              seq=64, max_depth=3, peers_depth=2, token_sweep=(2,), sweep=model.GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_kv_head=2,
-             d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, steady=2, tokens=256,
-             quick_layers=3, quick_tokens=(256, 192), quick_gpu_updated=1)   # a CPU's plan picks none
+             d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, steady=2,
+             tokens=256, quick_layers=3, quick_tokens=(256, 192), quick_gpu_updated=1)   # a CPU's plan picks none
 # --quick: each trainer at both token counts in QUICK_M micro-batches of one sequence (16,384 = 4 x 4096, 12,288 =
 # 4 x 3072), each count after one lead-in step: QUICK_STEPS synced steps and QUICK_STEADY steady ones (time_steps)
 QUICK_M, QUICK_LEAD, QUICK_STEPS, QUICK_STEADY = 4, 1, 1, 2

@@ -205,7 +205,8 @@ def quick_run(d):
         a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
         worst = max(worst, abs(a - 1), abs(b - 1))
         lines.append(f"| {name} | {r['tokens']:,} ({r['batch']} x {r['seq']}) | {r['step_s']:.3f} | "
-                     f"{r['step_synced_s']:.3f} | {tw['step_time_s']:.3f} | {a:.3f} | {p['step_time_s']:.3f} | {b:.3f} |")
+                     f"{r['step_synced_s']:.3f} | {tw['step_time_s']:.3f} | {a:.3f} | {p['step_time_s']:.3f} | "
+                     f"{b:.3f} |")
         print(lines[-1], flush=True)
     verdict = worst <= TOLERANCE
     lines += ["", f"worst |model / measured - 1| = {worst:.3f}: {'within' if verdict else 'OUTSIDE'} {TOLERANCE:.0%}"]
@@ -242,7 +243,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measured", help="a directory with bench/gpu.py's results.json: hold both models to it")
     ap.add_argument("--quick", action="store_true", help="(full depth) only the 7b rows")
-    ap.add_argument("--quick-run", help="a directory with bench/gpu.py --quick's results.json: the twin beside its rows")
+    ap.add_argument("--quick-run", help="a directory with bench/gpu.py --quick's results.json: the twin beside "
+                                        "its rows")
     a = ap.parse_args()
     if a.quick_run:
         return quick_run(Path(a.quick_run).resolve())
