@@ -62,6 +62,11 @@ def test_events_carry_a_device_and_a_test_holds_their_completion(monkeypatch):
     e.record(s0)
     with pytest.raises(RuntimeError, match="Event device 0 does not match recording stream's device 1"):
         e.record(s1)
+    monkeypatch.setattr(cuda_doubles, "HELD_S", 0.1)
+    with gpu.hold():
+        never = s0.record_event()
+        with pytest.raises(RuntimeError, match="never released"):      # a test's hang, reported
+            never.synchronize()
 
 
 def adamw_args(p, g, step, **kw):
@@ -113,6 +118,9 @@ def test_dot_and_record_stream_refuse_what_cuda_refuses(monkeypatch):
 def test_mem_get_info_and_the_name_are_the_tests_and_the_planner_reads_them(monkeypatch):
     gpu = cuda_doubles.install(monkeypatch)
     assert torch.cuda.mem_get_info() == (80 * GiB, 80 * GiB)
+    for call in (torch.cuda.mem_get_info, torch.cuda.synchronize, torch.cuda.get_device_name):
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            call(1)
     gpu.set_memory(3 * GiB, 80 * GiB)
     assert torch.cuda.mem_get_info(0) == (3 * GiB, 80 * GiB)
     gpu = cuda_doubles.install(monkeypatch, **cuda_doubles.H200)
