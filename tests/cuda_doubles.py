@@ -41,7 +41,8 @@ What each double refuses (as torch 2.11 with CUDA does; the source read is named
   (TypeError, as pybind11); cudaHostUnregister of an address that is not the start of a registration
   (cudaErrorHostMemoryNotRegistered, 713).
 Current device and stream are per thread. mem_get_info and get_device_name answer what the test sets (install's
-memory= and name=: H200 below is what an H200 reports).
+memory= and name=: H200 below is what an H200 reports); is_bf16_supported is True (Ampere and later), and autocast
+on "cuda" is the CPU's over the stand-ins, so the engine's bf16 path runs through the doubles too.
 """
 import contextlib
 import mmap
@@ -58,7 +59,7 @@ GiB = 2**30
 MEMORY = (80 * GiB, 80 * GiB)     # mem_get_info's (free, total) unless a test sets it
 H200 = dict(name="NVIDIA H200", memory=(139 * GiB, 143771 * 2**20))   # the measured H200: 143,771 MiB in all
 HELD_S = 30                       # how long a synchronize waits for a held event before it reports a hang
-REAL_FUSED_ADAMW, REAL_DOT = torch._fused_adamw_, torch.dot
+REAL_FUSED_ADAMW, REAL_DOT, REAL_AUTOCAST = torch._fused_adamw_, torch.dot, torch.autocast
 
 
 class Cudart:
@@ -398,6 +399,12 @@ def tensors_in(xs):
     return out
 
 
+def autocast(device_type, *args, **kwargs):
+    """torch.autocast: on "cuda", the CPU's autocast -- the stand-ins of GPU tensors are CPU tensors (bf16
+    matmuls, fp32 accumulation: the dtypes the engine's bf16 path expects, not CUDA's op list to the letter)."""
+    return REAL_AUTOCAST("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 def install(monkeypatch, devices=1, memory=MEMORY, name=None):
     """Replace the torch.cuda calls the engine makes, and the ops it hands GPU tensors to whose device checks
     matter (torch._fused_adamw_, torch.dot, Tensor.record_stream), with doubles of a `devices`-GPU machine whose
@@ -408,11 +415,13 @@ def install(monkeypatch, devices=1, memory=MEMORY, name=None):
                      ("current_device", gpu.current_device), ("set_device", gpu.set_device),
                      ("synchronize", gpu.synchronize), ("mem_get_info", gpu.mem_get_info), ("stream", gpu.stream),
                      ("Stream", gpu.Stream), ("Event", gpu.Event), ("current_stream", gpu.current_stream),
-                     ("cudart", lambda: gpu.cudart), ("get_device_name", gpu.name)):
+                     ("cudart", lambda: gpu.cudart), ("get_device_name", gpu.name),
+                     ("is_bf16_supported", lambda including_emulation=True: True)):   # Ampere and later
         monkeypatch.setattr(torch.cuda, attr, fn)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, s: gpu.record_stream(tensor, s))
     monkeypatch.setattr(torch, "_fused_adamw_", gpu.fused_adamw)
     monkeypatch.setattr(torch, "dot", gpu.dot)
+    monkeypatch.setattr(torch, "autocast", autocast)
     monkeypatch.setattr(torch.Tensor, "dot", lambda input, tensor: gpu.dot(input, tensor))
     monkeypatch.setattr(stream.Lane, "streams", {}, raising=False)   # (an engine without it: made anew)
     return gpu

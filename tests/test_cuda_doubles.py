@@ -10,7 +10,9 @@ accepted them):
 - torch.dot of a GPU and a CPU tensor is refused (the wrapper's check; a CPU scalar is no exception);
 - record_stream of a host tensor is refused (the op has a CUDA kernel alone);
 - mem_get_info answers what the test set: an H200's ~139 GiB free, which the planner's "local" profile reads.
-Then optim.Worker's need-first order through held events, alone and inside the engine (stream.Trainer)."""
+Then optim.Worker's need-first order through held events, alone and inside the engine (stream.Trainer); and the
+engine configured for CUDA in bf16 (train.py's default there) through the doubles, equal to the CPU engine."""
+import contextlib
 import threading
 
 import pytest
@@ -212,3 +214,29 @@ def test_the_engine_updates_the_landed_units_the_next_forward_needs_first(monkey
     host = ["head"] + ["embed", "layer.0"][resident + gpu_updated:] + ["layer.1", "layer.2"]
     assert [u for u in order if u not in on_main] == host, order
     assert all(torch.equal(free[k], late[k]) for k in free)
+
+
+@pytest.mark.parametrize("mode,clip,resident,gpu_updated", [("fast", 1.0, 0, 2), ("lean", 0.0, 1, 1),
+                                                             ("lean", 1.0, 99, 0)])
+def test_the_engine_in_bf16_through_the_doubles_computes_what_the_cpu_engine_computes(monkeypatch, mode, clip,
+                                                                                      resident, gpu_updated):
+    """train.py's default on a GPU -- bf16 -- configured for CUDA and run through the doubles (every operand's
+    device checked; autocast on "cuda" is the CPU's over the stand-ins): fast streams the shadow, lean casts the
+    fp32 master on the GPU, GPU-updated units cast their shadow there, resident units never leave. It computes the
+    CPU engine's very losses and weights, bit for bit (the same ops on the same values)."""
+    cfg = model.GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=16)
+    w0 = model.init_weights(cfg, 0)
+    kw = dict(dtype=torch.bfloat16, mode=mode, grad_clip=clip, micro_batches=2, grad_slabs=3, lr=1e-2,
+              resident_units=resident, gpu_updated_units=gpu_updated, offload_activations=True)
+    runs = []
+    for device in ("cpu", "cuda"):
+        gen = torch.Generator().manual_seed(0)
+        with monkeypatch.context() as m:
+            placing = cuda_doubles.install(m).placing() if device == "cuda" else contextlib.nullcontext()
+            with placing:
+                t = engine(cfg, w0, device=torch.device(device), **kw)
+                losses = [t.step(*random_batch(cfg, 4, 16, gen)) for _ in range(3)]
+                runs.append((losses, t.weights()))
+    (cpu_losses, cpu_w), (gpu_losses, gpu_w) = runs
+    assert gpu_losses == cpu_losses and all(torch.isfinite(torch.tensor(cpu_losses)))
+    assert all(torch.equal(cpu_w[k], gpu_w[k]) for k in cpu_w)
