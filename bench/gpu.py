@@ -624,16 +624,23 @@ def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: 
                 if why:
                     continue
                 began = t0 = time.time()
-                t = trainer(cfg, M, off, resident=k, grad_clip=clip, grad_slabs=slabs or stream.GRAD_SLABS,
-                            mode=mode, gpu_updated=g)
-                built = time.time() - t0
-                for name, (B, T) in zip(names, shapes):
-                    row = out["rows"][name]
-                    r = time_steps(t.step, batch(cfg, B, T), QUICK_LEAD, QUICK_STEPS, drain=t.wait,
-                                   steady=QUICK_STEADY)
-                    row.update(rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer), peak,
-                                     compute_only(cfg, B, T, M), t))
-                    row.pop("skipped")
+                t, built = None, None
+                try:   # an OOM or a failure is this trainer's result: the others still run
+                    t = trainer(cfg, M, off, resident=k, grad_clip=clip, grad_slabs=slabs or stream.GRAD_SLABS,
+                                mode=mode, gpu_updated=g)
+                    built = time.time() - t0
+                    for name, (B, T) in zip(names, shapes):
+                        row = out["rows"][name]
+                        r = time_steps(t.step, batch(cfg, B, T), QUICK_LEAD, QUICK_STEPS, drain=t.wait,
+                                       steady=QUICK_STEADY)
+                        row.update(rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer), peak,
+                                         compute_only(cfg, B, T, M), t))
+                        row.pop("skipped")
+                        save(out)
+                except Exception as e:  # noqa: BLE001
+                    for name in names:
+                        if "step_s" not in out["rows"][name]:
+                            out["rows"][name]["skipped"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
                     save(out)
                 t0 = time.time()
                 del t
@@ -724,7 +731,7 @@ def quick_table(q):
         lines.append(f"| {name} | {r['tokens']:,} ({r['batch']} x {r['seq']}) | {r['grad_clip']:g} | {r['mode']} "
                      f"| {g} | {r['grad_slabs']} | {steady} | {f(r.get('step_synced_s'))} | "
                      f"{f(r['planned_step_s'])} | {f(ratio)} | {f(r.get('h2d_gbs'), 1)} | {f(r.get('d2h_gbs'), 1)} |")
-    built = ", ".join(f"{x['build_s']:.0f}" for x in q["trainers"])
+    built = ", ".join("-" if x["build_s"] is None else f"{x['build_s']:.0f}" for x in q["trainers"])
     freed = ", ".join(f"{x['free_s']:.0f}" for x in q["trainers"])
     lines.append(f"\n{len(q['trainers'])} trainers built in {built} s, freed in {freed} s; case wall "
                  f"{f(q.get('wall_s'), 0)} s of a {f(q['budget_s'], 0)} s budget")

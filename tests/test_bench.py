@@ -170,3 +170,22 @@ def test_quick_case_keeps_to_its_budget():
     q = g.quick_case(g.SMOKE, None, budget_s=0.0)
     assert q["trainers"] == [] and len(q["rows"]) == 16
     assert all(r["skipped"].startswith("the budget") and r["planned_step_s"] > 0 for r in q["rows"].values())
+
+
+@slow
+def test_quick_case_records_a_failed_trainer_and_goes_on(monkeypatch):
+    """A trainer that fails (an OOM on the GPU) is its rows' result, "failed: ...", and the quick case goes on."""
+    g = bench_gpu()
+    built, real = [], g.trainer
+
+    def second_fails(*args, **kw):
+        built.append(1)
+        if len(built) == 2:
+            raise RuntimeError("CUDA out of memory (a test)")
+        return real(*args, **kw)
+    monkeypatch.setattr(g, "trainer", second_fails)
+    q = g.quick_case(g.SMOKE, None)
+    failed = {n for n, r in q["rows"].items() if r.get("skipped")}
+    assert failed == {"lean_clip_1_gpu_0_256", "lean_clip_1_gpu_0_192"}, failed
+    assert all("step_s" in r for n, r in q["rows"].items() if n not in failed) and len(q["trainers"]) == 8
+    assert "CUDA out of memory" in q["rows"]["lean_clip_1_gpu_0_256"]["skipped"] and "failed: " in g.quick_table(q)
