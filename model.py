@@ -5,6 +5,10 @@ What it is
     buffer, [2-D matrices | 1-D vectors]; the layer as a pure function block(cfg, x, w, rope) of its
     input and views into such a buffer; the gradients the engine computes one unit at a time
     (block_grad, head_grad); init_weights; a plain in-memory reference forward.
+    Each entry of a layout declares its initial values (Init: normal with a std, ones, zeros),
+    and the MLP's activation is a config field with its Hugging Face name (hidden_act,
+    ACTIVATIONS): a new tensor or activation is declared here once, the rest of the project
+    follows.
 What it is not
     No nn.Module, no optimizer, no device logic, no input checks (megatrain_min/checks.py).
 Reference
@@ -30,7 +34,8 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int = 4            # < n_head: grouped-query attention
     d_model: int = 128
-    d_ff: int = 352               # SwiGLU hidden size
+    d_ff: int = 352               # the MLP's hidden size (gated: act(x W_gate) * (x W_up))
+    hidden_act: str = "silu"      # the MLP's activation, by its Hugging Face name (ACTIVATIONS)
     head_dim: int = 0             # 0: d_model // n_head (Qwen3 sets it explicitly)
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -38,8 +43,9 @@ class GPTConfig:
     qkv_bias: bool = False        # Qwen2
     qk_norm: bool = False         # Qwen3: RMSNorm on each head of q and k before RoPE
     tie_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
-    rope_scaling: dict = None     # Llama 3.1's RoPE: {factor, low_freq_factor, high_freq_factor,
-    #                               original_max_position_embeddings}; None = plain RoPE
+    # Llama 3.1's RoPE: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; None: plain RoPE
+    rope_scaling: dict = None
     sliding_window: int = None    # Mistral / Qwen: attention sees the last W tokens (check_seq_len)
 
     def __post_init__(self):
@@ -60,8 +66,8 @@ def default_dtype(device_type):
 def as_config(cfg):
     """cfg, if it is a GPTConfig; TypeError when it is something else (a preset's name, say)."""
     if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"cfg must be a model.GPTConfig, e.g. model.PRESETS['toy'], got "
-                        f"{type(cfg).__name__} {cfg!r:.40}")
+        got = f"{type(cfg).__name__} {cfg!r:.40}"
+        raise TypeError(f"cfg must be a model.GPTConfig, e.g. model.PRESETS['toy'], got {got}")
     return cfg
 
 
@@ -100,12 +106,42 @@ PRESETS = {
 
 
 # ------------------------------------------------------------------------------------- flat layouts
+INIT_STD = 0.02  # GPT-2's std of the initial matrices (config_to_hf writes it as initializer_range)
+
+
+class Init(NamedTuple):
+    """How an entry of a layout starts: "normal" (mean 0, this std), "ones" or "zeros"."""
+    kind: str
+    std: float = 0.0
+
+    def __str__(self):
+        return f"normal({self.std:.3g})" if self.kind == "normal" else self.kind
+
+    def tensor(self, shape, gen):
+        """A new fp32 CPU tensor of shape; only "normal" draws from generator gen."""
+        if self.kind == "normal":
+            return torch.empty(shape).normal_(0.0, self.std, generator=gen)
+        if self.kind == "ones":
+            return torch.ones(shape)
+        return torch.zeros(shape)
+
+
+ONES = Init("ones")
+ZEROS = Init("zeros")
+
+
+def normal(std):
+    return Init("normal", std)
+
+
 class Entry(NamedTuple):
-    """One tensor of a unit: block()'s name for it, its weights key, shape, offset in the unit."""
+    """One tensor of a unit: block()'s name for it, its weights key, shape, offset in the unit, and
+    how it starts (Init)."""
     short: str
     key: str
     shape: tuple
     offset: int
+    init: Init
 
     @property
     def numel(self):
@@ -120,13 +156,22 @@ class Layout:
     """One unit's parameters in one flat buffer: [2-D matrices | 1-D vectors]. The leading n_decay
     elements are the matrices (AdamW decays them), the rest the vectors: two fused AdamW calls."""
 
-    def __init__(self, name, entries):  # entries: (short name, weights key, shape), matrices first
-        dims = [len(shape) >= 2 for _, _, shape in entries]
-        assert dims == sorted(dims, reverse=True), f"{name}: matrices must come before vectors"
-        self.name, self.entries, off = name, [], 0
-        for short, key, shape in entries:
-            self.entries.append(Entry(short, key, tuple(shape), off))
+    def __init__(self, name, entries):
+        """entries: (short name, weights key, shape, Init), matrices first. An entry without its
+        initial values is refused here: it would otherwise start at a silent zero."""
+        self.name = name
+        self.entries = []
+        off = 0
+        for entry in entries:
+            if len(entry) != 4 or not isinstance(entry[3], Init):
+                rules = "model.normal(std), model.ONES or model.ZEROS"
+                raise ValueError(f"{name}: entry {entry[0]!r} declares no initial values; give it "
+                                 f"one as its 4th item: {rules}")
+            short, key, shape, init = entry
+            self.entries.append(Entry(short, key, tuple(shape), off, init))
             off += math.prod(shape)
+        dims = [len(e.shape) >= 2 for e in self.entries]
+        assert dims == sorted(dims, reverse=True), f"{name}: matrices must come before vectors"
         self.numel = off
         self.n_decay = sum(e.numel for e in self.entries if len(e.shape) >= 2)
 
@@ -143,23 +188,36 @@ class Layout:
 
     def table(self):
         rows = [f"{self.name}: {self.numel:,} elements, decayed [0, {self.n_decay:,})"]
-        return "\n".join(rows + [f"  {e.key:<44} {str(list(e.shape)):>14} @ {e.offset:>12,}"
-                                 for e in self.entries])
+        for e in self.entries:
+            rows.append(f"  {e.key:<44} {str(list(e.shape)):>14} @ {e.offset:>12,}  {e.init}")
+        return "\n".join(rows)
 
 
 def layer_entries(cfg):
-    """(short name, shape) of one transformer layer, matrices first. Names follow Hugging Face."""
-    d, hd, nh, nkv, ff = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_ff
-    mats = [("self_attn.q_proj.weight", (nh * hd, d)), ("self_attn.k_proj.weight", (nkv * hd, d)),
-            ("self_attn.v_proj.weight", (nkv * hd, d)), ("self_attn.o_proj.weight", (d, nh * hd)),
-            ("mlp.gate_proj.weight", (ff, d)), ("mlp.up_proj.weight", (ff, d)),
-            ("mlp.down_proj.weight", (d, ff))]
-    vecs = [("input_layernorm.weight", (d,)), ("post_attention_layernorm.weight", (d,))]
+    """(short name, shape, Init) of one transformer layer, matrices first. Names follow Hugging
+    Face. Matrices start N(0, INIT_STD); the residual projections (o_proj, down_proj) scaled by
+    1/sqrt(2 n_layer) as in GPT-2; norm gains 1, biases 0."""
+    d = cfg.d_model
+    hd = cfg.head_dim
+    nh, nkv, ff = cfg.n_head, cfg.n_kv_head, cfg.d_ff
+    w = normal(INIT_STD)
+    residual = normal(INIT_STD / math.sqrt(2 * cfg.n_layer))
+    mats = [("self_attn.q_proj.weight", (nh * hd, d), w),
+            ("self_attn.k_proj.weight", (nkv * hd, d), w),
+            ("self_attn.v_proj.weight", (nkv * hd, d), w),
+            ("self_attn.o_proj.weight", (d, nh * hd), residual),
+            ("mlp.gate_proj.weight", (ff, d), w),
+            ("mlp.up_proj.weight", (ff, d), w),
+            ("mlp.down_proj.weight", (d, ff), residual)]
+    vecs = [("input_layernorm.weight", (d,), ONES),
+            ("post_attention_layernorm.weight", (d,), ONES)]
     if cfg.qkv_bias:
-        vecs += [("self_attn.q_proj.bias", (nh * hd,)), ("self_attn.k_proj.bias", (nkv * hd,)),
-                 ("self_attn.v_proj.bias", (nkv * hd,))]
+        vecs += [("self_attn.q_proj.bias", (nh * hd,), ZEROS),
+                 ("self_attn.k_proj.bias", (nkv * hd,), ZEROS),
+                 ("self_attn.v_proj.bias", (nkv * hd,), ZEROS)]
     if cfg.qk_norm:
-        vecs += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+        vecs += [("self_attn.q_norm.weight", (hd,), ONES),
+                 ("self_attn.k_norm.weight", (hd,), ONES)]
     return mats + vecs
 
 
@@ -170,14 +228,19 @@ def units(cfg):
     """The model as Layouts in forward order: [embed], layer.0 ... layer.{L-1}, head. Tied: no embed
     unit, the head's matrix IS the embedding (one key, one master, one gradient for both uses)."""
     V, d = cfg.vocab_size, cfg.d_model
-    out = [] if cfg.tie_embeddings else [Layout("embed", [("embed", EMBED, (V, d))])]
-    out += [Layout(f"layer.{i}", [(s, f"model.layers.{i}.{s}", sh) for s, sh in layer_entries(cfg)])
-            for i in range(cfg.n_layer)]
+    out = []
+    if not cfg.tie_embeddings:
+        out.append(Layout("embed", [("embed", EMBED, (V, d), normal(INIT_STD))]))
+    for i in range(cfg.n_layer):
+        entries = [(s, f"model.layers.{i}.{s}", *rest) for s, *rest in layer_entries(cfg)]
+        out.append(Layout(f"layer.{i}", entries))
     head_key = EMBED if cfg.tie_embeddings else HEAD
-    return out + [Layout("head", [("lm_head", head_key, (V, d)), ("norm", NORM, (d,))])]
+    head = [("lm_head", head_key, (V, d), normal(INIT_STD)), ("norm", NORM, (d,), ONES)]
+    return out + [Layout("head", head)]
 
 
-def n_params(cfg): return sum(u.numel for u in units(cfg))
+def n_params(cfg):
+    return sum(u.numel for u in units(cfg))
 
 
 # ---------------------------------------------------------------------------------------- the layer
@@ -203,7 +266,8 @@ def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor,
     """Llama 3.1's RoPE: a frequency with fewer than low_freq_factor periods in the original
     context is slowed by `factor`, one with more than high_freq_factor kept; between, blended."""
     periods = original_max_position_embeddings * inv_freq / (2 * math.pi)
-    t = ((periods - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)  # 1: keep
+    # t = 1: keep the frequency; t = 0: slow it by factor
+    t = ((periods - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
     return (1 - t) * inv_freq / factor + t * inv_freq
 
 
@@ -215,10 +279,26 @@ def apply_rope(x, cos, sin):
 
 def check_seq_len(cfg, T):
     """ValueError past the sliding window W: only for T <= W is it block()'s full attention."""
-    if cfg.sliding_window is not None and T > cfg.sliding_window:
-        W = cfg.sliding_window
+    W = cfg.sliding_window
+    if W is not None and T > W:
         raise ValueError(f"a sequence of {T} tokens is longer than this model's sliding window of "
                          f"{W}; use sequences of at most {W} tokens")
+
+
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+# The MLP's activations by their Hugging Face names (config.json's hidden_act): the one list.
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+def project(h, w, name, n_heads, hd):
+    """h (B, t, d) through self_attn.{name}_proj, with its bias where it has one (Qwen2):
+    (B, t, n_heads, hd)."""
+    B, t, _ = h.shape
+    bias = w.get(f"self_attn.{name}_proj.bias")
+    return F.linear(h, w[f"self_attn.{name}_proj.weight"], bias).view(B, t, n_heads, hd)
 
 
 # A layer: part A (norm, q/k/v, RoPE: token-local), attention over the whole sequence, part C
@@ -226,18 +306,20 @@ def check_seq_len(cfg, T):
 def attn_in(cfg, x, w, cos, sin):
     """Part A. x: (B, t, d) the layer input; cos, sin: (t, hd). Returns q (B, t, nh, hd), k and v
     (B, t, nkv, hd), in the dtype SDPA computes in."""
-    B, t, _ = x.shape
-    nh, nkv, hd, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+    hd, eps = cfg.head_dim, cfg.norm_eps
     h = rms_norm(x, w["input_layernorm.weight"], eps)
-    proj = lambda n, heads: F.linear(h, w[f"self_attn.{n}_proj.weight"],  # noqa: E731 (Qwen2: bias)
-                                     w.get(f"self_attn.{n}_proj.bias")).view(B, t, heads, hd)
-    q, k, v = proj("q", nh), proj("k", nkv), proj("v", nkv)
-    if cfg.qk_norm:                                                   # Qwen3: each head normalised
+    q = project(h, w, "q", cfg.n_head, hd)
+    k = project(h, w, "k", cfg.n_kv_head, hd)
+    v = project(h, w, "v", cfg.n_kv_head, hd)
+    if cfg.qk_norm:
+        # Qwen3: each head normalised
         q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
     cos, sin = cos[:, None], sin[:, None]                     # (t, 1, hd): the same for every head
     # RoPE in the tables' dtype (fp32 under autocast), then v's dtype: what autocast's SDPA casts to
-    return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
+    q = apply_rope(q, cos, sin).to(v.dtype)
+    k = apply_rope(k, cos, sin).to(v.dtype)
+    return q, k, v
 
 
 def attention(cfg, q, k, v):
@@ -247,19 +329,29 @@ def attention(cfg, q, k, v):
     return y.transpose(1, 2)
 
 
+def mlp(cfg, h, w):
+    """The gated MLP, h (B, t, d) -> (B, t, d): act(h W_gate) * (h W_up), then W_down (SwiGLU when
+    act is SiLU); act is ACTIVATIONS[cfg.hidden_act]."""
+    act = ACTIVATIONS[cfg.hidden_act]
+    gate = act(F.linear(h, w["mlp.gate_proj.weight"]))                  # (B, t, ff)
+    up = F.linear(h, w["mlp.up_proj.weight"])                           # (B, t, ff)
+    return F.linear(gate * up, w["mlp.down_proj.weight"])
+
+
 def attn_out_mlp(cfg, x, y, w):
     """Part C. x: (B, t, d) the layer input, y: (B, t, nh, hd) its attention output -> (B, t, d)."""
     x = x + F.linear(y.flatten(2), w["self_attn.o_proj.weight"])
     h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.norm_eps)
-    h = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
-    return x + F.linear(h, w["mlp.down_proj.weight"])                          # h: (B, t, ff)
+    return x + mlp(cfg, h, w)
 
 
 def block(cfg, x, w, rope):
     """One transformer layer as a pure function. x: (B, T, d) the layer input; w: {short name:
     tensor}, views into the layer's flat buffer; rope: (cos, sin). Returns (B, T, d), x's dtype."""
     check_seq_len(cfg, x.shape[1])
-    return attn_out_mlp(cfg, x, attention(cfg, *attn_in(cfg, x, w, *rope)), w)
+    q, k, v = attn_in(cfg, x, w, *rope)
+    y = attention(cfg, q, k, v)
+    return attn_out_mlp(cfg, x, y, w)
 
 
 # ---------------------------------------------------------------------------- the head and the loss
@@ -281,19 +373,22 @@ def default_chunk_tokens(cfg):
 
 def chunked_loss_sum(cfg, x, w, targets, chunk_tokens):
     """Sum of head_loss over token chunks of x (B, T, d), each checkpointed: no (chunk, V) kept."""
-    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    x = x.reshape(-1, x.shape[-1])
+    targets = targets.reshape(-1)
     total = x.new_zeros((), dtype=torch.float32)
     for s in range(0, x.shape[0], chunk_tokens):
         xs, ts = x[s:s + chunk_tokens], targets[s:s + chunk_tokens]
-        total = total + (checkpoint(head_loss, cfg, xs, w, ts, use_reentrant=False)
-                         if torch.is_grad_enabled() else head_loss(cfg, xs, w, ts))
+        if torch.is_grad_enabled():
+            total = total + checkpoint(head_loss, cfg, xs, w, ts, use_reentrant=False)
+        else:
+            total = total + head_loss(cfg, xs, w, ts)
     return total
 
 
 # ------------------------------------------------------------------------------ the reference model
 def layer_weights(cfg, weights, i):
     """{short name: tensor} of layer i, taken from a weights dict."""
-    return {s: weights[f"model.layers.{i}.{s}"] for s, _ in layer_entries(cfg)}
+    return {s: weights[f"model.layers.{i}.{s}"] for s, *_ in layer_entries(cfg)}
 
 
 def head_weights(cfg, weights):
@@ -317,7 +412,8 @@ def forward(cfg, weights, tokens):
 
 def loss(cfg, weights, tokens, targets, chunk_tokens=None):
     """Reference training loss: mean cross-entropy over the non-ignored targets, chunked head."""
-    h, n = hidden(cfg, weights, tokens), (targets != IGNORE).sum().clamp(min=1)
+    h = hidden(cfg, weights, tokens)
+    n = (targets != IGNORE).sum().clamp(min=1)
     chunk = chunk_tokens or default_chunk_tokens(cfg)
     return chunked_loss_sum(cfg, h, head_weights(cfg, weights), targets, chunk) / n
 
@@ -337,7 +433,8 @@ def block_grad(cfg, x, w, rope, dy, acc):
 def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
     """Final norm + LM head + cross-entropy of x (N, d), forward and backward in token chunks (no
     (N, V) logits ever). Loss = sum / n_tok, its gradients added into acc. Returns (loss, dx)."""
-    dx, total = torch.empty_like(x), x.new_zeros((), dtype=torch.float32)
+    dx = torch.empty_like(x)
+    total = x.new_zeros((), dtype=torch.float32)
     for c in range(0, x.shape[0], chunk_tokens):
         xc = x[c:c + chunk_tokens].detach().requires_grad_()                   # (chunk, d)
         with torch.enable_grad():
@@ -350,24 +447,16 @@ def head_grad(cfg, x, w, targets, n_tok, acc, chunk_tokens):
 
 # --------------------------------------------------------------------------------------------- init
 def init_unit(cfg, layout, gen):
-    """One unit's tensors from generator gen: N(0, 0.02) matrices, o_proj and down_proj (residual
-    projections) scaled by 1/sqrt(2 n_layer) as in GPT-2; norms 1, biases 0."""
-    out = {}
-    for e in layout.entries:
-        if len(e.shape) == 1:
-            norm = e.short.endswith("norm.weight") or e.short == "norm"
-            out[e.key] = torch.ones(e.shape) if norm else torch.zeros(e.shape)
-        else:
-            residual = e.short.endswith(("o_proj.weight", "down_proj.weight"))
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02
-            out[e.key] = torch.empty(e.shape).normal_(0.0, std, generator=gen)
-    return out
+    """One unit's tensors, each as its layout entry declares (Init), drawn in layout order from
+    generator gen. (cfg is not read: the rules sit in the layout, which units(cfg) made.)"""
+    return {e.key: e.init.tensor(e.shape, gen) for e in layout.entries}
 
 
 def init_weights(cfg, seed=0):
     """{key: fp32 CPU tensor}, keyed like a Hugging Face checkpoint: the interchange format
     (megatrain_min/lazy_init.py makes the same tensors a unit at a time, as the engine reads)."""
-    gen, weights = torch.Generator().manual_seed(seed), {}
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
     for u in units(as_config(cfg)):
         weights.update(init_unit(cfg, u, gen))
     return weights

@@ -36,7 +36,6 @@ import json
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -63,7 +62,7 @@ cli.add_model(p, config_default=False)   # no preset by default: --init-from may
 for add in (cli.add_step, cli.add_hardware, cli.add_run):
     add(p)
 p.error = fail  # argparse's own complaints: one line and exit code 2 too
-warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line, like errors
+cli.warn_in_one_line()   # warnings: one line, like errors
 signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was "
                                              "trained", EXIT["interrupted"]))
 args = p.parse_args()
@@ -71,7 +70,8 @@ LAUNCH = args.nproc_per_node > 1 and WORLD == 1   # N ranks from here, all check
 if LAUNCH:   # the checks below run in a child (this process, the ranks' parent, never touches CUDA)
     WORLD = GPUS = args.nproc_per_node
     if not (args.plan or args.json or args.max_context):
-        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"), args.out)
+        launch.checks_then_ranks(WORLD, launch.without(sys.argv, "--nproc-per-node"), args.out,
+                                 args.save_hf)
 try:
     cli.check(args, WORLD)
 except cli.FlagError as e:
@@ -129,10 +129,7 @@ try:
         ranks = dict(gpus=GPUS, nodes=WORLD // GPUS) if WORLD > 1 else {}   # torchrun: the run's
         pl = plan.from_flags(args, cfg, name=args.config, device=device, **ranks,
                              dtype=args.dtype or (DTYPE_NAMES[dtype] if local else None))
-        longest, pl = fit.max_context(pl) if args.max_context else (None, pl)
-        if args.max_context and not longest:
-            fail(f"--max-context: not even {args.batch_size} x 1024 tokens fit {args.config} on "
-                 f"--hardware {args.hardware}; --plan without --max-context shows why")
+        longest, pl = fit.longest_context(pl) if args.max_context else (None, pl)
         print(report.plan_json(pl) if args.json else report.format_plan(pl))
         if args.max_context and not args.json:
             print(report.describe_max_context(pl, longest, cfg.max_seq_len))
@@ -277,8 +274,12 @@ print(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val loss
 
 # --- export and sample ----------------------------------------------------------------------------
 if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 alone, to write
-    final = trainer.weights(to=0) if WORLD > 1 else trainer.weights(copy=False) \
-        if args.engine == "stream" else trainer.weights()
+    if WORLD > 1:
+        final = trainer.weights(to=0)
+    elif args.engine == "stream":
+        final = hf.MasterWeights(trainer)   # a tensor at a time: no second copy of the model
+    else:
+        final = trainer.weights()
     try:
         if RANK == 0:
             hf.save_hf(cfg, final, run.hf_dir, dtype=DTYPES[args.save_hf_dtype],

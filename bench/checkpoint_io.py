@@ -20,7 +20,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
 from megatrain_min import checkpoint, ckpt_read  # noqa: E402
-from optim import HostAdamW  # noqa: E402
+from optim import HostStore  # noqa: E402
 
 GB = 1e9
 
@@ -31,9 +31,9 @@ def bench(n_layer, where, rounds):
     the files are dropped from the page cache first (posix_fadvise DONTNEED)."""
     cfg = dataclasses.replace(model.PRESETS["1b"], n_layer=n_layer)
     units, nbytes = model.units(cfg), 12 * model.n_params(cfg)
-    opt = HostAdamW([(lay.numel, lay.n_decay) for lay in units], grad_store=False)
+    opt = HostStore([(lay.numel, lay.n_decay) for lay in units], grad_store=False)
     for u in range(len(units)):
-        for t in opt.state(u).values():
+        for t in opt.tensors(u).values():
             t.fill_(u + 0.5)
     trainer = SimpleNamespace(cfg=cfg, units=units, opt=opt, wait=lambda: None)
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=where))
@@ -49,8 +49,8 @@ def bench(n_layer, where, rounds):
     def raw(mode):  # plain writes (+ fsync) or reads of the same bytes, one file per unit
         for u in range(len(units)):
             with open(root / f"raw-{u}.bin", mode) as f:
-                for s in ckpt_read.STATES:
-                    (f.write if mode == "wb" else f.readinto)(ckpt_read.bytes_of(opt.state(u)[s]))
+                for s in opt.tensors(u):
+                    (f.write if mode == "wb" else f.readinto)(ckpt_read.bytes_of(opt.tensors(u)[s]))
                 if mode == "wb":
                     f.flush()
                     os.fsync(f.fileno())
@@ -62,7 +62,7 @@ def bench(n_layer, where, rounds):
             os.close(fd)
 
     try:
-        timed("crc32 in memory", lambda: [zlib.crc32(ckpt_read.bytes_of(opt.state(u)[s])) for u in range(len(units)) for s in ckpt_read.STATES])
+        timed("crc32 in memory", lambda: [zlib.crc32(ckpt_read.bytes_of(opt.tensors(u)[s])) for u in range(len(units)) for s in opt.tensors(u)])
         for r in range(rounds):
             print(f"round {r + 1}")
             timed("raw write + fsync", lambda: raw("wb"))
@@ -73,7 +73,7 @@ def bench(n_layer, where, rounds):
             timed("load, cold (verify, then read)", lambda: checkpoint.load(trainer, ckpt_read.latest(root)))
             drop_cache()
             timed("load, cold, verify_first=False", lambda: checkpoint.load(trainer, ckpt_read.latest(root), verify_first=False))
-        assert all(bool((opt.state(u)[s] == u + 0.5).all()) for u in range(len(units)) for s in ckpt_read.STATES)
+        assert all(bool((opt.tensors(u)[s] == u + 0.5).all()) for u in range(len(units)) for s in opt.tensors(u))
     finally:
         shutil.rmtree(root)
 

@@ -62,10 +62,28 @@ class NotTheEngine(SystemExit):
     """The trace does not hold what stream.Trainer's step would put there."""
 
 
-def load(path):
+class Unreadable(SystemExit):
+    """A file that is not there, or not whole JSON (garbage, an empty or truncated .gz): one line."""
+
+
+def read_json(path, what):
+    """The JSON in `path` (gzip-compressed when it ends in .gz), or Unreadable naming it and why."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+    try:
+        with opener(path, "rt") as f:
+            return json.load(f)
+    except (OSError, EOFError, ValueError) as e:   # missing, not gzip, cut short, not UTF-8, not JSON
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise Unreadable(f"trace_extract: cannot read {what} {path}: {why}") from None
+
+
+def load(path):
+    """The Chrome trace at path: a JSON object with a traceEvents list, else Unreadable."""
+    trace = read_json(path, "the trace")
+    if not (isinstance(trace, dict) and isinstance(trace.get("traceEvents"), list)):
+        raise Unreadable(f"trace_extract: {path} is not a Chrome trace (no traceEvents list); give "
+                         "the trace bench/gpu.py --profile wrote")
+    return trace
 
 
 def top_level(events):
@@ -392,10 +410,14 @@ def main(argv=None):
     ap.add_argument("--step", type=int, default=1, help="which step of the trace (0 = the first; default 1)")
     ap.add_argument("--results", help="the benchmark's results.json (device, torch, command); default: the trace's")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():                  # said now, not after the work
+        raise Unreadable(f"trace_extract: cannot write {out}: "
+                         + ("it is a directory" if out.is_dir() else f"{out.parent} is not a directory"))
     res = Path(args.results) if args.results else Path(args.trace).with_name("results.json")
-    results = json.loads(res.read_text()) if res.exists() else None
+    results = read_json(res, "the results") if args.results or res.exists() else None
     x = extract(load(args.trace), args.step, results)
-    Path(args.out).write_text(dump(x))
+    out.write_text(dump(x))
     s = x["summary"]
     print(f"step {args.step}: {s['step_s']:.3f} s, compute busy {s['compute_busy_s']:.3f} s; idle: "
           + ", ".join(f"{k} {v:.3f}" for k, v in s["compute_idle_s"].items()))

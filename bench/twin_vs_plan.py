@@ -69,8 +69,25 @@ def predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, seq, **kw):
     return tw.result_of(cfg, B * seq), p
 
 
+def read_results(d):
+    """DIR/results.json as bench/gpu.py writes it, holding what measured() reads first; else SystemExit, one line."""
+    path = d / "results.json"
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError) as e:                      # unreadable, not UTF-8, not JSON
+        sys.exit(f"twin_vs_plan: {path} cannot be read as JSON ({e}); give the directory of a bench/gpu.py run")
+    for keys in (("meta", "host_available_gb"), ("cases", "wide", "at_min_tokens", "tokens")):
+        at = res
+        for k in keys:
+            if not isinstance(at, dict) or k not in at:
+                sys.exit(f"twin_vs_plan: {path} is not bench/gpu.py's results (no {'.'.join(keys)}); give the "
+                         "directory of a bench/gpu.py run")
+            at = at[k]
+    return res
+
+
 def measured(d):
-    res = json.loads((d / "results.json").read_text())
+    res = read_results(d)
     hw = dict(hardware.HARDWARE["h200"], host_mem_gb=res["meta"]["host_available_gb"], name="h200 (measured)")
     wide, peers = res["cases"]["wide"], res["cases"].get("peers", {})
     M = wide["at_min_tokens"]["tokens"] // SEQ                # bench/gpu.py: the trainer's micro-batches

@@ -34,7 +34,7 @@ class HostRing:
         """The host rows and the device ring for a step of `shape` (B, T, d), made before its first
         op."""
         self.t, self.loaded = trainer, set()
-        self.host = trainer.pinned("activations", (n_layers, *shape), trainer.residual_dtype)
+        self.host = trainer.host_buffer("activations", (n_layers, *shape), trainer.residual_dtype)
         if self.ring is None or self.ring[0].shape != shape:
             with trainer.comp():   # compute writes them first
                 self.ring = [torch.empty(shape, dtype=trainer.residual_dtype, device=trainer.dev)
@@ -44,12 +44,12 @@ class HostRing:
         """Forward (on compute): layer i's inputs x, M x (B/M, T, d), to host row i via a ring
         slot."""
         t, r = self.t, i % RING
-        t.comp.wait(self.free[r])                  # the slot's last D2H is done
+        t.comp.wait_event(self.free[r])                  # the slot's last D2H is done
         for dst, x_j in zip(self.ring[r].chunk(t.M), x):
             dst.copy_(x_j)
         self.ready[r] = t.comp.record()
         with t.d2h():
-            t.d2h.wait(self.ready[r])
+            t.d2h.wait_event(self.ready[r])
             self.host[i].copy_(self.ring[r], non_blocking=True)
             self.free[r] = t.d2h.record()
 
@@ -58,7 +58,7 @@ class HostRing:
         for j in (i, i - 1):
             if j >= 0 and j not in self.loaded:
                 self._load(j)
-        self.t.comp.wait(self.ready[i % RING])
+        self.t.comp.wait_event(self.ready[i % RING])
         return self.ring[i % RING].chunk(self.t.M)
 
     def _load(self, i):
@@ -66,7 +66,7 @@ class HostRing:
         backward; for the first two rows, the forward's D2H of this very row (its copy landed)."""
         t, r = self.t, i % RING
         with t.h2d():
-            t.h2d.wait(self.free[r])
+            t.h2d.wait_event(self.free[r])
             self.ring[r].copy_(self.host[i], non_blocking=True)
             self.ready[r] = t.h2d.record()
         self.loaded.add(i)

@@ -2,8 +2,9 @@
 
 What it is
     save() writes what stream.Trainer keeps in host memory: per unit (embedding, each layer, head)
-    one file holding fp32 master | Adam m | Adam v, taken straight from the store's own tensors in
-    16 MiB chunks with a CRC-32 computed on the way -- no second copy of the model is ever made.
+    one file holding the fp32 master and the update rule's state (AdamW: m, v), taken straight from
+    the store's own tensors in 16 MiB chunks with a CRC-32 computed on the way -- no second copy of
+    the model is ever made.
     meta.json holds the format version, the config, the step, each unit's Adam step count, file
     sizes and CRCs, and the caller's dict (schedule position, rng_state(), the data sampler's
     state). All of it goes into a hidden .tmp-* directory, is fsynced, and is renamed into place: a
@@ -30,7 +31,8 @@ Nothing lost
     by chunk on the way, ~9 GB/s, beside the CRC), and load() refuses them, naming the tensor. A
     write error (disk full, file too large, no permission) raises SaveError with the temporary
     directory removed. `keep` prunes only checkpoints of the same run (meta["run"]), never another
-    run's, and a step saved again replaces only its own run's checkpoint. Debris of a killed save is
+    run's (a symbolic link: the link, never what it leads to), and a step saved again replaces only
+    its own run's checkpoint. Debris of a killed save is
     removed only when the process that wrote it is gone. One run per directory: runlock.py.
 What it is not
     Not torch.save of a state dict (pickle: a second copy of the model in memory, and loading runs
@@ -57,9 +59,9 @@ import torch
 import torch.distributed as dist
 
 from megatrain_min.checks import all_finite
-from megatrain_min.ckpt_read import (CHUNK, FORMAT, SHARDED, STATES, VERSION, CheckpointError,
-                                     bytes_of, check_model, checkpoints, doc_crc, key_at, overlap,
-                                     parts, read_meta, verify_files)
+from megatrain_min.ckpt_read import (CHUNK, FORMAT, SHARDED, VERSION, CheckpointError, bytes_of,
+                                     check_model, check_states, checkpoints, doc_crc, key_at,
+                                     overlap, parts, read_meta, verify_files)
 from megatrain_min.publish import alive, fsync_dir
 from megatrain_min.tokenizer import copy_tokenizer_files
 
@@ -119,13 +121,13 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
             for u, lay in enumerate(trainer.units):
                 lo, hi = trainer.placement.part(lay)
                 name = f"{lay.name}.part{rank}.bin" if sharded else f"{lay.name}.bin"
-                state = opt.state(u)
-                # (a unit resident on the GPU: D2H first)
-                f, crc = _write(tmp / name, [state[s][:hi - lo].cpu() for s in STATES], lay, lo)
+                # the master and the rule's state (a unit resident on the GPU: D2H first)
+                tensors = [t[:hi - lo].cpu() for t in opt.tensors(u).values()]
+                f, crc = _write(tmp / name, tensors, lay, lo)
                 synced.append(flusher.submit(_fsync_close, f))
                 units.append({"name": lay.name, "numel": lay.numel, "step": int(opt.steps[u]),
                               "file": name, "lo": lo, "hi": hi,
-                              "bytes": 4 * len(STATES) * (hi - lo), "crc32": crc})
+                              "bytes": 4 * len(tensors) * (hi - lo), "crc32": crc})
             for s in synced:
                 s.result()                       # an fsync error (disk full, I/O) surfaces here
         error = None
@@ -144,7 +146,7 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
                                             "crc32")} for u in units]
             doc = {"format": FORMAT, "version": SHARDED if sharded else VERSION, "step": step,
                    "config": trainer.cfg.to_dict(), "dtype": "float32", "byteorder": sys.byteorder,
-                   "states": list(STATES), "units": units, "meta": meta}
+                   "states": list(opt.tensors(0)), "units": units, "meta": meta}
             # {"files", "config_ids"}: written before meta.json, renamed with it
             if tokenizer_from is not None:
                 doc["tokenizer"] = copy_tokenizer_files(tokenizer_from, tmp)
@@ -163,10 +165,14 @@ def save(trainer, out_dir, step, meta=None, keep=None, tokenizer_from=None):
     if keep and lead:
         mine = [p for _, p in checkpoints(out) if _run_of(p) == meta.get("run")]
         for old in mine[:-keep]:
+            link = os.readlink(old) if old.is_symlink() else None
             try:
                 _remove(old)
             except OSError as e:                # the new checkpoint is whole; an old one just stays
                 warnings.warn(f"could not delete the old checkpoint {old}: {e}")
+            if link is not None and not old.is_symlink():
+                warnings.warn(f"--keep: the old checkpoint {old} was a symbolic link: the link is "
+                              f"removed, {link} (what it leads to) is left as it is")
     return final
 
 
@@ -242,14 +248,18 @@ def _fsync_close(f):
 
 def _remove(path):
     """Delete a checkpoint, renaming it to .tmp-* first so a half-deleted one never looks like a
-    checkpoint."""
+    checkpoint. A symbolic link (a checkpoint moved to another disk, say) is unlinked, never
+    followed: what it leads to is not in --out, and stays."""
+    if path.is_symlink():
+        os.unlink(path)
+        return
     doomed = path.with_name(f".tmp-del-{path.name}-{os.getpid()}")
     os.rename(path, doomed)
     shutil.rmtree(doomed)
 
 
 # ----------------------------------------------------------------------------- load
-def load(trainer, path, verify_first=True):
+def load(trainer, path, verify_first=True, weights_only=False):
     """Load checkpoint `path` into trainer; return the meta dict given to save() plus "step".
     Raises CheckpointError, with the trainer untouched, for anything that does not match or check
     out. verify_first=False reads every byte once instead of twice (about 2x faster from a cold
@@ -257,10 +267,13 @@ def load(trainer, path, verify_first=True):
     trainer then holds a partial state -- fine for a fresh trainer that is thrown away on error
     (train.py --resume). A sharded trainer (every rank calls it) reads its [lo, hi) of each unit
     from whichever parts hold it, at any world size it was saved at; a part it reads only a piece of
-    is verified first whatever verify_first says."""
+    is verified first whatever verify_first says. weights_only: the master weights alone (train.py
+    --init-from: whichever update rule saved the rest); the trainer's state and step counts stay."""
     path = Path(path)
     doc = read_meta(path)
     check_model(path, doc, trainer.cfg)
+    if not weights_only:
+        check_states(path, doc, trainer.opt.tensors(0))
     want = [trainer.placement.part(lay) for lay in trainer.units]
 
     def whole(p, u):   # the part is exactly what this trainer holds
@@ -278,14 +291,14 @@ def load(trainer, path, verify_first=True):
     # straight into the store (from the page cache, if it fits)
     for u, unit in enumerate(doc["units"]):
         lo, hi = want[u]
-        state = opt.state(u)
+        state = opt.tensors(u)
         for p in parts(unit):
             a, b = overlap(p, lo, hi)
             if a >= b:
                 continue
             crc, n = 0, p["hi"] - p["lo"]
             with open(path / p["file"], "rb") as f:
-                for k, s in enumerate(STATES):
+                for k, s in enumerate(doc["states"][:1] if weights_only else doc["states"]):
                     f.seek(4 * (k * n + a - p["lo"]))
                     dst = state[s][a - lo:b - lo]     # a unit resident on the GPU: through the host
                     host = dst if dst.device.type == "cpu" else \
@@ -303,7 +316,8 @@ def load(trainer, path, verify_first=True):
         if not verify_first and not all_finite(state["master"][:hi - lo]):
             raise CheckpointError(f"{path}: the master weights of unit {unit['name']} hold a NaN "
                                   "or an infinity; the trainer is now partial")
-        opt.steps[u].fill_(unit["step"])
+        if not weights_only:
+            opt.steps[u].fill_(unit["step"])
         opt.refresh_shadow(u)
     trainer.lanes.synchronize()   # what was written on the GPU (default stream): before any lane
     return {**doc["meta"], "step": doc["step"]}

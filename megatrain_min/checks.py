@@ -25,7 +25,7 @@ import torch
 import model
 import optim
 import stream
-from megatrain_min.gpu_update import GpuUpdates
+from megatrain_min.homes import Homes
 
 
 def real(v):
@@ -63,6 +63,9 @@ def check_config(cfg):
     for k in ("rope_theta", "norm_eps"):
         if not (real(getattr(cfg, k)) and getattr(cfg, k) > 0):
             raise ValueError(f"{k} must be a finite number > 0, got {getattr(cfg, k)!r}")
+    if cfg.hidden_act not in model.ACTIVATIONS:
+        raise ValueError(f"hidden_act must be one of {', '.join(model.ACTIVATIONS)} "
+                         f"(model.ACTIVATIONS), got {cfg.hidden_act!r}")
     for k in ("qkv_bias", "qk_norm", "tie_embeddings"):
         if not isinstance(getattr(cfg, k), bool):
             raise ValueError(f"{k} must be True or False, got {getattr(cfg, k)!r}")
@@ -272,11 +275,10 @@ HYPER = ("lr", "betas", "eps", "weight_decay", "grad_clip", "micro_batches")
 
 
 def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=None,
-                  grad_slabs=stream.GRAD_SLABS, resident_units=0, tied=False, grad_clip=None,
-                  gpu_updates=None, **_):
+                  grad_slabs=stream.GRAD_SLABS, tied=False, grad_clip=None, homes=None, **_):
     """The engine's own options: the memory mode, the compute and residual dtypes, the loss chunk,
-    the slabs (a tied head holds one until the embedding's scatter), the units resident on the
-    GPU, the streamed units updated there."""
+    the slabs (a tied head holds one until the embedding's scatter), the units' homes."""
+    resident_units = getattr(homes, "resident_units", 0)
     if mode not in ("fast", "lean"):
         raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
     if dtype not in (None, torch.float32, torch.bfloat16):
@@ -295,12 +297,9 @@ def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=Non
     if tied and grad_slabs < 2 and not grad_clip and not resident_units:   # else the engine waits
         raise ValueError("a tied head holds a gradient slab until the embedding's scatter: "
                          f"grad_slabs must be >= 2, got {grad_slabs}")   # for a slab forever
-    if not (integer(resident_units) and resident_units >= 0):
-        raise ValueError("resident_units must be an integer >= 0 (units kept on the GPU, embedding "
-                         f"and layer 0 first), got {resident_units!r}")
-    if gpu_updates is not None and not isinstance(gpu_updates, GpuUpdates):
-        raise ValueError("gpu_updates must be a megatrain_min.gpu_update.GpuUpdates (or None), got "
-                         f"{type(gpu_updates).__name__}")
+    if homes is not None and not isinstance(homes, Homes):
+        raise ValueError("homes must be a megatrain_min.homes.Homes (or None: every unit "
+                         f"streamed), got {type(homes).__name__}")
 
 
 def splits(batch_size, micro_batches, ranks=1):

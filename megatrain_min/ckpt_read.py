@@ -2,12 +2,15 @@
 verified, without a trainer.
 
 What it is
-    The format checkpoint.save writes (FORMAT, VERSION, SHARDED, STATES, CHUNK; "On disk" below)
+    The format checkpoint.save writes (FORMAT, VERSION, SHARDED, CHUNK; "On disk" below)
     and everything that reads it:
       checkpoints(out_dir), latest(out_dir), before(path), is_checkpoint(path)
                       the finished checkpoints of a run's output directory: ckpt-STEP holding a
                       meta.json (a name alone, or a half-copied directory, is none)
       read_meta(path) meta.json with its format, version, fields and own CRC checked
+      config_of(path, doc)
+                      the model config it was saved with: a field added to model.GPTConfig since
+                      (missing from its meta.json) takes the default
       check_model(path, doc, cfg)
                       the same byte order, config and parameter layout as model cfg (meta.json
                       alone: train.py asks before allocating a trainer)
@@ -31,11 +34,12 @@ Why CRC-32
     CRC-32 catches truncated, torn and bit-flipped files (every burst up to 32 bits). It is no
     defence against tampering.
 On disk
-    out/ckpt-00000100/meta.json     {"format", "version", "step", "config",
+    out/ckpt-00000100/meta.json     {"format", "version", "step", "config", "states",
                                      "units": [{"name", "numel", "step", "file", "bytes", "crc32"},
                                                ...],
                                      "meta": {...}, "crc32"}
-    out/ckpt-00000100/layer.0.bin   master | m | v, numel fp32 each, in the recorded byte order
+    out/ckpt-00000100/layer.0.bin   the states: master | m | v (AdamW; Lion: master | m), numel
+                                    fp32 each, in the recorded byte order
     out/ckpt-00000100/tokenizer.json ...   with tokenizer_from: meta.json's "tokenizer"
                                            {"files", "config_ids"}
     sharded (version 2): units [{"name", "numel", "step",
@@ -45,6 +49,7 @@ On disk
 Try it
     python -m pytest tests/test_checkpoint.py tests/test_export.py   # damaged, foreign, edited
 """
+import dataclasses
 import json
 import re
 import sys
@@ -61,7 +66,6 @@ from megatrain_min.tokenizer import file_sha256
 
 FORMAT, VERSION = "megatrain-min checkpoint", 1
 SHARDED = 2                     # the version of a checkpoint written by N > 1 ranks: parts per unit
-STATES = ("master", "m", "v")   # the fp32 tensors of every unit, in the order they sit in its file
 CHUNK = 16 << 20   # bytes per CRC/write call: big enough that Python's per-call cost vanishes
 
 
@@ -128,6 +132,10 @@ def read_meta(path, tokenizer=True):
     CheckpointError); tokenizer: and the tokenizer files it was saved with, each there and the same
     (check_tokenizer)."""
     path = Path(path)
+    if path.is_file():                        # ckpt-00000002/meta.json, say: offer its directory
+        hint = f"; the checkpoint is its directory, {path.parent}" \
+            if is_checkpoint(path.parent) else ""
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory{hint}")
     if not (path / "meta.json").is_file():
         hint = f"; it holds checkpoints, the latest is {latest(path)}" if latest(path) else ""
         raise CheckpointError(f"{path} is not a checkpoint directory (no meta.json){hint}")
@@ -193,9 +201,13 @@ def _check_fields(path, doc):
         bad(f"step {doc.get('step')!r} is not a step count")
     if not (isinstance(doc.get("config"), dict) and isinstance(doc.get("meta"), dict)):
         bad("config or meta is not an object")
-    if (doc.get("dtype"), doc.get("states")) != (
-        "float32", list(STATES)) or doc.get("byteorder") not in ("little", "big"):
-        bad("dtype, states or byteorder are not this format's")
+    states = doc.get("states")
+    named = isinstance(states, list) and all(isinstance(s, str) and s.isidentifier()
+                                             for s in states)
+    if not named or states[:1] != ["master"] or len(set(states)) != len(states):
+        bad(f"states {states!r} is not the master followed by the update rule's state")
+    if doc.get("dtype") != "float32" or doc.get("byteorder") not in ("little", "big"):
+        bad("dtype or byteorder are not this format's")
     if not isinstance(doc.get("units"), list):
         bad("units is not a list")
     # a unit file is its name + .bin, inside the checkpoint: no path goes elsewhere
@@ -203,17 +215,17 @@ def _check_fields(path, doc):
         if not (isinstance(u, dict) and isinstance(u.get("name"), str)
                 and re.fullmatch(r"\w[\w.]*", u["name"])
                 and all(count(u.get(k)) for k in ("numel", "step"))
-                and _parts_ok(u, doc["version"], count)):
+                and _parts_ok(u, doc["version"], count, len(states))):
             bad(f"the unit entry {json.dumps(u)[:80]} is malformed")
 
 
-def _parts_ok(u, version, count):
+def _parts_ok(u, version, count, n_states):
     """Version 1: one file, name.bin, the whole unit. Version 2: parts name.partR.bin that tile
     [0, numel)."""
     if version == VERSION:
         return (u.get("file") == u["name"] + ".bin" and count(u.get("bytes"))
                 and count(u.get("crc32"))
-                and u["bytes"] == 4 * len(STATES) * u["numel"])
+                and u["bytes"] == 4 * n_states * u["numel"])
     parts, at = u.get("parts"), 0
     if not (isinstance(parts, list) and parts):
         return False
@@ -221,7 +233,7 @@ def _parts_ok(u, version, count):
         if not (isinstance(p, dict) and p.get("file") == f"{u['name']}.part{r}.bin"
                 and p.get("lo") == at
                 and all(count(p.get(k)) for k in ("hi", "bytes", "crc32")) and p["hi"] >= at
-                and p["bytes"] == 4 * len(STATES) * (p["hi"] - at)):
+                and p["bytes"] == 4 * n_states * (p["hi"] - at)):
             return False
         at = p["hi"]
     return at == u["numel"]
@@ -283,18 +295,37 @@ def overlap(part, lo, hi):
     return max(lo, part["lo"]), min(hi, part["hi"])
 
 
+def config_of(path, doc):
+    """The model config checkpoint `path` (doc: its read_meta) was saved with. A field its meta.json
+    does not hold -- one added to model.GPTConfig since -- takes the dataclass default, which by the
+    rule of a default computes what the model computed before the field existed. CheckpointError
+    for a field this code does not have, or values that make no config."""
+    there = doc["config"]
+    known = {f.name for f in dataclasses.fields(model.GPTConfig)}
+    unknown = [k for k in there if k not in known]
+    if unknown:
+        k = unknown[0]
+        raise CheckpointError(f"{path} is for another model: {k}={there[k]!r} in the checkpoint, a "
+                              "config field this code does not have")
+    try:
+        return check_config(model.GPTConfig(**there))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}/meta.json: its config is not a model config ({e})") from None
+
+
 def check_model(path, doc, cfg):
     """CheckpointError unless checkpoint `path` (doc: its read_meta) holds model cfg: same byte
-    order, same config, same parameter layout. Reads nothing but meta.json: train.py asks before
-    allocating a trainer."""
+    order, same config (config_of: a field missing from its meta.json is the default), same
+    parameter layout. Reads nothing but meta.json: train.py asks before allocating a trainer."""
     if doc["byteorder"] != sys.byteorder:
         raise CheckpointError(f"{path} was written on a {doc['byteorder']}-endian machine; this "
                               f"one is {sys.byteorder}")
-    here, there = cfg.to_dict(), doc["config"]
-    for k in list(here) + [k for k in there if k not in here]:
-        if there.get(k) != here.get(k):
-            raise CheckpointError(f"{path} is for another model: {k}={there.get(k)!r} in "
-                                  f"the checkpoint, {here.get(k)!r} in this run (first "
+    here = cfg.to_dict()
+    there = config_of(path, doc).to_dict()
+    for k in here:
+        if there[k] != here[k]:
+            raise CheckpointError(f"{path} is for another model: {k}={there[k]!r} in "
+                                  f"the checkpoint, {here[k]!r} in this run (first "
                                   "differing config field)")
     ours = [(lay.name, lay.numel) for lay in model.units(cfg)]
     theirs = [(u["name"], u["numel"]) for u in doc["units"]]
@@ -302,6 +333,18 @@ def check_model(path, doc, cfg):
         a, b = next((a, b) for a, b in zip(theirs + [None], ours + [None]) if a != b)
         raise CheckpointError(f"{path} has another parameter layout: unit {a} in the checkpoint, "
                               f"{b} in this model")
+
+
+def check_states(path, doc, states):
+    """CheckpointError unless checkpoint `path` holds the tensors `states` per unit: the master and
+    the state of this run's update rule (another rule's state cannot be resumed; its weights can,
+    --init-from)."""
+    if doc["states"] != list(states):
+        was = (doc.get("meta", {}).get("args") or {}).get("optimizer") or "adamw"
+        raise CheckpointError(f"{path} was saved by the {was} optimizer, whose state is "
+                              f"{', '.join(doc['states'][1:]) or 'none'}; this run's keeps "
+                              f"{', '.join(states[1:]) or 'none'}: resume with --optimizer {was}, "
+                              f"or start from its weights with --init-from {path}")
 
 
 # -------------------------------------------------------------------- the weights alone, no trainer
@@ -354,10 +397,7 @@ def read_weights(path, verify=True):
     for."""
     path = Path(path)
     doc = read_meta(path)
-    try:
-        cfg = check_config(model.GPTConfig(**doc["config"]))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}/meta.json: its config is not a model config ({e})") from None
+    cfg = config_of(path, doc)
     check_model(path, doc, cfg)                  # byte order, and units that match the config
     layouts = model.units(cfg)
     verify_files(path, doc, crc=verify, layouts=layouts)

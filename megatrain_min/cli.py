@@ -3,8 +3,8 @@
 What it is
     Flag groups, each added to a parser by one function, their defaults in one place (DEFAULTS):
       model     --config and the shape overrides, --max-seq-len (config_of: the GPTConfig)
-      step      batch, sequence, micro-batches, clipping, memory mode, dtypes, offload, loss
-                chunk, tile
+      step      batch, sequence, micro-batches, clipping, the update rule, memory mode, dtypes,
+                offload, loss chunk, tile
       hardware  what to plan for: --hardware, --host-mem, --host-bw, --gpus, --nodes
       run       train.py's own: steps, schedule, data, outputs, checkpoints, --init-from, --plan
     python train.py, python -m megatrain_min.plan and python -m megatrain_min.sim take the same
@@ -28,6 +28,7 @@ import model
 import optim
 import stream
 from megatrain_min.checks import HyperParameterError, check_hyper, check_split
+from megatrain_min.lion import Lion
 
 # Every default, one home. The library's are the engine's own (what a bare stream.Trainer(cfg,
 # weights) does): optim's LR, BETAS, EPS, WEIGHT_DECAY, stream's MICRO_BATCHES and GRAD_CLIP, the
@@ -43,11 +44,13 @@ DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mod
                 dtype=None,
                 residual_dtype="fp32", offload_activations="auto", chunk_tokens=0, tile_tokens=None,
                 resident_units=None, gpu_updated_units=None, hardware="local", gpus=1, nodes=1,
-                keep=2)
+                keep=2, optimizer="adamw")
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
 # --dtype, --residual-dtype, --save-hf-dtype
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# --optimizer: the update rules (optim.py's, megatrain_min/lion.py's), each with its defaults
+RULES = {"adamw": optim.AdamW, "lion": Lion}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # The largest values a flag can take: beyond them it is a typo, and the planner's searches and
 # schedule replay would run for a long time on numbers no machine has.
@@ -112,6 +115,12 @@ def _num(v):
     return f"{int(v):,}" if whole else f"{v:g}"
 
 
+def warn_in_one_line():
+    """Warnings as errors are said: one line, 'warning: MESSAGE' (not Python's file:line and the
+    source line)."""
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+
+
 def survive_closed_pipe():
     """stdout and stderr survive a reader that went away (`python train.py --plan --json | head -c
     100`, a closed ssh session): no BrokenPipeError traceback, no "Exception ignored" at exit; a
@@ -143,6 +152,11 @@ def add_step(p):
                    help="tokens per sequence, <= the model's max_seq_len (default: %(default)s)")
     p.add_argument("--grad-clip", type=float, default=DEFAULTS["grad_clip"],
                    help="global grad-norm clip, 0 = off (default: %(default)s)")
+    p.add_argument("--optimizer", default=DEFAULTS["optimizer"], choices=list(RULES),
+                   help="the update rule. adamw; lion: one moment instead of two, 4 B/param less "
+                        "host memory -- its paper advises an lr 3-10x below AdamW's and a weight "
+                        "decay 3-10x above (e.g. --lr 3e-4 --weight-decay 1.0 for the toy) "
+                        "(default: %(default)s)")
     p.add_argument("--mode", default=DEFAULTS["mode"], choices=["auto", "fast", "lean"],
                    help="host memory mode. fast: stream a bf16 shadow; lean: stream fp32, 12 "
                         "B/param; auto: the plan picks -- lean where it is >= 2%% faster or the "
@@ -202,7 +216,8 @@ def add_run(p):
                                                        "lr/10 (default: %(default)s)")
     a("--warmup", type=int, default=30, help="linear warmup steps (default: %(default)s)")
     a("--weight-decay", type=float, default=DEFAULTS["weight_decay"],
-      help="AdamW decay on tensors with >= 2 dims (default: %(default)s)")
+      help="weight decay (decoupled, as AdamW's) on tensors with >= 2 dims "
+           "(default: %(default)s)")
     a("--seed", type=int, default=0, help="seed for init and batches (default: %(default)s)")
     a("--device", default=DEFAULTS["device"], help="cuda or cpu (default: cuda if available)")
     a("--nproc-per-node", type=int, default=1,
@@ -316,6 +331,9 @@ def check(a, world=1):
     if world > 1 and (a.engine != "stream" or a.profile):
         raise FlagError(f"on {world} ranks (torchrun, --nproc-per-node) train.py runs --engine "
                         "stream without --profile")
+    if a.engine == "reference" and a.optimizer != DEFAULTS["optimizer"]:
+        raise FlagError(f"--optimizer {a.optimizer} with --engine reference: the reference engine "
+                        "trains with torch.optim.AdamW; use --engine stream")
     planning = a.plan or a.json or a.max_context
     unused = ["--" + f.replace("_", "-") for f, given in (
         ("data", a.data), ("resume", a.resume), ("save_hf", a.save_hf),
@@ -333,6 +351,11 @@ def check(a, world=1):
             if given:
                 raise FlagError(f"{flag} with --engine reference: the reference engine writes no "
                                 f"checkpoint; drop {flag}, or use --engine stream")
+        for flag in ("resident_units", "gpu_updated_units"):   # one model in memory: no units
+            if getattr(a, flag):
+                raise FlagError(f"--{flag.replace('_', '-')} {getattr(a, flag)} with --engine "
+                                "reference: the reference engine holds the whole model in one "
+                                "place and streams no unit; drop it, or use --engine stream")
     for flag, default in (("hardware", DEFAULTS["hardware"]), ("gpus", 1), ("nodes", 1)):
         if getattr(a, flag) != default and not planning:
             raise FlagError(f"--{flag} {getattr(a, flag)} applies to --plan (a run is checked "

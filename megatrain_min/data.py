@@ -277,6 +277,14 @@ class SFTBatches:
 
 
 if __name__ == "__main__":
+    import shlex
+    import sys
+    if sys.argv[1:]:   # `python -m megatrain_min.data prepare IN --out OUT`: the command moved
+        given = shlex.join(sys.argv[2:]) if sys.argv[1] == "prepare" else "INPUT... --out DIR"
+        print("error: python -m megatrain_min.data takes no arguments (it prints the shipped "
+              f"corpus and a batch); a corpus is tokenized by python -m megatrain_min.prepare "
+              f"{given}", file=sys.stderr)
+        sys.exit(2)
     toks = load_tokens(DEFAULT_DATA)
     tr, va = split(toks)
     print(f"{DEFAULT_DATA.name}: {len(toks):,} bytes -> train {len(tr):,}, val {len(va):,}")

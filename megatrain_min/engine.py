@@ -1,12 +1,13 @@
 """engine.py -- what the engine is handed for a run: a plan turned into stream.Trainer's arguments.
 
 What it is
-    parts(offload, guarded, tile_tokens, gpu_updated_units): the objects that plain settings mean --
-    where the boundary activations live (activations.HostRing, or None: stream.OnDevice), the
-    non-finite guard (guard.Guard), the layer's functions (tiling.Tiled, or the model itself), the
-    streamed units updated on the GPU (gpu_update.GpuUpdates). arguments(p): every
-    keyword of stream.Trainer that a plan decides -- the dtypes, the memory mode, micro-batches,
-    clipping, the loss chunk, the gradient slabs, the resident units, and the parts. train.py, the
+    parts(offload, guarded, tile_tokens, resident_units, gpu_updated_units): the objects that plain
+    settings mean -- where the boundary activations live (activations.HostRing, or None:
+    stream.OnDevice), the non-finite guard (guard.Guard), the layer's functions (tiling.Tiled, or
+    the model itself), where each unit lives (homes.Homes: resident on the GPU, streamed and updated
+    there, or -- None -- every unit streamed). arguments(p): every keyword of stream.Trainer that a
+    plan decides -- the dtypes, the memory mode, micro-batches, clipping, the loss chunk, the
+    gradient slabs, the update rule (cli.RULES, with its own defaults), and the parts. train.py, the
     stream checker and the twin (megatrain_min/sim.py) build the engine with them; the optimizer's
     hyper-parameters (lr, weight decay) come from the caller.
 What it is not
@@ -18,19 +19,20 @@ Try it
 import model
 import stream
 from megatrain_min.activations import HostRing
-from megatrain_min.cli import DTYPES
-from megatrain_min.gpu_update import GpuUpdates
+from megatrain_min.cli import DTYPES, RULES
 from megatrain_min.guard import Guard
+from megatrain_min.homes import Homes
 from megatrain_min.tiling import Tiled
 
 
-def parts(offload=False, guarded=False, tile_tokens=0, gpu_updated_units=0):
+def parts(offload=False, guarded=False, tile_tokens=0, resident_units=0, gpu_updated_units=0):
     """What the engine is handed: the boundary activations' store (offload: activations.HostRing,
     else on the device), a guard.Guard (guarded), the layer (tiling.Tiled(tile_tokens), or the
-    model), the streamed units updated on the GPU (gpu_update.GpuUpdates(gpu_updated_units))."""
+    model), the units' homes (homes.Homes(resident_units, gpu_updated_units); none: streamed)."""
+    kept = resident_units or gpu_updated_units
     return dict(activations=HostRing() if offload else None, guard=Guard() if guarded else None,
                 layer=Tiled(tile_tokens) if tile_tokens else model,
-                gpu_updates=GpuUpdates(gpu_updated_units) if gpu_updated_units else None)
+                homes=Homes(resident_units, gpu_updated_units) if kept else None)
 
 
 def arguments(p):
@@ -40,6 +42,6 @@ def arguments(p):
     return dict(dtype=DTYPES[p["dtype"]], residual_dtype=DTYPES[p["residual_dtype"]],
                 mode=p["mode"], micro_batches=p["micro_batches"], grad_clip=p["grad_clip"],
                 chunk_tokens=p["chunk_tokens"], grad_slabs=p["grad_slabs"] or stream.GRAD_SLABS,
-                resident_units=p["resident_units"],
+                rule=RULES[p["optimizer"]](),
                 **parts(p["offload_activations"], p["skip_nonfinite"], p["tile_tokens"],
-                        p["gpu_updated_units"]))
+                        p["resident_units"], p["gpu_updated_units"]))

@@ -39,11 +39,13 @@ import re
 import shutil
 import sys
 import uuid
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from model import units
+from model import INIT_STD, GPTConfig, units
 from megatrain_min import ckpt_read, publish
 from megatrain_min.cli import survive_closed_pipe
 from megatrain_min.checks import check_finite
@@ -56,17 +58,57 @@ EXPORT_MARKER = "megatrain-min-export.json"
 
 
 # ------------------------------------------------------------------------- GPTConfig -> config.json
-def config_to_hf(cfg, dtype=torch.bfloat16):
-    """The config.json of a GPTConfig: Llama, Qwen2 when it has a qkv bias, Qwen3 when it has q/k
-    norm; Mistral (= Llama + an optional sliding window) for a Llama-shaped model with a window, or
-    with n_head * head_dim != d_model (transformers' LlamaConfig refuses a hidden size that the head
-    count does not divide)."""
+# The tensors of a layer each family holds (transformers' modeling files), by model.block's names.
+LLAMA_LAYER = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"}
+QKV_BIAS = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
+QK_NORM = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+LAYER_TENSORS = {"llama": LLAMA_LAYER, "mistral": LLAMA_LAYER, "qwen2": LLAMA_LAYER | QKV_BIAS,
+                 "qwen3": LLAMA_LAYER | QK_NORM}
+# The GPTConfig fields config_to_hf writes; a field added to model.py and not here is exported only
+# at its default (where, by the rule of a default, the model computes what it computed without it).
+EXPORTED = {"vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "hidden_act",
+            "head_dim", "max_seq_len", "rope_theta", "norm_eps", "qkv_bias", "qk_norm",
+            "tie_embeddings", "rope_scaling", "sliding_window"}
+
+
+def architecture(cfg):
+    """The transformers architecture that computes what model.py computes for cfg: Llama, Qwen2 when
+    it has a qkv bias, Qwen3 when it has q/k norm; Mistral (= Llama + an optional sliding window)
+    for a Llama-shaped model with a window, or with n_head * head_dim != d_model (transformers'
+    LlamaConfig refuses a hidden size that the head count does not divide). HFError, one line, for
+    a model none of them represents: a qkv bias with q/k norm, a tensor of the layout that the
+    architecture lacks, a config field config_to_hf does not write set to other than its default.
+    save_hf asks (config_to_hf); train.py --save-hf asks before step 1 (rundir.Run.check)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise HFError("no transformers family has a qkv bias AND q/k norm (Qwen3's attention_bias "
                       "biases o_proj too)")
-    arch = ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias else
-            "MistralForCausalLM" if cfg.sliding_window or cfg.d_model % cfg.n_head
-            else "LlamaForCausalLM")
+    if cfg.qk_norm:
+        arch = "Qwen3ForCausalLM"
+    elif cfg.qkv_bias:
+        arch = "Qwen2ForCausalLM"
+    elif cfg.sliding_window or cfg.d_model % cfg.n_head:
+        arch = "MistralForCausalLM"
+    else:
+        arch = "LlamaForCausalLM"
+    known = LAYER_TENSORS[ARCHS[arch]] | {"embed", "lm_head", "norm"}
+    extra = [e.key for lay in units(cfg) for e in lay.entries if e.short not in known]
+    if extra:
+        raise HFError(f"{arch} has no tensor {extra[0]} ({len(extra)} such in the layout): "
+                      "transformers would drop it and compute another model")
+    defaults = GPTConfig()
+    for f in fields(GPTConfig):
+        value = getattr(cfg, f.name)
+        if f.name not in EXPORTED and value != getattr(defaults, f.name):
+            raise HFError(f"{arch}'s config.json has no place for {f.name}={value!r} "
+                          "(hf.config_to_hf writes no such field)")
+    return arch
+
+
+def config_to_hf(cfg, dtype=torch.bfloat16):
+    """The config.json of a GPTConfig, every field derived from it, for architecture(cfg)."""
+    arch = architecture(cfg)
     rope = {"rope_type": "llama3" if cfg.rope_scaling else "default", "rope_theta": cfg.rope_theta,
             **(cfg.rope_scaling or {})}
     c = {"architectures": [arch], "model_type": ARCHS[arch], "vocab_size": cfg.vocab_size,
@@ -75,11 +117,11 @@ def config_to_hf(cfg, dtype=torch.bfloat16):
          "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
          "head_dim": cfg.head_dim,
          "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-         "hidden_act": "silu",
+         "hidden_act": cfg.hidden_act,
          "rope_theta": cfg.rope_theta,                                  # transformers v4 reads this
          "rope_parameters": rope,                                       # ... and v5 this
          "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-         "torch_dtype": str(dtype)[6:], "initializer_range": 0.02}
+         "torch_dtype": str(dtype)[6:], "initializer_range": INIT_STD}
     if cfg.rope_scaling:
         c["rope_scaling"] = rope                                                  # v4's name for it
     if arch == "MistralForCausalLM":
@@ -136,7 +178,8 @@ ANY = object()
 def export_state(model_dir):
     """What save_hf would replace at model_dir now: None (nothing there), else the text of its
     export marker (each export's differs). save_hf(replaces=state) replaces only that: an export
-    another run wrote there in between is kept."""
+    another run wrote there in between is kept. Take it before check_export_dir and before reading
+    the weights (they take a while): what lands after it is another process's, and wins."""
     d = Path(model_dir)
     if not d.is_dir() or not any(p for p in d.iterdir() if not publish.is_staging(p)):
         return None
@@ -245,6 +288,26 @@ def check_export_dir(model_dir):
     return d
 
 
+class MasterWeights(Mapping):
+    """{key: fp32 CPU tensor} of a stream.Trainer's master weights, each tensor copied from the
+    store as it is read (save_hf reads one at a time): an export never holds a second copy of the
+    model, and nothing written into a tensor reaches the store (whose shadow would go stale)."""
+
+    def __init__(self, trainer):
+        trainer.wait()                               # no update in flight
+        self.views = {k: v for u, lay in enumerate(trainer.units)
+                      for k, v in lay.key_views(trainer.opt.master[u]).items()}
+
+    def __getitem__(self, key):
+        return self.views[key].to("cpu", copy=True)
+
+    def __iter__(self):
+        return iter(self.views)
+
+    def __len__(self):
+        return len(self.views)
+
+
 # ----------------------------------------------------------- export: our checkpoint -> transformers
 DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -266,9 +329,11 @@ def export_source(ckpt, model_dir):
 
 def export(ckpt, model_dir, dtype=torch.bfloat16):
     """Write checkpoint `ckpt` as a transformers directory (save_hf), with the tokenizer files it
-    carries."""
+    carries. model_dir is replaced only when it still holds what it held before the checkpoint was
+    read (export_state first: an export another process put there meanwhile wins)."""
+    state = export_state(model_dir)
     cfg, weights = export_source(ckpt, model_dir)
-    return save_hf(cfg, weights, model_dir, dtype=dtype, tokenizer_from=ckpt)
+    return save_hf(cfg, weights, model_dir, dtype=dtype, tokenizer_from=ckpt, replaces=state)
 
 
 def main(argv=None):
@@ -291,9 +356,9 @@ def main(argv=None):
     p.error = e.error = fail                   # argparse's complaints: one line and exit code 2 too
     survive_closed_pipe()                      # and a stdout that cannot encode a path
     a = p.parse_args(argv)
-    try:
+    try:   # what out_dir holds before it is checked: replaced only if it still holds it at the end
+        state = export_state(a.out_dir)
         cfg, weights = export_source(a.ckpt, a.out_dir)
-        state = export_state(a.out_dir)        # replaced only if it still holds this at the end
     except ckpt_read.CheckpointError as err:
         before = ckpt_read.before(Path(a.ckpt).absolute())
         fail(f"{err}" + (f"; the checkpoint before it may be intact: export {before}"

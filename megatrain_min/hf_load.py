@@ -19,9 +19,9 @@ What it is
 What it is not
     Not a general converter. Anything model.py does not compute fails with HFError naming it, never
     a silently different model: other architectures, mixture-of-experts, quantized weights, RoPE
-    scaling other than Llama 3.1's llama3 (yarn, linear, ...), o_proj/MLP biases, activations other
-    than SiLU, sliding-window attention in some layers only (Qwen's max_window_layers <
-    num_hidden_layers). Sliding-window attention in every layer (Mistral's sliding_window; Qwen's
+    scaling other than Llama 3.1's llama3 (yarn, linear, ...), o_proj/MLP biases, activations not
+    in model.ACTIVATIONS, sliding-window attention in some layers only (Qwen's max_window_layers
+    < num_hidden_layers). Sliding-window attention in every layer (Mistral's sliding_window; Qwen's
     use_sliding_window with max_window_layers 0) becomes cfg.sliding_window, and model.check_seq_len
     refuses any sequence longer than the window, in model.block and in stream.Trainer: a causal
     window of W tokens equals full causal attention for T <= W, which is what model.py computes. We
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model import HEAD, GPTConfig, units
+from model import ACTIVATIONS, HEAD, GPTConfig, units
 from megatrain_min.checks import check_config
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -56,6 +56,18 @@ ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # bytes of fp32 per converted slice: bounds what a read makes beside its destination
 CHUNK = 64 << 20
+# transformers' own defaults (its LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) for the
+# keys config_from_hf reads and a config.json may leave out: a missing key means here what it means
+# there. None: derived, as there (num_key_value_heads: num_attention_heads; head_dim: hidden_size //
+# num_attention_heads). tests/test_hf.py deletes each key and compares with transformers.
+HF_COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu", head_dim=None,
+                 max_window_layers=28, use_sliding_window=False, sliding_window=4096)
+HF_DEFAULTS = {
+    "llama": dict(HF_COMMON, max_position_embeddings=2048, num_key_value_heads=None),
+    "mistral": dict(HF_COMMON, max_position_embeddings=4096 * 32, num_key_value_heads=8),
+    "qwen2": dict(HF_COMMON, max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3": dict(HF_COMMON, max_position_embeddings=32768, num_key_value_heads=32, head_dim=128),
+}
 
 
 class HFError(ValueError):
@@ -86,10 +98,14 @@ def config_from_hf(c, where="config.json"):
         raise HFError(f"{where}: {arch} with {feature} is not supported "
                       "(model.py does not compute it)")
 
+    def get(key):
+        """config.json's value of key, or transformers' default for this family."""
+        return c.get(key, HF_DEFAULTS[family][key])
+
     if c.get("quantization_config"):
         unsupported(f"quantization ({c['quantization_config'].get('quant_method', '?')})")
-    if c.get("hidden_act", "silu") != "silu":
-        unsupported(f"hidden_act={c['hidden_act']}")
+    if get("hidden_act") not in ACTIVATIONS:
+        unsupported(f"hidden_act={get('hidden_act')}")
     if family != "qwen2" and c.get("attention_bias"):
         unsupported("attention_bias=true (a bias on o_proj too)")
     if c.get("mlp_bias"):
@@ -100,7 +116,7 @@ def config_from_hf(c, where="config.json"):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None, "llama3"):
         unsupported(f"rope scaling type {rope_type!r}")
-    max_len = c.get("max_position_embeddings", 4096)
+    max_len = get("max_position_embeddings")
     scaling = None
     if rope_type == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
@@ -122,10 +138,10 @@ def config_from_hf(c, where="config.json"):
     layer_types = c.get("layer_types") or []
     if set(layer_types) - {"full_attention", "sliding_attention"}:
         unsupported(f"layer_types {sorted(set(layer_types))}")
-    window = c.get("sliding_window") if family == "mistral" or (
-        family != "llama" and c.get("use_sliding_window")) else None
+    window = get("sliding_window") if family == "mistral" or (
+        family != "llama" and get("use_sliding_window")) else None
     if window is not None and family != "mistral":
-        first = c.get("max_window_layers", 28)
+        first = get("max_window_layers")
         slides = [t == "sliding_attention"
                   for t in layer_types] or [i >= first for i in range(n_layer)]
         if not any(slides):
@@ -133,16 +149,15 @@ def config_from_hf(c, where="config.json"):
         elif not all(slides):
             unsupported(f"sliding-window attention in {sum(slides)} of {len(slides)} layers only "
                         f"(max_window_layers={first}; per-layer attention is not implemented)")
-    n_head = c["num_attention_heads"]
     try:
+        n_head = c["num_attention_heads"]
         return check_config(GPTConfig(
             vocab_size=c["vocab_size"], n_layer=c["num_hidden_layers"], n_head=n_head,
-            n_kv_head=c.get("num_key_value_heads") or n_head, d_model=c["hidden_size"],
-            d_ff=c["intermediate_size"], head_dim=c.get("head_dim") or c["hidden_size"] // n_head,
-            max_seq_len=max_len, rope_theta=float(
-                rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            norm_eps=c.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2",
-                                      qk_norm=family == "qwen3",
+            n_kv_head=get("num_key_value_heads") or n_head, d_model=c["hidden_size"],
+            d_ff=c["intermediate_size"], hidden_act=get("hidden_act"),
+            head_dim=get("head_dim") or c["hidden_size"] // n_head,
+            max_seq_len=max_len, rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
+            norm_eps=get("rms_norm_eps"), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
             tie_embeddings=bool(c.get("tie_word_embeddings", False)), rope_scaling=scaling,
             sliding_window=int(window) if window is not None else None))
     except KeyError as e:

@@ -9,7 +9,9 @@ What it is
     never touches CUDA (the plan reads GPU memory, and a CUDA context would hold GPU 0's memory
     until the end). Then ranks() runs train.py on N local ranks through torch.distributed's own
     launcher (elastic_launch, what torchrun runs) and exits with the documented code of the rank
-    that failed (torchrun itself exits 1 whatever happened, after a report of its own).
+    that failed (torchrun itself exits 1 whatever happened, after a report of its own). What
+    --save-hf holds is taken before the checks (EXPORT_STATE_ENV, export_state): the ranks start
+    seconds later, and an export that lands meanwhile is another run's, never replaced.
 Signals
     A SIGTERM, SIGHUP, SIGQUIT or Ctrl-C here is passed on to every rank, as torchrun does, and this
     process waits for them: on SIGTERM, SIGHUP or a first Ctrl-C they save at the end of their step
@@ -21,7 +23,9 @@ A rank that stops answering
     A rank whose process stops running -- SIGSTOP, a paused container or VM, a process frozen whole
     -- is silent there; after HEARTBEAT_S seconds of silence (60 by default; HEARTBEAT_ENV sets it)
     this process names the rank, ends the run (SIGKILL to every rank: a checkpoint being written
-    stays a .tmp-* directory, every finished one whole) and exits 5. Without this the other ranks
+    stays a .tmp-* directory, every finished one whole) and exits 5. HEARTBEAT_ENV is checked
+    before any rank starts: not a number of seconds > 0 is refused in one line (exit 2), below
+    HEARTBEAT_LEAST (5 s) it is raised to that, with a warning. Without this the other ranks
     wait in a collective for torch's timeout (10 minutes), then the agent waits 30 s more for the
     frozen one. A rank alive but stuck in one call (a hung kernel) still beats: the collective
     timeout catches it.
@@ -32,7 +36,9 @@ What it is not
     them with SIGTERM.
 """
 import glob
+import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -46,13 +52,17 @@ from pathlib import Path
 
 import torch
 
-from megatrain_min import checks, ckpt_read, exits, stops
+from megatrain_min import checks, ckpt_read, exits, hf, stops
 
 EXIT_OF_SIGNAL = 128   # a rank killed by signal s: exit 128 + s, as a shell reports it
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's default set
 HEARTBEAT_S = 60                              # seconds of silence: a rank has stopped answering
 HEARTBEAT_ENV = "MEGATRAIN_MIN_HEARTBEAT_S"   # ... when set here (a test: a few seconds)
+# the least silence taken for a frozen rank: a healthy rank on a loaded machine may miss a beat of a
+# second or so (its thread not scheduled); a smaller HEARTBEAT_ENV is raised to this, with a warning
+HEARTBEAT_LEAST = 5
 BEATS_ENV = "MEGATRAIN_MIN_BEATS"             # where the ranks beat (set for them by ranks())
+EXPORT_STATE_ENV = "MEGATRAIN_MIN_EXPORT_STATE"   # what --save-hf held at the launch (export_state)
 
 
 def without(argv, flag):
@@ -109,11 +119,19 @@ def _pass_on(pids, passed=None):
     return handler
 
 
-def checks_then_ranks(n, argv, out):
+def checks_then_ranks(n, argv, out, save_hf=None):
     """In the parent: fork; wait for the child, which runs train.py's checks and leaves at
     hand_over; exit with its code when it refused, else start the ranks and exit with theirs. In the
     child: return, output quiet but errors (no warnings). argv: train.py's flags without
-    --nproc-per-node; out: its --out."""
+    --nproc-per-node; out: its --out; save_hf: its --save-hf, whose export_state is taken now, for
+    the ranks (they start seconds later: an export that lands meanwhile is another run's, and wins).
+    First, HEARTBEAT_ENV checked (check_heartbeat)."""
+    check_heartbeat()
+    if save_hf:
+        try:
+            os.environ[EXPORT_STATE_ENV] = json.dumps(hf.export_state(save_hf))
+        except OSError:        # unreadable: the checks below say so (the ranks never start)
+            pass
     sys.stdout.flush(), sys.stderr.flush()
     child = os.fork()
     if child == 0:   # rank 0 prints what this would, warnings included
@@ -126,6 +144,14 @@ def checks_then_ranks(n, argv, out):
     sys.exit((EXIT_OF_SIGNAL - code if code < 0 else code) or ranks(n, argv, out))
 
 
+def export_state(hf_dir):
+    """hf.export_state(hf_dir): as the launcher saw it before any rank started (EXPORT_STATE_ENV,
+    set by checks_then_ranks), else now."""
+    if EXPORT_STATE_ENV in os.environ:
+        return json.loads(os.environ[EXPORT_STATE_ENV])
+    return hf.export_state(hf_dir)
+
+
 def hand_over(run):
     """In the checks' child, once every input is good: release the run directory's lock and leave,
     exit 0."""
@@ -136,12 +162,33 @@ def hand_over(run):
 
 
 def heartbeat_s():
-    """HEARTBEAT_S, or HEARTBEAT_ENV's seconds when it is a number > 0."""
+    """HEARTBEAT_S, or HEARTBEAT_ENV's seconds, at least HEARTBEAT_LEAST. ValueError (one line)
+    when HEARTBEAT_ENV is set to anything but a finite number of seconds > 0."""
+    raw = os.environ.get(HEARTBEAT_ENV)
+    if raw is None:
+        return HEARTBEAT_S
     try:
-        wait = float(os.environ.get(HEARTBEAT_ENV, HEARTBEAT_S))
+        wait = float(raw)
     except ValueError:
-        wait = HEARTBEAT_S
-    return wait if wait > 0 else HEARTBEAT_S
+        wait = math.nan
+    if not (math.isfinite(wait) and wait > 0):
+        raise ValueError(f"{HEARTBEAT_ENV}={raw!r} is not a number of seconds > 0 (how long a rank "
+                         f"may be silent before the run is ended); set it to {HEARTBEAT_LEAST} or "
+                         f"more, or unset it for {HEARTBEAT_S}")
+    return max(wait, HEARTBEAT_LEAST)
+
+
+def check_heartbeat():
+    """Before any rank starts: exits.fail (one line, exit 2) for a HEARTBEAT_ENV heartbeat_s()
+    refuses; a warning when it raises one below HEARTBEAT_LEAST."""
+    try:
+        wait = heartbeat_s()
+    except ValueError as e:
+        exits.fail(str(e))
+    if HEARTBEAT_ENV in os.environ and wait > float(os.environ[HEARTBEAT_ENV]):
+        warnings.warn(f"{HEARTBEAT_ENV}={os.environ[HEARTBEAT_ENV]} is below the least silence "
+                      f"taken for a frozen rank: {HEARTBEAT_LEAST} s is used (a healthy rank on a "
+                      "busy machine may miss a beat that short)")
 
 
 def heartbeat(rank):

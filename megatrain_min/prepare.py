@@ -13,8 +13,8 @@ What it is
     The validation split is the tail of the input: the last floor(F * total) bytes of all inputs
     (in the order given), widened to whole lines and records -- a line goes to val when its last
     byte lies there. The same contiguous tail that data.split takes of a token array, fixed before
-    anything is tokenized, so it streams. A --val-fraction above 0 that leaves it empty is refused
-    (train.py evaluates on it).
+    anything is tokenized, so it streams. A --val-fraction that leaves it empty is refused, 0
+    included (train.py evaluates on it; prepare(val_fraction=0) makes the train split alone).
     Nothing half-written is ever taken for finished: everything is written aside (publish.stage),
     fsynced, meta.json last, and put in place whole (publish.publish: a new DIR renamed into place,
     an existing one -- empty, a mount point, the working directory -- filled, never replaced); the
@@ -193,7 +193,7 @@ def prepare(inputs, out, tokenizer=None, val_fraction=0.1, chat_format=None, for
                 f"the val split is empty: --val-fraction {val_fraction} of {total:,} input "
                 f"bytes is {int(val_fraction * total)} bytes, less than the last line or "
                 f"record, and train.py evaluates on it; pass --val-fraction {least:.2g} or "
-                "more (0: no val split)")
+                "more")
         files = {name: size for s in SPLITS for name, size in done[s][0].items()}
         meta = {"format": FORMAT, **settings, "kind": corpus.kind, "dtype": dtype.name,
                 "chat_format": chat_format if corpus.kind == "sft" else None,
@@ -249,7 +249,7 @@ def main(argv=None):
                         "checkpoints (default: bytes, the toy presets' vocabulary of 256)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="the tail of the input bytes, in whole lines, that becomes the "
-                        "val split (default: 0.1)")
+                        "val split: > 0 and < 1 (default: 0.1)")
     p.add_argument("--chat-format", choices=["native", "fixed"], default=None,
                    help="SFT records: the tokenizer's chat template (default when it has one) or "
                         "the fixed format")
@@ -261,6 +261,9 @@ def main(argv=None):
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")
     a = p.parse_args(argv)
+    if not 0 < a.val_fraction < 1:   # 0: prepare() makes the train split alone; no run reads it
+        fail(f"--val-fraction {a.val_fraction:g}: it must be > 0 and < 1 -- the val split "
+             "train.py --data evaluates on (it refuses a directory without one); e.g. 0.1")
     try:
         meta = prepare(a.inputs, a.out, a.tokenizer, a.val_fraction, a.chat_format, a.force)
     except ValueError as e:      # PrepareError, an unreadable tokenizer, a chat template that fails

@@ -44,9 +44,10 @@ class Unsafe(ValueError):
 
 
 def inside(directory, name):
-    """directory / name, when `name` (read from a file we did not just write) names something inside
-    directory: a relative path of plain parts (no '', '.', '..'), that does not resolve (symlinks
-    included) outside it. Else Unsafe: a crafted list would make a caller read or remove elsewhere."""
+    """directory / name, when `name` (read from a file we did not just write) names something
+    inside directory: a relative path of plain parts (no '', '.', '..'), that does not resolve
+    (symlinks included) outside it. Else Unsafe: a crafted list would make a caller read or remove
+    elsewhere."""
     d = Path(directory)
     plain = isinstance(name, str) and "\0" not in name and "\\" not in name
     parts = name.split("/") if plain else []

@@ -20,7 +20,7 @@ What it is
     on, whose kernels issued before the allocation may still use it (the allocator hands a block
     freed on a stream to that stream's next allocation at once), so another lane's first touch of it
     must come after them; a block freed on the host while another lane may still use it goes to the
-    next allocation on its own lane (no Lane.keep / record_stream); and a lane's kernel must not
+    next allocation on its own lane (no Lane.uses / record_stream); and a lane's kernel must not
     touch memory made outside any lane (which on the CPU cannot be told apart from work on CUDA's
     legacy default stream: both are wrong, both are reported). Counted per step: host syncs with
     their source lines, bytes per copy lane, weight copies per unit.
@@ -130,7 +130,7 @@ class Checker:
         self.vc[self.who(thread)].join(self.puts[item])
         self.sync(thread, "gradient slab taken (waits for the worker)", src)
 
-    def keep(self, **_):
+    def uses(self, **_):
         pass
 
     def free(self, storage):
@@ -181,7 +181,7 @@ class Checker:
             self.flag(st, f"first touch on {actor} of a block allocated on {lane} before {actor} "
                           f"waited for what {lane} issued earlier: the caching allocator may hand "
                           f"{lane}'s next allocation a block its kernels still use (allocate on "
-                          "the lane that writes it, keep it for the others)", made, op)
+                          "the lane that writes it, Lane.uses on the others)", made, op)
         for plo, phi, pactor, pwrite, ptick, pop in hist:
             if plo < hi and lo < phi and pactor != actor and (write or pwrite) \
                     and not clock.knows(pactor, ptick):

@@ -45,6 +45,7 @@ BATCH = (4, 16)   # (B, T) of a checked run unless told: the real engine on a CP
 ROOT = Path(__file__).resolve().parent.parent
 # the source files ours: a report names their lines
 OURS = {str(ROOT / f) for f in ("stream.py", "model.py", "optim.py", "megatrain_min/sharded.py",
+                                "megatrain_min/resident.py", "megatrain_min/gpu_update.py",
                                 "megatrain_min/activations.py", "megatrain_min/tiling.py")}
 @dataclasses.dataclass(eq=False)
 class Storage:
@@ -95,15 +96,15 @@ class SimLane:
     def __call__(self):
         return self.rec.on_lane(self.name)
 
-    def wait(self, event):
+    def wait_event(self, event):
         if event is not None:
             self.rec.emit("wait", lane=self.name, event=event)
 
     def record(self):
         return self.rec.record(self.name)
 
-    def keep(self, t):
-        self.rec.keep(self.name, t)
+    def uses(self, t):
+        self.rec.uses(self.name, t)
 
 
 class SimFuture(Future):
@@ -159,7 +160,7 @@ class SimLanes:
                                                 "h2d"), SimLane(rec, "compute"), SimLane(rec, "d2h")
         # sharded.ShardedTrainer's collectives (stream.Trainer has none)
         self.comm = SimLane(rec, "comm")
-        self.pool = SimPool(rec)           # the gradient slabs (optim.HostAdamW.lend)
+        self.pool = SimPool(rec)           # the gradient slabs (optim.HostStore.lend)
 
     def host_wait(self, event):
         if event is not None:
@@ -178,7 +179,7 @@ class SimLanes:
 class Recorder(TorchDispatchMode):
     """Attributes every aten op and ordering point of the engine to a lane or thread and hands them,
     in issue order, to the consumers: objects with a method per event kind (op, record, wait,
-    host_wait, synchronize, submit, task_start, task_end, result, put, get, keep, free, step).
+    host_wait, synchronize, submit, task_start, task_end, result, put, get, uses, free, step).
     fake=True: FakeTensorMode is below us (the twin); data-dependent scalars (.item()) then read as
     1."""
 
@@ -213,7 +214,7 @@ class Recorder(TorchDispatchMode):
         self.emit("record", lane=lane, event=ev)
         return ev
 
-    def keep(self, lane, t):
+    def uses(self, lane, t):
         st = self.storage_of(t, create=False)
         if st is not None:
             st.kept.add(lane)
@@ -389,17 +390,19 @@ def buffer_names(t):
         elif isinstance(v, (list, tuple, dict)):
             for k, x in (v.items() if isinstance(v, dict) else enumerate(v)):
                 walk(f"{name}[{k}]", x)
-    for name, buf in t.pinned_buffers.items():
+    for name, buf in t.host_buffers.items():
         walk(f"{name} (pinned)", buf)
     for name, v in vars(t).items():
-        if not name.startswith("_") and name not in ("opt", "batch", "pinned_buffers"):
+        if not name.startswith("_") and name not in ("opt", "batch", "host_buffers", "home"):
             walk(name, v)
-    for what in ("master", "m", "v", "grad", "shadow"):
-        for u, buf in enumerate(getattr(t.opt, what) or []):
-            walk(f"{what}[{t.units[u].name}]", buf)
+    per_unit = {"master": t.opt.master, **t.opt.state, "grad": t.opt.grad, "shadow": t.opt.shadow}
+    for what, bufs in per_unit.items():
+        for u, buf in enumerate(bufs):
+            if buf is not None:
+                walk(f"{what}[{t.units[u].name}]", buf)
     if t.batch is not None:
         walk("targets", t.batch.targets)
-    for handed in (t.activations, t.gpu_updates):
+    for handed in (t.activations, *set(t.home)):
         for name, buf in getattr(handed, "buffers", dict)().items():
             walk(name, buf)
     return names
@@ -424,12 +427,12 @@ class ZeroWeights(Mapping):
 
 def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False,
         batch=BATCH, between=None, offload_activations=False, skip_nonfinite=False, tile_tokens=0,
-        gpu_updated_units=0, **trainer_kw):
+        resident_units=0, gpu_updated_units=0, **trainer_kw):
     """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on
     random batches of batch=(B, T); between(trainer) runs after every step but the last (e.g. an
     evaluate()). Returns the trainer. offload_activations, skip_nonfinite, tile_tokens,
-    gpu_updated_units: the objects the engine is handed (engine.parts); dtype and residual_dtype:
-    torch dtypes; everything else as stream.Trainer takes it."""
+    resident_units, gpu_updated_units: the objects the engine is handed (engine.parts); dtype and
+    residual_dtype: torch dtypes; everything else as stream.Trainer takes it."""
     rec = Recorder(consumers, fake=fake, sources=sources, costs=costs)
     mode = torch._subclasses.fake_tensor.FakeTensorMode(
         allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -438,7 +441,8 @@ def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs
     with mode, rec:
         weights = ZeroWeights(cfg) if fake else model.init_weights(cfg, 0)
         # given ones win
-        kw = {**engine.parts(offload_activations, skip_nonfinite, tile_tokens, gpu_updated_units),
+        kw = {**engine.parts(offload_activations, skip_nonfinite, tile_tokens, resident_units,
+                             gpu_updated_units),
               **trainer_kw}
         t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec), **kw)
         rec.trainer = t

@@ -4,9 +4,9 @@ What it is
     ReferenceTrainer has the same surface as stream.Trainer (step, evaluate, set_lr, weights, wait,
     a None guard) and checks its arguments with the same functions (megatrain_min/checks.py), but
     does the obvious thing: every weight is a leaf tensor on one device, one autograd graph per
-    micro-batch, torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True) with two parameter
-    groups (decay on tensors with >= 2 dims). `python train.py --engine reference` uses it; the
-    tests hold the streaming engine to it.
+    micro-batch, torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True) (or the optimizer
+    it is handed) with two parameter groups (decay on tensors with >= 2 dims). `python train.py
+    --engine reference` uses it; the tests hold the streaming engine to it.
 What it is not
     Not fast and not memory-frugal on purpose: any cleverness here would weaken it as an oracle.
 """
@@ -23,9 +23,11 @@ class ReferenceTrainer:
     def __init__(self, cfg, weights, device=None, dtype=torch.float32, lr=optim.LR,
                  betas=optim.BETAS,
                  eps=optim.EPS, weight_decay=optim.WEIGHT_DECAY, grad_clip=stream.GRAD_CLIP,
-                 micro_batches=stream.MICRO_BATCHES):
+                 micro_batches=stream.MICRO_BATCHES, optimizer=None):
         """stream.Trainer's arguments and defaults (device None: optim.resolve_device's choice), but
-        dtype: the autocast dtype (default fp32: none)."""
+        dtype: the autocast dtype (default fp32: none), and optimizer: optimizer(param_groups, lr)
+        -> a torch.optim.Optimizer, the oracle of the engine's update rule (None:
+        torch.optim.AdamW(betas, eps, fused=True), optim.AdamW's)."""
         check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
                     micro_batches=micro_batches)
         # the keys; each tensor is checked as it is copied
@@ -40,9 +42,12 @@ class ReferenceTrainer:
         check_finite(self.params)
         decay = [p for p in self.params.values() if p.dim() >= 2]
         no_decay = [p for p in self.params.values() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=lr, betas=betas, eps=eps, fused=True)
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if optimizer is None:
+            self.opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        else:
+            self.opt = optimizer(groups, lr)
 
     def step(self, tokens, targets):
         """One optimizer step over (B, T) tokens/targets in self.M micro-batches; returns the mean

@@ -3,7 +3,8 @@
 What it is
     Run(args) owns --out (and --save-hf) for train.py:
       check()     before anything is allocated: no other run holds --out's lock, every place the run
-                  writes to is writable, an export never replaces what is not an earlier export, the
+                  writes to is writable, an export never replaces what is not an earlier export
+                  and is of a model its architecture represents (hf.architecture), the
                   disk holds a checkpoint (12 B/param) and the export; --resume reads the
                   checkpoint's meta.json (its tokenizer files verified) and refuses other settings.
                   The data's samplers are wrapped: a data file found damaged while training
@@ -27,12 +28,12 @@ import time
 import uuid
 from pathlib import Path
 
-from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, prepared, runlock, stops
+from megatrain_min import checkpoint, ckpt_read, cli, hf, hf_load, launch, prepared, runlock
+from megatrain_min import stops
 from megatrain_min.exits import EXIT, fail, state
 
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
-            "seed", "data",
-            "init_from", "chat_format")
+            "seed", "data", "init_from", "chat_format", "optimizer")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
 
 
@@ -45,6 +46,13 @@ def same(flag, then, now, fingerprinted):
     if flag == "init_from" and then and now and os.path.exists(then) and os.path.exists(now):
         return os.path.samefile(then, now)
     return then == now
+
+
+def settings_then(args):
+    """The SAME_RUN settings a checkpoint was made with (args: its meta's flags). A flag its meta
+    does not hold -- added since -- had its default (cli.DEFAULTS), or, with no default there, is
+    "(not recorded)": a refusal names the flag, never a KeyError."""
+    return {k: args.get(k, cli.DEFAULTS.get(k, "(not recorded)")) for k in SAME_RUN}
 
 
 def check_path(path, flag):
@@ -122,6 +130,10 @@ class Run:
                 fail("--resume needs --engine stream (the reference engine keeps no "
                      "host store to checkpoint)")
             self.resume_from = ckpt_read.latest(out) if a.resume == "latest" else Path(a.resume)
+            if self.resume_from is not None and self.resume_from.is_file():
+                fail(f"--resume {a.resume} is a file; --resume takes a checkpoint directory" + (
+                    f": --resume {self.resume_from.parent}"
+                    if ckpt_read.is_checkpoint(self.resume_from.parent) else ""))
             if self.resume_from is None and (out / "config.json").is_file():
                 fail(f"--resume: {out} holds a run that stopped before its first checkpoint: "
                      f"nothing to resume. To start over, remove {out}/config.json and "
@@ -132,8 +144,12 @@ class Run:
             self._resume(cfg, source.train, init_dir)
         hf_base = None
         if hf_dir is not None:
+            # what is there now (--nproc-per-node: at the launch), before it is checked: the
+            # export replaces only that
+            self.hf_state = launch.export_state(hf_dir)
             try:
                 hf.check_export_dir(hf_dir)
+                hf.architecture(cfg)       # a model transformers cannot represent: refused now
             except hf_load.HFError as e:
                 fail(f"--save-hf: {e}")
             if hf_dir.resolve() == out.resolve() or hf_dir.resolve() in out.resolve().parents:
@@ -146,8 +162,6 @@ class Run:
                 fail(f"--save-hf {hf_dir} is the --init-from directory; the export would replace "
                      "the model this run starts from")
             hf_base = writable(hf_dir.parent, "--save-hf")
-            # what is there now: the export replaces only that
-            self.hf_state = hf.export_state(hf_dir)
         # free disk per filesystem: one checkpoint (old ones go only after it is whole), the export
         need = {}
         for base, n in ((out_base, 12 * n_params if a.engine == "stream" else 0),
@@ -174,12 +188,11 @@ class Run:
                 fail(f"--resume: {theirs} is not the tokenizer {path.name} was trained with (its "
                      f"copy is {ours}); resume with the model directory the run started from")
             was = ck.get("data_fingerprint")  # the data: its content decides, not how it is spelled
-            changed = [k for k in SAME_RUN
-                       if not same(k, ck["args"].get(k), vars(a)[k], was is not None)]
+            then = settings_then(ck["args"])
+            changed = [k for k in SAME_RUN if not same(k, then[k], vars(a)[k], was is not None)]
             if changed:    # before the model's check: a missing --init-from makes another model
-                was = ', '.join(
-                    '--' + k.replace('_', '-') + ' ' + str(ck['args'][k]) for k in changed)
-                fail(f"--resume: {path.name} was made with other settings ({was}); pass the same "
+                flags = ', '.join(f"--{k.replace('_', '-')} {then[k]}" for k in changed)
+                fail(f"--resume: {path.name} was made with other settings ({flags}); pass the same "
                      "flags to continue bit-exactly")
             ckpt_read.check_model(path, doc, cfg)
             if was is not None and was != self.fingerprint:
@@ -218,8 +231,8 @@ class Run:
         if path is None:
             return
         if (path / "meta.json").is_file():  # ours (a Hugging Face model's weights made the trainer)
-            try:
-                checkpoint.load(trainer, path)
+            try:   # --init-from: the weights alone (whatever update rule saved them)
+                checkpoint.load(trainer, path, weights_only=self.resume_from is None)
             except ckpt_read.CheckpointError as e:
                 before = ckpt_read.before(path) if self.resume_from else None
                 fail(f"{e}" + (f"; the checkpoint before it may be intact: --resume {before}"

@@ -24,10 +24,10 @@ What it is
     do not).
     The engine is stream.Trainer handed Shards, the placement of the units over the ranks (which
     part of each unit this rank holds, how big a slot is, which rows of the batch it computes, the
-    sums over the ranks); ShardedTrainer replaces the data movement alone: a unit's weights in
-    (load_unit), its gradient out (grad_to_host), the embedding's rows in and dy out (embed_rows,
-    dy_to_host, add_embedding_grad), and the verdict on a unit's gradient, which every rank takes
-    together (update_unit).
+    sums over the ranks), and ShardedStreamed, every unit's home: the embedding's rows in and dy
+    out (rows, dy_out, add_dy), and the verdict on a unit's gradient, which every rank takes
+    together (update). ShardedTrainer replaces the data movement of the slots alone: a unit's
+    weights in (load_unit), its gradient out (grad_to_host).
 The embedding
     Sharded like any unit. Its rows are gathered where that moves the fewest bytes without a (V, d)
     buffer on the GPU: every rank knows the whole step's token ids (the global batch), so it writes,
@@ -185,11 +185,11 @@ class Shards:
 
     def sum_loss(self, loss, lanes):
         """The loss: this rank's tokens' share of the step's mean, summed over the ranks on comm."""
-        self.comm.wait(lanes.comp.record())
+        self.comm.wait_event(lanes.comp.record())
         with self.comm():
             self.all_reduce(loss)
             summed = self.comm.record()
-        lanes.comp.wait(summed)
+        lanes.comp.wait_event(summed)
         return loss
 
     def sum(self, x):
@@ -217,15 +217,16 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         torch.distributed process group (default: the whole world, initialised). micro_batches are
         per rank: the step's batch is split over the ranks, then each rank's share into
         micro-batches. lanes: with a comm lane (ShardedLanes, record.SimLanes)."""
-        if kw.get("resident_units") or getattr(kw.get("gpu_updates"), "n", 0):
+        if kw.get("homes") is not None:
             raise ValueError("resident or GPU-updated units need one process holding whole units"
-                             "; sharded ranks stream every unit (resident_units=0, no gpu_updates)")
+                             "; sharded ranks stream every unit (no homes)")
         dev = checks.check_device(device)
         lanes = lanes if lanes is not None else ShardedLanes(
             dev, procs=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         shards = Shards(group, lanes, dev)
         self.comm, self.rank, self.world = lanes.comm, shards.rank, shards.world
-        super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards, **kw)
+        super().__init__(cfg, weights, device=dev, lanes=lanes, placement=shards,
+                         homes=ShardedStreamed, **kw)
         # ---- device: two weight shards (H2D lands there, the gather reads them), two fp32 gradient
         # shards (the reduce_scatter writes them, D2H reads them), one verdict per unit (a finite
         # gradient?). Made on comm.
@@ -236,7 +237,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
                 torch.empty(s_max, dtype=torch.float32, device=self.dev) for _ in range(2)]
             self.finite_dev = torch.ones(len(self.units), dtype=torch.float32, device=self.dev)
         # its host copy
-        self.finite = self.pinned("finite", (len(self.units),), torch.float32).fill_(1)
+        self.finite = self.host_buffer("finite", (len(self.units),), torch.float32).fill_(1)
         # gather -> H2D, D2H -> reduce_scatter
         self.shard_free, self.gshard_free = [None, None], [None, None]
         # the pinned rows buffer and the (tokens, columns) last written in it
@@ -257,10 +258,10 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         """H2D of this rank's shard into wshard[slot], then all_gather of the shards into
         wslot[slot]."""
         s = self.shard_numel(u)
-        src = self.opt.shadow[u] if self.opt.shadow is not None else self.opt.master[u]  # (s,) host
+        src = self.opt.streamed(u)                               # (s,) host: shadow or master
         with self.h2d():
             # the last gather from this shard buffer has read it
-            self.h2d.wait(self.shard_free[slot])
+            self.h2d.wait_event(self.shard_free[slot])
             if self.cast is None:
                 self.wshard[slot][:s].copy_(src, non_blocking=True)
             else:
@@ -271,8 +272,8 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
             shard_ready = self.h2d.record()
         self.traffic["h2d"] += src.nbytes
         with self.comm():
-            self.comm.wait(shard_ready)
-            self.comm.wait(self.slot_free[slot])     # compute is done with the slot's previous unit
+            self.comm.wait_event(shard_ready)
+            self.comm.wait_event(self.slot_free[slot])   # compute is done with the slot's last unit
             self.placement.gather(self.wslot[slot][:self.world * s], self.wshard[slot][:s])
             self.slot_loaded[slot] = self.shard_free[slot] = self.comm.record()
 
@@ -283,16 +284,16 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         (min) beside it, so that every rank skips the same units."""
         s = self.shard_numel(u)
         with self.comm():
-            self.comm.wait(ready)                  # compute finished unit u's gradient in gslot[gs]
+            self.comm.wait_event(ready)            # compute finished unit u's gradient in gslot[gs]
             # D2H has copied the last gradient out of gshard[gs]
-            self.comm.wait(self.gshard_free[gs])
+            self.comm.wait_event(self.gshard_free[gs])
             self.placement.scatter(self.gshard[gs][:s], self.gslot[gs][:self.world * s])
             if self._per_unit_verdict():
                 self.finite_dev[u] = torch.isfinite(self.gshard[gs][:s]).all()
                 self.placement.all_reduce(self.finite_dev[u:u + 1], op=dist.ReduceOp.MIN)
             self.gslot_free[gs] = scattered = self.comm.record()
         with self.d2h():
-            self.d2h.wait(scattered)
+            self.d2h.wait_event(scattered)
             self.opt.grad[u].copy_(self.gshard[gs][:s], non_blocking=True)
             if self._per_unit_verdict():
                 self.finite[u:u + 1].copy_(self.finite_dev[u:u + 1], non_blocking=True)
@@ -303,93 +304,8 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
     def _per_unit_verdict(self):
         return self.guard is not None and not self.defer_updates
 
-    def update_unit(self, u, lr):
-        """AdamW on this rank's shard, unless the unit's gradient is not finite on some rank (the
-        guard)."""
-        if not self._per_unit_verdict() or self.guard.ok(bool(self.finite[u]), self.units[u].name):
-            self.opt.step(u, lr)
-
-    # ------------------------------------------------------------ the embedding (see the docstring)
-    def embed_rows(self, b):
-        """x: M x (B/N/M, T, d), this rank's sequences: the parts of the rows of all B*T tokens that
-        this rank's shard holds, zeros elsewhere, H2D, then a reduce_scatter that sums the parts and
-        leaves each rank its rows."""
-        d = self.cfg.d_model
-        src = self.opt.master[self.embed]                                   # (s,) this rank's shard
-        if self.residual_dtype != torch.float32 and self.opt.shadow is not None:
-            src = self.opt.shadow[self.embed]
-        tokens = b.tokens.reshape(-1)                                  # (B*T,) the whole step's ids
-        part = self.pinned("rows", (tokens.numel(), d), src.dtype)           # (B*T, d) pinned
-        # zero only last step's rows: the work shrinks with N, not B
-        if self.rows_written[0] is part:
-            for sel, c0, c1 in self.rows_written[1]:
-                part[sel, c0:c1] = 0
-        else:                                     # a new buffer: zeros, once
-            part.zero_()
-        written = []
-        for r0, r1, c0, c1, o in self.table_pieces:
-            sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
-            part[sel,
-                 c0:c1] = src[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)[tokens[sel] - r0]
-            written.append((sel, c0, c1))
-        self.rows_written = (part, written)
-        B, T = b.tokens.shape
-        with self.h2d():                      # made on the lane that writes it, read on comm (keep)
-            full = torch.empty(part.shape, dtype=part.dtype, device=self.dev)
-            full.copy_(part, non_blocking=True)
-            ready = self.h2d.record()
-        self.traffic["h2d"] += part.nbytes
-        with self.comm():                   # made on comm, which writes it; compute reads it (keep)
-            x = torch.empty((B // self.world, T, d), dtype=part.dtype, device=self.dev)
-            self.comm.wait(ready)
-            self.comm.keep(full)
-            self.placement.scatter(x.view(-1, d), full)
-            summed = self.comm.record()
-        self.comp.wait(summed)
-        self.comp.keep(x)
-        # M x (B/N/M, T, d); lean + bf16 residual: cast here
-        return list(x.to(self.residual_dtype).chunk(self.M))
-
-    def dy_to_host(self, dy):
-        """dy of layer 0 of every rank, all_gathered in global order (rank r's B/N sequences r-th),
-        then D2H: the (B, T, d) that one process would hold. Returns (pinned buffer, event)."""
-        mine = torch.cat(dy) if len(dy) > 1 else dy[0]     # (B/N, T, d), compute lane
-        self.comm.wait(self.comp.record())
-        with self.comm():
-            full = torch.empty((self.world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype,
-                               device=self.dev)
-            self.comm.keep(mine)
-            self.placement.gather(full.view(-1), mine.reshape(-1))
-            ready = self.comm.record()
-        host = self.pinned("dy", full.shape, full.dtype)
-        with self.d2h():
-            self.d2h.wait(ready)
-            self.d2h.keep(full)
-            host.copy_(full, non_blocking=True)
-            done = self.d2h.record()
-        self.traffic["d2h"] += host.nbytes
-        return host, done
-
-    def add_embedding_grad(self, tokens, dy_host):
-        """Worker: add every token's dy into the parts of its row that this rank's shard holds, in
-        token order. The verdict on the embedding's gradient is taken on dy itself, which every rank
-        holds whole."""
-        d = self.cfg.d_model
-        grad = self.opt.grad[self.embed]                                    # (s,) this rank's shard
-        if self.embed != self.head:
-            grad.zero_()                   # untied: the scatter is the whole embedding gradient
-        tokens, dy = tokens.reshape(-1), dy_host.reshape(-1, d)
-        for r0, r1, c0, c1, o in self.table_pieces:
-            sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
-            rows = grad[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-            rows.index_add_(0, tokens[sel] - r0, dy[sel, c0:c1].float())
-        if self._per_unit_verdict():       # tied: the head's own verdict came with its gradient
-            ok = bool(torch.isfinite(dy).all()) and (self.embed != self.head
-                                                     or bool(self.finite[self.embed]))
-            self.finite[self.embed] = float(ok)
-
     # ------------------------------------------------------------------ the whole model
-    def weights(self, copy=True, to=None):
+    def weights(self, to=None):
         """{key: fp32 CPU tensor} of the whole model (a collective: every rank calls it): each
         unit's master shards gathered on the device through grad slot 0, one unit at a time, then
         copied to the host of rank `to` only (the others get {} and hold nothing: an export of 70b
@@ -405,6 +321,99 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
                 if to is None or to == self.rank:
                     out.update(lay.key_views(self.gslot[0][:lay.numel].to("cpu", copy=True)))
         return out
+
+
+class ShardedStreamed(stream.Streamed):
+    """The home of every unit of a sharded trainer: streamed, this rank's shard updated on its
+    optimizer thread; the verdict on a unit's gradient agreed by every rank; the embedding's rows
+    in and its gradient out across the ranks (see the module docstring)."""
+
+    def update(self, u, lr, coef=1.0, guard=None):
+        """The rule on this rank's shard, unless the unit's gradient is not finite on some rank."""
+        t = self.t
+        if guard is None or guard.ok(bool(t.finite[u]), t.units[u].name):
+            t.opt.step(u, lr, coef)
+
+    # ------------------------------------------------------------ the embedding (see the docstring)
+    def rows(self, b):
+        """x: M x (B/N/M, T, d), this rank's sequences: the parts of the rows of all B*T tokens that
+        this rank's shard holds, zeros elsewhere, H2D, then a reduce_scatter that sums the parts and
+        leaves each rank its rows."""
+        t = self.t
+        d = t.cfg.d_model
+        src = t.opt.master[t.embed]                                         # (s,) this rank's shard
+        if t.residual_dtype != torch.float32 and t.opt.shadow[t.embed] is not None:
+            src = t.opt.shadow[t.embed]
+        tokens = b.tokens.reshape(-1)                                  # (B*T,) the whole step's ids
+        part = t.host_buffer("rows", (tokens.numel(), d), src.dtype)         # (B*T, d) pinned
+        # zero only last step's rows: the work shrinks with N, not B
+        if t.rows_written[0] is part:
+            for sel, c0, c1 in t.rows_written[1]:
+                part[sel, c0:c1] = 0
+        else:                                     # a new buffer: zeros, once
+            part.zero_()
+        written = []
+        for r0, r1, c0, c1, o in t.table_pieces:
+            sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
+            table = src[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            part[sel, c0:c1] = table[tokens[sel] - r0]
+            written.append((sel, c0, c1))
+        t.rows_written = (part, written)
+        B, T = b.tokens.shape
+        with t.h2d():                         # made on the lane that writes it, read on comm (uses)
+            full = torch.empty(part.shape, dtype=part.dtype, device=t.dev)
+            full.copy_(part, non_blocking=True)
+            ready = t.h2d.record()
+        t.traffic["h2d"] += part.nbytes
+        with t.comm():                    # made on comm, which writes it; compute reads it (uses)
+            x = torch.empty((B // t.world, T, d), dtype=part.dtype, device=t.dev)
+            t.comm.wait_event(ready)
+            t.comm.uses(full)
+            t.placement.scatter(x.view(-1, d), full)
+            summed = t.comm.record()
+        t.comp.wait_event(summed)
+        t.comp.uses(x)
+        # M x (B/N/M, T, d); lean + bf16 residual: cast here
+        return list(x.to(t.residual_dtype).chunk(t.M))
+
+    def dy_out(self, dy):
+        """dy of layer 0 of every rank, all_gathered in global order (rank r's B/N sequences r-th),
+        then D2H: the (B, T, d) that one process would hold. Returns (pinned buffer, event)."""
+        t = self.t
+        mine = torch.cat(dy) if len(dy) > 1 else dy[0]     # (B/N, T, d), compute lane
+        t.comm.wait_event(t.comp.record())
+        with t.comm():
+            full = torch.empty((t.world * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype,
+                               device=t.dev)
+            t.comm.uses(mine)
+            t.placement.gather(full.view(-1), mine.reshape(-1))
+            ready = t.comm.record()
+        host = t.host_buffer("dy", full.shape, full.dtype)
+        with t.d2h():
+            t.d2h.wait_event(ready)
+            t.d2h.uses(full)
+            host.copy_(full, non_blocking=True)
+            done = t.d2h.record()
+        t.traffic["d2h"] += host.nbytes
+        return host, done
+
+    def add_dy(self, tokens, dy):
+        """Optimizer thread: add every token's dy into the parts of its row that this rank's shard
+        holds, in token order. The verdict on the embedding's gradient is taken on dy itself, which
+        every rank holds whole."""
+        t = self.t
+        d = t.cfg.d_model
+        grad = t.opt.grad[t.embed]                                          # (s,) this rank's shard
+        if t.embed != t.head:
+            grad.zero_()                   # untied: the scatter is the whole embedding gradient
+        tokens, dy = tokens.reshape(-1), dy.reshape(-1, d)
+        for r0, r1, c0, c1, o in t.table_pieces:
+            sel = ((tokens >= r0) & (tokens < r1)).nonzero().squeeze(1)
+            rows = grad[o:o + (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            rows.index_add_(0, tokens[sel] - r0, dy[sel, c0:c1].float())
+        if t._per_unit_verdict():          # tied: the head's own verdict came with its gradient
+            ok = bool(torch.isfinite(dy).all()) and (t.embed != t.head or bool(t.finite[t.embed]))
+            t.finite[t.embed] = float(ok)
 
 
 # ----------------------------------------------------------------------------- joining a run

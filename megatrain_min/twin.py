@@ -175,7 +175,7 @@ class Twin:
         self.schedule(until=lambda: len(self.puts) >= self.gets)
         self.block(thread, sorted(self.puts, key=lambda s: s.end)[self.gets - 1])
 
-    def keep(self, **_):
+    def uses(self, **_):
         pass
 
     def free(self, storage):

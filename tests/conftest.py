@@ -23,16 +23,50 @@ SPECIAL = model.GPTConfig(vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, d_mod
                           qkv_bias=True, qk_norm=True, tie_embeddings=True, max_seq_len=64)
 
 
-def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, gpu_updated_units=0,
-           checked=True, **kw):
+def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_tokens=0, resident_units=0,
+           gpu_updated_units=0, checked=True, **kw):
     """A trainer on `weights`, handed the objects that plain settings make (engine.parts: activations.HostRing,
-    guard.Guard, tiling.Tiled, gpu_update.GpuUpdates): checks.CheckedTrainer, every argument checked, or
-    stream.Trainer itself (checked=False)."""
+    guard.Guard, tiling.Tiled, homes.Homes): checks.CheckedTrainer, every argument checked, or stream.Trainer
+    itself (checked=False)."""
     import stream
     from megatrain_min import checks
     from megatrain_min.engine import parts
     cls = checks.CheckedTrainer if checked else stream.Trainer
-    return cls(cfg, weights, **{**parts(offload_activations, skip_nonfinite, tile_tokens, gpu_updated_units), **kw})
+    handed = parts(offload_activations, skip_nonfinite, tile_tokens, resident_units, gpu_updated_units)
+    return cls(cfg, weights, **{**handed, **kw})
+
+
+def homed(t, kind):
+    """The units of trainer t whose home is a `kind` (stream.Streamed, resident.Resident, gpu_update.GpuUpdated;
+    exactly that class), sorted."""
+    return sorted(u for u, home in enumerate(t.home) if type(home) is kind)
+
+
+class ReferenceLion(torch.optim.Optimizer):
+    """Lion written from its paper (Chen et al. 2023, Algorithm 2), plain PyTorch, one parameter at a time: the
+    oracle of megatrain_min/lion.py. For each parameter p with gradient g and moment m (zeros at first):
+        c = beta1 * m + (1 - beta1) * g;  p = p - lr * (sign(c) + weight_decay * p);  m = beta2 * m + (1 - beta2) * g"""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                c = m.mul(beta1).add(p.grad, alpha=1 - beta1)      # beta1 m + (1 - beta1) g
+                p.mul_(1 - lr * wd)
+                p.add_(torch.sign(c), alpha=-lr)
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)          # beta2 m + (1 - beta2) g
+
+
+def reference_lion(betas=(0.9, 0.99)):
+    """ReferenceTrainer's optimizer= for a Lion run: ReferenceLion on its parameter groups."""
+    return lambda groups, lr: ReferenceLion(groups, lr=lr, betas=betas)
 
 
 def random_batch(cfg, B, T, gen, ignore_frac=0.2):
@@ -43,19 +77,77 @@ def random_batch(cfg, B, T, gen, ignore_frac=0.2):
     return tok, tgt
 
 
+# ----------------------------------------------------------------------------- comparisons that say what differs
+# One home for the comparisons of an engine with its reference and of the model with transformers: a failure
+# names the step, the tensor and the worst relative difference, beside the bound it broke. Each bound is set by
+# its test at about 10x the difference measured on the dev machine, the measurement in a comment beside it;
+# `python -m pytest -s` prints every measured difference ("measured ...").
+def rel_diff(a, b):
+    """max|a - b| / max|b| of two tensors (computed in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def check_close(what, got, want, tol):
+    """Tensors got vs want: rel_diff <= tol, else a failure naming `what` (e.g. "step 2: logits") and the worst
+    element. Returns the relative difference."""
+    r = rel_diff(got, want)
+    print(f"measured {what}: {r:.2e} (bound {tol:.0e})")
+    if r > tol:
+        i = (got.detach().double() - want.detach().double()).abs().argmax()
+        at = tuple(int(j) for j in torch.unravel_index(i, want.shape))
+        raise AssertionError(f"{what}: max relative difference {r:.2e} > bound {tol:.0e} (max|a - b| / max|b|); "
+                             f"worst element {list(at)}: {got[at].item():.6g} vs {want[at].item():.6g}")
+    return r
+
+
+def check_loss(step, got, want, tol, what="loss"):
+    """One step's losses got (the engine's) vs want (the reference's): |got - want| / |want| <= tol, else a failure
+    naming the step. Returns the relative difference."""
+    r = abs(got - want) / abs(want)
+    print(f"measured step {step} {what}: {r:.2e} (bound {tol:.0e})")
+    if not r <= tol:
+        raise AssertionError(f"step {step}: {what} {got!r} vs reference {want!r}: relative difference {r:.2e} > "
+                             f"bound {tol:.0e}")
+    return r
+
+
 def losses_agree(a, b, cfg, gen, steps, B, T, rtol):
-    """Step trainers a and b on the same random batches; every step's losses agree to rtol (relative)."""
+    """Step trainers a and b on the same random batches; every step's losses agree to rtol (check_loss)."""
     for s in range(steps):
         tok, tgt = random_batch(cfg, B, T, gen)
-        la, lb = a.step(tok, tgt), b.step(tok, tgt)
-        assert abs(la - lb) / abs(lb) <= rtol, f"step {s}: loss {la} vs {lb}"
+        check_loss(s, a.step(tok, tgt), b.step(tok, tgt), rtol)
+
+
+def update_diffs(w0, wa, wb):
+    """{key: (||(wa - w0) - (wb - w0)||^2, ||wb - w0||^2)} per tensor, in float64."""
+    out = {}
+    for k in wb:
+        num = float(((wa[k].double() - wb[k].double()) ** 2).sum())
+        den = float(((wb[k].double() - w0[k].double()) ** 2).sum())
+        out[k] = (num, den)
+    return out
 
 
 def update_rel(w0, wa, wb):
     """||(wa - w0) - (wb - w0)|| / ||wb - w0|| over all tensors: how far two updates are apart."""
-    num = sum(((wa[k] - wb[k]).double() ** 2).sum() for k in wb) ** 0.5
-    den = sum(((wb[k] - w0[k]).double() ** 2).sum() for k in wb) ** 0.5
-    return float(num / den)
+    d = update_diffs(w0, wa, wb)
+    return (sum(n for n, _ in d.values()) / sum(s for _, s in d.values())) ** 0.5
+
+
+def check_updates(when, w0, wa, wb, tol):
+    """The updates wa - w0 (the engine's) and wb - w0 (the reference's) agree: update_rel <= tol, else a failure
+    naming `when` (e.g. "after step 5"), the whole difference and the tensor that differs most (its own
+    ||difference|| / ||update||). Returns update_rel."""
+    d = update_diffs(w0, wa, wb)
+    r = (sum(n for n, _ in d.values()) / sum(s for _, s in d.values())) ** 0.5
+    print(f"measured {when} updates: {r:.2e} (bound {tol:.0e})")
+    if not r <= tol:
+        key = max(d, key=lambda k: d[k][0])
+        own = (d[key][0] / d[key][1]) ** 0.5 if d[key][1] else float("inf")
+        raise AssertionError(f"{when}: weight updates differ by {r:.2e} relative (||difference|| / ||update||, "
+                             f"all tensors) > bound {tol:.0e}; most of it in {key}: {own:.2e} of its own update")
+    return r
 
 
 SPLIT = {  # the split regexes of the published tokenizer.json files (Llama 3 groups up to 3 digits, Qwen2 none)
@@ -132,6 +224,10 @@ for line in sys.stdin:
                 os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), fd)
             if req["fsize"] is not None:                  # `ulimit -f`: a write past it fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+            if req["memory"] is not None:                 # `ulimit -v`: this many bytes more than it maps now
+                status = open("/proc/self/status").read().splitlines()
+                vm = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+                resource.setrlimit(resource.RLIMIT_AS, (vm + req["memory"], vm + req["memory"]))
             if req["modes"]:                              # root ignores file modes: drop CAP_DAC_OVERRIDE and
                 import ctypes                             # CAP_DAC_READ_SEARCH (capability bits 1, 2) so they apply
                 libc = ctypes.CDLL(None, use_errno=True)
@@ -170,8 +266,9 @@ class TrainCLI:
     """cli(*args, cwd=...) -> subprocess.CompletedProcess of `python train.py *args`; cli.start(...) -> a Run
     with .pid, whose result cli.wait(run) gives (runs may overlap: the lock and signal tests).
     script: another script of the repository (a lesson, a bench), or module: `python -m module *args`;
-    env: variables set in the child; fsize: RLIMIT_FSIZE in bytes; modes: file modes apply even to root (the
-    tests run as root in containers)."""
+    env: variables set in the child; fsize: RLIMIT_FSIZE in bytes; memory: RLIMIT_AS, in bytes beyond what the
+    child maps at its start (a command that would allocate more fails there, not on the machine); modes: file
+    modes apply even to root (the tests run as root in containers)."""
 
     def __init__(self, tmp):
         self.tmp, self.n = tmp, 0
@@ -183,12 +280,14 @@ class TrainCLI:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
-    def start(self, *args, cwd=ROOT, fsize=None, modes=False, timeout=300, script="train.py", module=None, env=None):
+    def start(self, *args, cwd=ROOT, fsize=None, modes=False, timeout=300, script="train.py", module=None, env=None,
+              memory=None):
         self.n += 1
         out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
         argv = [str(a) for a in args]
         pid = self._ask(dict(argv=argv, cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize, modes=modes,
-                             timeout=timeout, script=str(script), module=module, env=env or {}))["pid"]
+                             timeout=timeout, script=str(script), module=module, env=env or {},
+                             memory=memory))["pid"]
         return SimpleNamespace(pid=pid, argv=[module or str(script), *argv], out=out, err=err)
 
     def wait(self, run):

@@ -27,7 +27,7 @@ def state(t):
     """Everything a checkpoint holds, copied: master, m, v per unit, and the Adam step counts."""
     t.weights()  # waits for pending updates
     units = range(len(t.units))
-    return [[t.opt.state(u)[s].clone() for u in units] for s in ("master", "m", "v")] + [steps(t)]
+    return [[t.opt.tensors(u)[s].clone() for u in units] for s in ("master", "m", "v")] + [steps(t)]
 
 
 def steps(t):
@@ -206,6 +206,44 @@ def test_bad_checkpoint_is_refused_and_trainer_untouched(tmp_path, kind):
     assert same(state(t), before)
 
 
+# The fields of model.GPTConfig at 9d80d23 (main before hidden_act): what meta.json's "config" of a checkpoint
+# written then holds. python train.py at 9d80d23 wrote exactly these (checked once by hand: such a run resumed here).
+FIELDS_9D80D23 = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim", "max_seq_len",
+                  "rope_theta", "norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "rope_scaling", "sliding_window")
+
+
+def edit_config(path, fn):
+    """Edit meta.json's config with fn(config) and recompute its CRC (ckpt_read.doc_crc): a checkpoint as an older
+    (or newer) version of the code would have written it."""
+    doc = json.loads((path / "meta.json").read_text())
+    doc.pop("crc32")
+    fn(doc["config"])
+    doc["crc32"] = ckpt_read.doc_crc(doc)
+    (path / "meta.json").write_text(json.dumps(doc))
+
+
+def test_a_checkpoint_without_a_newer_field_loads_with_its_default(tmp_path):
+    """A field added to GPTConfig with a default since a checkpoint was written (hidden_act since 9d80d23) is missing
+    from its meta.json: it takes the default and the checkpoint loads, bit for bit. A field present with another
+    value is still refused, naming it; so is a field this code does not have."""
+    a = trained(2)
+    path = checkpoint.save(a, tmp_path, 2)
+    edit_config(path, lambda c: [c.pop(k) for k in list(c) if k not in FIELDS_9D80D23])
+    assert "hidden_act" not in json.loads((path / "meta.json").read_text())["config"]
+    b = trained(1, seed=1)
+    checkpoint.load(b, path)
+    assert same(state(a), state(b))
+    assert ckpt_read.read_weights(path)[0] == CFG
+    for change, words in ((lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu' in the checkpoint, 'silu'"),
+                          (lambda c: c.update(gate=True), "gate=True in the checkpoint, a config field this code")):
+        edit_config(path, change)
+        with pytest.raises(CheckpointError) as e:
+            checkpoint.load(b, path)
+        print(e.value)
+        assert words in str(e.value) and "\n" not in str(e.value)
+        edit_config(path, lambda c: [c.pop(k) for k in list(c) if k not in FIELDS_9D80D23])
+
+
 def test_one_pass_load_checks_crcs_on_the_way(tmp_path):
     """verify_first=False reads each byte once: same result, and damage is still refused (the trainer may
     then be partial, which is why it is not the default)."""
@@ -243,7 +281,7 @@ cfg = model.GPTConfig(n_layer=8, d_model=256, d_ff=704)
 t = Trainer(cfg, model.init_weights(cfg, 0), device="cpu")
 for k in range(1, 10_000):
     for u in range(len(t.units)):
-        for s in t.opt.state(u).values():
+        for s in t.opt.tensors(u).values():
             s.fill_(k)
         t.opt.steps[u].fill_(k)
     checkpoint.save(t, sys.argv[1], k, {{"k": k}}, keep=2)
@@ -273,7 +311,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_whole(tmp_path):
     t = engine(cfg, model.init_weights(cfg, 1), device="cpu")
     k = checkpoint.load(t, path)["k"]
     assert path.name == f"ckpt-{k:08d}" and k >= 2
-    assert all(bool((x == k).all()) for u in range(len(t.units)) for x in t.opt.state(u).values())
+    assert all(bool((x == k).all()) for u in range(len(t.units)) for x in t.opt.tensors(u).values())
     assert steps(t) == [k] * len(t.units)
     checkpoint.save(t, out, k + 1, keep=2)                      # the next save clears the debris
     assert not list(out.glob(".tmp-*"))

@@ -172,14 +172,15 @@ def reaches(path, trees):
 
 
 def test_no_module_reaches_into_another_modules_private_names():
-    """`trainer._ready()`, `stream._helper`, `from .checks import _x` across our modules: the public surface only."""
+    """`trainer._await_update()`, `stream._helper`, `from .checks import _x` across our modules: the public surface
+    only."""
     files = LIBRARY + [ROOT / f"{name}.py" for name in sorted(CORE)]
     trees = {p: ast.parse(p.read_text()) for p in files}
     found = [f for p in files for f in reaches(p, trees)]
     assert not found, found
     # the rule can fail: a file that calls another module's private method is caught
     probe = ROOT / "probe.py"
-    trees[probe] = ast.parse("from .checks import _hidden\ndef f(trainer):\n    return trainer._ready(0)\n")
+    trees[probe] = ast.parse("from .checks import _hidden\ndef f(trainer):\n    return trainer._await_update(0)\n")
     assert len(reaches(probe, trees)) == 2
 
 

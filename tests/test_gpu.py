@@ -142,7 +142,7 @@ def test_lanes_worker_and_pinned_bytes_on_the_trainers_device(monkeypatch, clip)
     assert t.dev == dev and {lane.stream.device for lane in (t.h2d, t.comp, t.d2h)} == {dev}
     assert t.lanes.submit(torch.cuda.current_device).result() == dev.index
     assert all(g.is_pinned() for g in t.opt.grad if g is not None) and all(s.is_pinned() for s in t.opt.shadow)
-    assert not t.opt.m[0].is_pinned() and not t.opt.master[0].is_pinned()     # Adam's state never crosses
+    assert not t.opt.state["m"][0].is_pinned() and not t.opt.master[0].is_pinned()     # Adam's state never crosses
     p = plan.plan(cfg, "h100", batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, offload_activations=True,
                   grad_slabs=3, resident_units=0, gpu_updated_units=0)
     got = sum(rt.registered.values())
@@ -160,7 +160,7 @@ def test_resident_units_checkpoint_round_trip(tmp_path):
     for _ in range(2):
         a.step(*random_batch(cfg, 4, 32, gen))
     path = checkpoint.save(a, tmp_path, 2, {})
-    state = lambda t: [t.opt.state(u)[s].cpu() for u in range(len(t.units)) for s in ("master", "m", "v")]  # noqa
+    state = lambda t: [t.opt.tensors(u)[s].cpu() for u in range(len(t.units)) for s in ("master", "m", "v")]  # noqa
     for k in (0, 99):
         b = engine(cfg, model.init_weights(cfg, 1), device="cuda", resident_units=k, **HP)
         checkpoint.load(b, path)

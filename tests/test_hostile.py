@@ -13,6 +13,9 @@ its own directory, with files_under() of that directory taken before the run; a 
 run's --out unmade. AT_ONCE runs two commands at the same moment into one output: one wins, the other is
 refused, nothing of the winner's is lost.
 """
+import contextlib
+import gzip
+import io
 import json
 import math
 import os
@@ -29,7 +32,7 @@ import pytest
 import torch
 
 import model
-from conftest import engine, files_under, lost, make_bpe_tokenizer
+from conftest import ROOT, engine, files_under, lost, make_bpe_tokenizer
 from megatrain_min import checkpoint, checks, encode, hf, hf_load, launch, prepare, prepared, runlock
 from megatrain_min.lazy_init import LazyInit
 from megatrain_min.reference import ReferenceTrainer
@@ -708,6 +711,152 @@ CLI.update({
                                                                       ["../notes.txt"]),
 })
 
+# ---- round 4, the rest: the unit flags, --mode and --host-mem, the moved prepare, the tools (sim, twin_vs_plan,
+# trace_extract, lesson 11), environment variables, checkpoints across layouts
+SIM, DATA = "megatrain_min.sim", "megatrain_min.data"     # python -m SIM check|timeline ..., python -m DATA ...
+BEATS = launch.HEARTBEAT_ENV
+RANKS = {"OMP_NUM_THREADS": "1"}                            # --nproc-per-node 2 on a shared CPU
+
+
+def _unmade(*names):
+    """check(r, t): none of `names` (under t) was made -- a refusal that writes nothing."""
+    return lambda r, t: not any((t / n).exists() for n in names)
+
+
+def _sim(*argv, words=(), **extra):
+    """python -m megatrain_min.sim ARGV, refused."""
+    return [*argv], 2, list(words), [], dict(module=SIM, **extra)
+
+
+def _trace(name, data=None):
+    """bench/trace_extract.py TRACE OUT, the trace holding `data` (None: not there): one line naming it (a bench
+    tool's refusal: exit 1), OUT not written."""
+    def setup(t, w):
+        if data is not None:
+            (t / name).write_bytes(data)
+        return [t / name, t / "x.json"], 1, [name], [], dict(script="bench/trace_extract.py", check=_unmade("x.json"))
+    return setup
+
+
+def _truncated_trace():
+    """A gzipped Chrome trace cut short (a copy that stopped)."""
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "pid": 1, "tid": 7, "ts": i, "dur": 1} for i in range(2000)]
+    return gzip.compress(json.dumps({"traceEvents": events}).encode())[:-64]
+
+
+def _results(text):
+    """bench/twin_vs_plan.py --measured DIR, DIR/results.json holding `text`: one line naming it, nothing written."""
+    def setup(t, w):
+        (t / "run").mkdir()
+        (t / "run" / "results.json").write_text(text)
+        return ["--measured", t / "run"], 1, ["results.json"], [], dict(script="bench/twin_vs_plan.py",
+                                                                         check=_unmade("run/twin_vs_plan.md"))
+    return setup
+
+
+def _lesson_11_alone(t, w):
+    """Lesson 11 copied out of the repository (to a reader's own folder): its extract is not there."""
+    (t / "tutorials").mkdir()
+    lesson = copy(ROOT / "tutorials" / "11_a_real_gpu_step.py", t / "tutorials" / "11_a_real_gpu_step.py")
+    return [], 1, ["trace_extract.json"], [], dict(script=lesson)
+
+
+def _beats(value):
+    """--nproc-per-node 2 with MEGATRAIN_MIN_HEARTBEAT_S=value: refused before any rank starts."""
+    return lambda t, w: (["--nproc-per-node", "2"], 2, [f"{BEATS}={value!r}"], [], dict(env={BEATS: value, **RANKS}))
+
+
+def _keep_over_a_symlinked_checkpoint(t, w):
+    """A checkpoint moved to another disk, a symlink left in its place: --keep 1 removes the link, never what it leads
+    to (watched), and leaves no hidden .tmp-del-* behind."""
+    run = copy(w / "run", t / "run")
+    (t / "disk2").mkdir()
+    shutil.move(run / "ckpt-00000001", t / "disk2" / "ckpt-00000001")
+    (run / "ckpt-00000001").symlink_to(t / "disk2" / "ckpt-00000001")
+
+    def clean(r, t):
+        return sorted(p.name for p in (t / "run").iterdir() if p.name.startswith((".tmp-", "ckpt-"))) == \
+            ["ckpt-00000003"] and "a symbolic link" in r.stderr
+    return ["--steps", "3", "--resume", "--out", run, "--save-every", "1", "--keep", "1"], 0, [], [run], \
+        dict(check=clean)
+
+
+def _resume_its_meta_json(t, w):
+    run = copy(w / "run", t / "run")
+    return ["--steps", "3", "--resume", run / "ckpt-00000002" / "meta.json", "--out", run], 2, \
+        ["is a file", f"--resume {run / 'ckpt-00000002'}"], []
+
+
+def _ran(*said, absent=()):
+    """check(r, t): the run (or plan) said every line of `said` on stdout/stderr and none of `absent`."""
+    return lambda r, t: all(s in r.stdout + r.stderr for s in said) and not any(a in r.stdout for a in absent)
+
+
+SEVEN = ["--config", "7b", "--plan", "--hardware", "h100"]
+CLI.update({
+    # tracebacks
+    "sim-check-7b-memory-first": lambda t, w: _sim("check", "--config", "7b", "--host-mem", "8",
+                                                   words=["--config 7b", "host RAM", "--host-mem 8"],
+                                                   memory=8 << 30),   # the old code allocated until it failed
+    "sim-timeline-host-speed-zero": lambda t, w: _sim("timeline", "--host-speed", "0", words=["--host-speed"]),
+    "sim-timeline-one-step": lambda t, w: _sim("timeline", "--steps", "1", words=["--steps 1", "at least 2"]),
+    "sim-timeline-trace-into-a-missing-dir": lambda t, w: _sim("timeline", "--trace", t / "nope" / "t.json",
+                                                               words=["--trace", "nope"], check=_unmade("nope")),
+    "twin-vs-plan-garbage-results": _results("not json {"),
+    "twin-vs-plan-results-not-a-gpu-run": _results("{}"),
+    "trace-extract-missing": _trace("nope.json"),
+    "trace-extract-garbage": _trace("g.json", b"\x00\xffgarbage"),
+    "trace-extract-empty-gz": _trace("e.json.gz", b""),
+    "trace-extract-truncated-gz": _trace("t.json.gz", _truncated_trace()),
+    "lesson-11-without-its-extract": _lesson_11_alone,
+    # silent
+    "data-prepare-the-moved-command": lambda t, w: (["prepare", copy(w / "text.txt", t / "text.txt"), "--out", t / "o"],
+                                                    2, ["python -m megatrain_min.prepare"], [],
+                                                    dict(module=DATA, check=_unmade("o"))),
+    "reference-with-unit-flags": lambda t, w: (["--engine", "reference", "--resident-units", "3",
+                                                "--gpu-updated-units", "2"], 2, ["--engine reference",
+                                                                                 "--resident-units 3"], []),
+    "plan-gpus-2-resident-units": lambda t, w: (["--plan", "--gpus", "2", "--resident-units", "3"], 2,
+                                                ["--resident-units 3", "sharded"], []),
+    "sim-check-steps-negative": lambda t, w: _sim("check", "--steps", "-1", words=["--steps -1"]),
+    "sim-timeline-host-speed-negative": lambda t, w: _sim("timeline", "--host-speed", "-1", words=["--host-speed"]),
+    "heartbeat-zero": _beats("0"),
+    "heartbeat-negative": _beats("-5"),
+    "heartbeat-not-a-number": _beats("ten"),
+    # misleading
+    "plan-gpu-updated-units-1000-on-7b": lambda t, w: (SEVEN + ["--batch-size", "32", "--seq-len", "128",
+                                                                "--gpu-updated-units", "1000"], 0, [], [],
+                                                       dict(check=_ran("-> FITS", "beside the step and the GPU upd"))),
+    "nproc-per-node-2-resident-units": lambda t, w: (["--nproc-per-node", "2", "--resident-units", "2"], 2,
+                                                     ["--resident-units 2"], [], dict(env=RANKS)),
+    "resident-6-gpu-updated-3-on-the-toy": lambda t, w: (["--resident-units", "6", "--gpu-updated-units", "3", "--out",
+                                                          t / "o"], 0, [], [t / "o"], dict(check=_ran(
+                                                              "warning: --gpu-updated-units 3: no unit streams"))),
+    "max-context-resident-units-1000": lambda t, w: (SEVEN + ["--max-context", "--batch-size", "1", "--resident-units",
+                                                              "1000"], 2, ["--max-context", "--resident-units 1000",
+                                                                           "Try --resident-units"], []),
+    "plan-resident-units-1000-names-fewer": lambda t, w: (SEVEN + ["--batch-size", "1", "--resident-units", "1000"], 0,
+                                                          [], [], dict(check=_ran("fits: --resident-units",
+                                                                                  absent=["--config 1b"]))),
+    "host-mem-half-a-gb": lambda t, w: (["--host-mem", "0.5"], 2, ["--host-mem 0.5 (GB)", "Try --host-mem"], []),
+    "prepare-val-fraction-0": lambda t, w: _prep(t, "--out", t / "p", "--val-fraction", "0", world=w,
+                                                 words=["--val-fraction 0", "> 0"], check=_unmade("p")),
+    "heartbeat-a-millisecond": lambda t, w: (["--nproc-per-node", "2", "--out", t / "o"], 0, [], [t / "o"],
+                                             dict(env={BEATS: "0.001", **RANKS},
+                                                  check=_ran(f"warning: {BEATS}=0.001", "5 s is used"))),
+    "keep-1-over-a-symlinked-checkpoint": _keep_over_a_symlinked_checkpoint,
+    "resume-its-meta-json": _resume_its_meta_json,
+    "resident-units-above-the-units": lambda t, w: (["--resident-units", "100", "--gpu-updated-units", "1000000",
+                                                     "--out", t / "o"], 0, [], [t / "o"], dict(check=_ran(
+                                                         "warning: --resident-units 100 is more than the 6 units"))),
+    "plan-counts-above-the-units": lambda t, w: (["--plan", "--hardware", "h100", "--resident-units", "100"], 0, [], [],
+                                                 dict(check=_ran("6 of 6 units (--resident-units 100 asked",
+                                                                 "warning: --resident-units 100"))),
+    "cpu-run-says-the-device": lambda t, w: (["--device", "cpu", "--out", t / "o"], 0, [], [t / "o"],
+                                             dict(check=_ran("resident on the device", absent=["on the GPU"]))),
+})
+
+
 def verdict(r, before, code, words, unmade=None):
     if lost(before):
         return "data lost"
@@ -729,9 +878,10 @@ def test_cli(name, world, cli, tmp_path):
     extra = extra[0] if extra else {}
     try:
         before = {p: b for p, b in files_under(tmp_path).items() if not any(p.is_relative_to(u) for u in unwatched)}
-        out = [] if "--out" in argv or "module" in extra else ["--out", tmp_path / "out"]
-        r = cli(*([] if "module" in extra else TINY), *out, *argv, cwd=extra.get("cwd", tmp_path),
-                env=extra.get("env"), module=extra.get("module"))
+        tool = "module" in extra or "script" in extra     # not train.py: the command's own flags alone
+        out = [] if "--out" in argv or tool else ["--out", tmp_path / "out"]
+        r = cli(*([] if tool else TINY), *out, *argv, cwd=extra.get("cwd", tmp_path), env=extra.get("env"),
+                module=extra.get("module"), script=extra.get("script", "train.py"), memory=extra.get("memory"))
         v = verdict(r, before, code, words, tmp_path / "out" if out else None)
         if v == "clean" and "check" in extra and not extra["check"](r, tmp_path):
             v = "silent"
@@ -786,6 +936,12 @@ AT_ONCE = {  # name: setup(tmp, world) -> ([argv of each], how to run them, whol
         [[*TINY, "--steps", str(s), "--seed", str(k), "--out", t / f"o{k}", "--save-hf", t / "exp"]
          for k, s in ((0, 20), (1, 2))], dict(hold=("o0/metrics.jsonl", t / "exp")),
         lambda t: _export_whole(t / "exp")),
+    # round 4: --nproc-per-node's ranks start seconds after its checks; the launcher is held between the two (its
+    # checks made --out) while another run exports: the ranks took what --save-hf held then, and replaced it
+    "a-2-rank-run-and-another-save-hf-into-one-new-dir": lambda t, w: (
+        [[*TINY, "--nproc-per-node", "2", "--out", t / "o0", "--save-hf", t / "exp"],
+         [*TINY, "--seed", "1", "--out", t / "o1", "--save-hf", t / "exp"]],
+        dict(hold=("o0", t / "exp"), env={"OMP_NUM_THREADS": "1"}), lambda t: _export_whole(t / "exp")),
 }
 
 
@@ -1055,6 +1211,42 @@ def _publish_with_a_crafted_old_list(tmp):
 
 API.update({
     "publish-old-list-outside": (_publish_with_a_crafted_old_list, ValueError, ["../notes.txt"]),
+})
+
+
+def _export_landing_while_reading(how):
+    """An export into a new directory; another one lands there while this one reads its checkpoint (the export took
+    what it would replace after the read, and replaced the other): refused, the other export whole. how: "cli"
+    (python -m megatrain_min.hf export: its one line as a ValueError) or "api" (hf.export)."""
+    def case(tmp):
+        from unittest import mock
+        from megatrain_min import ckpt_read
+        ck = checkpoint.save(trainer(), tmp / "run", 1, {"run": "a"})
+        read, theirs = ckpt_read.read_weights, {}
+
+        def reading(path):                                    # meanwhile, another export lands
+            hf.save_hf(CFG, w0(), tmp / "exp", dtype=torch.float32)
+            theirs.update(files_under(tmp / "exp"))
+            return read(path)
+        said = io.StringIO()
+        try:
+            with mock.patch.object(ckpt_read, "read_weights", reading), contextlib.redirect_stderr(said), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                if how == "api":
+                    hf.export(ck, tmp / "exp")
+                else:
+                    hf.main(["export", str(ck), str(tmp / "exp")])
+        except SystemExit as e:
+            if e.code:
+                raise ValueError(said.getvalue().strip().removeprefix("error: ")) from None
+        finally:
+            assert theirs and not lost(theirs), "data lost"
+    return case
+
+
+API.update({
+    "export-cli-landing-while-reading": (_export_landing_while_reading("cli"), ValueError, ["another export"]),
+    "export-api-landing-while-reading": (_export_landing_while_reading("api"), ValueError, ["another export"]),
 })
 
 @pytest.mark.parametrize("name", API)

@@ -262,7 +262,7 @@ def test_nonfinite_gradient_skips_that_units_update():
     t.wait()
 
     def state(u):  # what a unit's update changes, copied: master, m, v and its step count
-        return [s.clone() for s in t.opt.state(u).values()] + [t.opt.steps[u].item()]
+        return [s.clone() for s in t.opt.tensors(u).values()] + [t.opt.steps[u].item()]
 
     before = [state(u) for u in range(len(t.units))]
     real = t.update_unit
@@ -312,6 +312,19 @@ def test_save_hf_refuses_nonfinite_weights(tmp_path):
     with pytest.raises(hf_load.HFError, match="model.norm.weight"):
         hf.save_hf(CFG, w, tmp_path / "exp")
     assert not list(tmp_path.iterdir())
+
+
+def test_save_hf_of_a_model_no_architecture_represents_is_refused_before_training(cli, tmp_path):
+    """--save-hf of a model transformers cannot represent (a qkv bias with q/k norm: --init-from one of our
+    checkpoints of such a model) is refused before step 1 -- one line, exit 2, no run directory, no export --
+    never after the run (hf.architecture, asked by rundir.Run.check and by save_hf)."""
+    cfg = model.GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=64,
+                          qkv_bias=True, qk_norm=True)
+    ck = checkpoint.save(engine(cfg, model.init_weights(cfg), device="cpu"), tmp_path / "src", 0, {})
+    before = files_under(tmp_path)
+    r = cli(*TINY, "--init-from", ck, "--save-hf", tmp_path / "hf", "--out", tmp_path / "run", cwd=tmp_path)
+    assert_refused(r, before, words=["--save-hf", "qkv bias AND q/k norm"])
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "run").exists() and "step 1" not in r.stdout
 
 
 # ============================================================================= tracebacks and silent wrong behaviour
@@ -438,6 +451,34 @@ def test_resume_meta_edited_with_its_crc_recomputed(cli, tmp_path, finished, edi
     assert_refused(r, before, words=["meta.json"])
 
 
+# The fields of model.GPTConfig at 9d80d23 (main before hidden_act): the "config" of a checkpoint written then.
+FIELDS_9D80D23 = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim", "max_seq_len",
+                  "rope_theta", "norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "rope_scaling", "sliding_window")
+
+
+def test_resume_of_a_checkpoint_older_than_a_config_field(cli, tmp_path, finished):
+    """--resume of a checkpoint whose meta.json lacks a config field added since (its config as 9d80d23 wrote it:
+    no hidden_act) continues, the field taking its default: the same losses as resuming the unedited checkpoint.
+    A SAME_RUN setting missing from its flags is its default (cli.DEFAULTS); one with no default there is refused,
+    naming the flag -- never a KeyError."""
+    runs = {}
+    for name, edit in (("as-saved", None), ("9d80d23", lambda d: [d["config"].pop(k) for k in list(d["config"])
+                                                                 if k not in FIELDS_9D80D23]),
+                       ("no-grad-clip", lambda d: d["meta"]["args"].pop("grad_clip"))):
+        run = copy_run(finished, tmp_path, name)
+        if edit is not None:
+            recrc(run / "ckpt-00000002", edit)
+        r = cli(*TINY[:1], "3", *TINY[2:], "--resume", "--out", run, cwd=tmp_path)
+        assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+        runs[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert runs["9d80d23"] == runs["no-grad-clip"] == runs["as-saved"] and len(runs["as-saved"]) == 3
+    run = copy_run(finished, tmp_path, "no-warmup")
+    recrc(run / "ckpt-00000002", lambda d: d["meta"]["args"].pop("warmup"))
+    before = files_under(tmp_path)
+    r = cli(*TINY[:1], "3", *TINY[2:], "--resume", "--out", run, cwd=tmp_path)
+    assert_refused(r, before, words=["--resume", "--warmup (not recorded)"])
+
+
 # ----------------------------------------------------------------------------- the API
 def _w(**change):
     w = model.init_weights(CFG)
@@ -558,10 +599,11 @@ def test_a_data_file_truncated_under_a_run_ends_it_in_one_line(cli, tmp_path):
 
 def test_a_frozen_rank_is_named_within_the_heartbeat_bound(cli, tmp_path):
     """--nproc-per-node 2, a rank frozen (SIGSTOP: a paused VM, a stopped process): the launcher names it once it
-    has been silent for the heartbeat bound (MEGATRAIN_MIN_HEARTBEAT_S: 60 s by default, 2 s here), ends the run
-    in one line with exit 5, and every checkpoint is whole (without it: ten minutes of silence, then 'killed')."""
+    has been silent for the heartbeat bound (MEGATRAIN_MIN_HEARTBEAT_S: 60 s by default, here its least, 5 s), ends
+    the run in one line with exit 5, and every checkpoint is whole (without it: ten minutes of silence, then
+    'killed')."""
     from megatrain_min import launch
-    out, bound = tmp_path / "o", 2
+    out, bound = tmp_path / "o", launch.HEARTBEAT_LEAST
     run = cli.start("--nproc-per-node", "2", *LONG, "--save-every", "1", "--out", out, cwd=tmp_path,
                     env={launch.HEARTBEAT_ENV: str(bound), "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120

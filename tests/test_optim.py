@@ -1,4 +1,4 @@
-"""optim.HostAdamW against torch.optim.AdamW(fused=True) with the same two parameter groups."""
+"""optim.HostStore with the AdamW rule against torch.optim.AdamW(fused=True) with the same two parameter groups."""
 import gc
 import threading
 import mmap
@@ -9,7 +9,9 @@ import torch
 import cuda_doubles
 import optim
 from megatrain_min.schedule import lr_at
-from optim import HostAdamW, clip_coef
+from conftest import ReferenceLion
+from megatrain_min.lion import Lion
+from optim import AdamW, HostStore, clip_coef
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
@@ -23,7 +25,7 @@ def test_equals_torch_adamw_fused_over_10_steps(max_norm):
                              {"params": params[2:], "weight_decay": 0.0}], fused=True, **hp)
     n_decay = sum(t.numel() for t in mats)
     n = n_decay + sum(t.numel() for t in vecs)
-    opt = HostAdamW([(n, n_decay)], weight_decay=0.1, **hp)
+    opt = HostStore([(n, n_decay)], AdamW(hp["betas"], hp["eps"]), lr=hp["lr"], weight_decay=0.1)
     opt.master[0].copy_(torch.cat([t.flatten() for t in mats + vecs]))
     for step in range(10):
         grads = [torch.randn(p.shape, generator=g) * (step + 1) for p in params]
@@ -33,25 +35,74 @@ def test_equals_torch_adamw_fused_over_10_steps(max_norm):
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         ref.step()
         opt.grad[0].copy_(torch.cat([gr.flatten() for gr in grads]))
-        opt.step(0, clip_coef=clip_coef(opt.grad_sq(0) ** 0.5, max_norm))
+        opt.step(0, coef=clip_coef(float(opt.grad_sq(0)) ** 0.5, max_norm))
         flat = torch.cat([p.detach().flatten() for p in params])
         err = ((flat - opt.master[0]).abs().max() / flat.abs().max()).item()
         assert err <= 1e-6, f"step {step}: max rel diff {err:.2e}"
-    print(f"HostAdamW vs torch AdamW(fused) after 10 steps: max rel diff {err:.2e}")
+    print(f"HostStore (AdamW) vs torch AdamW(fused) after 10 steps: max rel diff {err:.2e}")
     # the moments match too
     m_ref = torch.cat([ref.state[p]["exp_avg"].flatten() for p in params])
-    assert torch.allclose(m_ref, opt.state(0)["m"], rtol=1e-5, atol=1e-9)
+    assert torch.allclose(m_ref, opt.tensors(0)["m"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_lion_equals_the_papers_rule_over_10_steps(max_norm):
+    """megatrain_min.lion.Lion run by the store (one region decayed, one not, one fp32 moment) against Lion written
+    from the paper in plain PyTorch (conftest.ReferenceLion), clipping as torch.nn.utils.clip_grad_norm_ does."""
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(48, 32, generator=g), torch.randn(16, 8, generator=g)]
+    vecs = [torch.randn(32, generator=g), torch.randn(8, generator=g)]
+    params = [t.clone().requires_grad_() for t in mats + vecs]
+    ref = ReferenceLion([{"params": params[:2], "weight_decay": 1.0}, {"params": params[2:], "weight_decay": 0.0}],
+                        lr=1e-3, betas=(0.9, 0.99))
+    n_decay = sum(t.numel() for t in mats)
+    n = n_decay + sum(t.numel() for t in vecs)
+    opt = HostStore([(n, n_decay)], Lion((0.9, 0.99)), lr=1e-3, weight_decay=1.0)
+    assert list(opt.tensors(0)) == ["master", "m"] and opt.nbytes() == 3 * 4 * n   # master, m, gradient
+    opt.master[0].copy_(torch.cat([t.flatten() for t in mats + vecs]))
+    for step in range(10):
+        grads = [torch.randn(p.shape, generator=g) * (step + 1) for p in params]
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        ref.step()
+        opt.grad[0].copy_(torch.cat([gr.flatten() for gr in grads]))
+        opt.step(0, coef=clip_coef(float(opt.grad_sq(0)) ** 0.5, max_norm))
+        flat = torch.cat([p.detach().flatten() for p in params])
+        err = ((flat - opt.master[0]).abs().max() / flat.abs().max()).item()
+        assert err <= 1e-6, f"step {step}: max rel diff {err:.2e}"   # measured 0 (the same ops, element by element)
+    m_ref = torch.cat([ref.state[p]["m"].flatten() for p in params])
+    assert torch.allclose(m_ref, opt.tensors(0)["m"], rtol=1e-5, atol=1e-9)
+    print(f"HostStore (Lion) vs the paper's Lion after 10 steps: max rel diff {err:.2e}")
+
+
+@pytest.mark.parametrize("rule", [AdamW(), Lion()], ids=["adamw", "lion"])
+def test_a_rule_skips_itself_on_a_device_flag(rule):
+    """found_inf (the guard's verdict taken on a GPU, no host sync): 1.0 leaves the master, the state and the step
+    count as they were, whatever the gradient holds; 0.0 is an ordinary update."""
+    opt = HostStore([(10, 6)], rule, lr=0.1, weight_decay=0.5)
+    opt.master[0].normal_()
+    opt.grad[0].normal_()
+    opt.step(0)
+    before = [t.clone() for t in opt.tensors(0).values()] + [opt.steps[0].item()]
+    opt.grad[0][3] = float("nan")
+    opt.step(0, found_inf=torch.ones(()))
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.tensors(0).values())) and opt.steps[0].item() == 1
+    opt.grad[0][3] = 1.0
+    opt.step(0, found_inf=torch.zeros(()))
+    assert not torch.equal(before[0], opt.master[0]) and opt.steps[0].item() == 2
 
 
 def test_no_decay_region_is_not_decayed():
-    opt = HostAdamW([(6, 4)], lr=0.1, weight_decay=0.5)
+    opt = HostStore([(6, 4)], lr=0.1, weight_decay=0.5)
     opt.master[0].fill_(1.0)
     opt.step(0)  # zero gradient: only decay moves weights
     assert torch.all(opt.master[0][:4] < 1.0) and torch.all(opt.master[0][4:] == 1.0)
 
 
 def test_shadow_follows_master():
-    opt = HostAdamW([(10, 10)], lr=0.1, shadow_dtype=torch.bfloat16)
+    opt = HostStore([(10, 10)], lr=0.1, shadow_dtype=torch.bfloat16)
     opt.master[0].normal_()
     opt.grad[0].normal_()
     opt.step(0)
@@ -69,18 +120,18 @@ def test_lr_schedule_and_clip_coef():
 
 
 def test_tiles_change_nothing(monkeypatch):
-    """HostAdamW.step updates a unit in tiles of optim.TILE elements, each tile's bf16 shadow written while it is
+    """HostStore.step updates a unit in tiles of optim.TILE elements, each tile's bf16 shadow written while it is
     in cache (one pass over the unit): bit for bit what one call over the whole unit and a copy after it give."""
     n, n_decay = 1000, 700
     runs = []
     for tile in (64, 10**9):                 # tiles that straddle the decay boundary, and one tile per region
         monkeypatch.setattr(optim, "TILE", tile)
-        opt = HostAdamW([(n, n_decay)], lr=1e-2, weight_decay=0.1, shadow_dtype=torch.bfloat16)
+        opt = HostStore([(n, n_decay)], lr=1e-2, weight_decay=0.1, shadow_dtype=torch.bfloat16)
         opt.master[0].copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
         for step in range(3):
             opt.grad[0].copy_(torch.randn(n, generator=torch.Generator().manual_seed(step)))
-            opt.step(0, clip_coef=0.5 if step else 1.0)
-        runs.append([opt.master[0], opt.m[0], opt.v[0], opt.shadow[0]])
+            opt.step(0, coef=0.5 if step else 1.0)
+        runs.append([opt.master[0], opt.state["m"][0], opt.state["v"][0], opt.shadow[0]])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert torch.equal(runs[0][3], runs[0][0].to(torch.bfloat16))
 
@@ -138,7 +189,8 @@ class Landing:
 
     def __init__(self, fired=False):
         self.fired, self.waited = threading.Event(), threading.Event()
-        fired and self.fired.set()
+        if fired:
+            self.fired.set()
 
     def query(self):
         return self.fired.is_set()
@@ -155,8 +207,9 @@ def test_worker_runs_the_landed_task_the_next_forward_needs_first():
     the D2H lane lands them in submission order). A CUDA error in a query reaches a task, which raises it: no hang."""
     w, ran, gate = optim.Worker(torch.device("cpu")), [], threading.Event()
 
-    def task(name, event):                 # as Trainer._grad_landed: wait for the gradient, then work
-        event is not None and event.synchronize()
+    def task(name, event):                 # as stream.Streamed.run's: wait for the gradient, then work
+        if event is not None:
+            event.synchronize()
         ran.append(name)
     try:
         w.submit(gate.wait)                                          # holds the thread while the rest come in

@@ -56,7 +56,7 @@ def test_host_bytes_per_param_exact(mode, dtype, clip, per_param):
     p = P.plan(cfg, "h100", batch_size=8, mode=mode, dtype=dtype, grad_clip=clip, resident_units=0,
                gpu_updated_units=0)   # every unit streamed, updated on the host
     assert p["host_bytes_per_param"] == per_param               # the store: exact, whole bytes
-    assert p["host"]["fp32 master"] == p["host"]["Adam m (fp32)"] == p["host"]["Adam v (fp32)"] == 4 * N
+    assert p["host"]["fp32 master"] == p["host"]["AdamW m (fp32)"] == p["host"]["AdamW v (fp32)"] == 4 * N
     assert p["host"].get("bf16 shadow (streamed)", 0) == (2 * N if mode == "fast" and dtype == "bf16" else 0)
     assert p["host"].get("fp32 grad store (global norm first)", 0) == (4 * N if clip else 0)
     assert p["host_bytes"] > per_param * N                      # + staging, runtime: never less
@@ -97,7 +97,7 @@ def test_120b_lean_fits_h200_with_1536_gb():
     assert p["host_bytes_per_param"] == 12 and p["host_bytes"] / p["params"] >= 12
     assert p["host_bytes"] <= 1536e9 and p["mode"] == "lean"
     table = report.format_plan(p)
-    assert "fp32 master" in table and "Adam m" in table and "FITS" in table
+    assert "fp32 master" in table and "AdamW m" in table and "FITS" in table
     fit.check(p)                                                   # fits: no error
     # 8 x 4096 tokens: the fp32 residual checkpoints (122 GB) leave the GPU for the host, past 1.5 TB; the plan
     # names the nearest setting that fits, and a bf16 residual fits too
@@ -427,6 +427,8 @@ def test_resident_units_fill_the_gpu_memory_the_step_leaves():
     assert auto["pinned_bytes"] < none["pinned_bytes"] and auto["step_time_s"] <= none["step_time_s"]
     assert three["step_time_s"] <= none["step_time_s"] and auto["step_time_s"] <= three["step_time_s"]
     assert P.plan(cfg, "h200", gpus=2, **dict(kw, batch_size=8))["resident_units"] == 0
+    with pytest.raises(P.PlanError, match="--resident-units 3: units kept resident need one process"):
+        P.plan(cfg, "h200", gpus=2, resident_units=3, **dict(kw, batch_size=8))     # every sharded run refuses it
     assert P.plan(model.PRESETS["toy"], "local", device="cpu", batch_size=4, seq_len=64)["resident_units"] == 0
     wide = dataclasses.replace(model.PRESETS["7b"], n_layer=24)        # 5.1B fits whole: resident training
     small = P.plan(wide, "h200", **kw)
@@ -486,7 +488,7 @@ def test_gpu_updated_units_picked_where_they_shorten_the_step():
         assert chosen[:2] == [2, 4] and 0 not in chosen                        # every other, from layer 1
         assert p["gpu"][f"GPU-updated units: {g}, fp32 grads 4 B/param"] == 4 * n
         shadow = mode == "fast"
-        assert p["gpu"]["GPU update scratch: 2 x master, m, v" + (", shadow" if shadow else "")] == \
+        assert p["gpu"]["GPU update scratch: 2 x master, state" + (", shadow" if shadow else "")] == \
             2 * units[chosen[0]].numel * (12 + 2 * shadow)
         grads = "fp32 grad store (global norm first)"
         assert host["host"][grads] - p["host"][grads] == 4 * n
@@ -497,7 +499,7 @@ def test_gpu_updated_units_picked_where_they_shorten_the_step():
     asked = P.plan(cfg, hw, mode="lean", gpu_updated_units=3, **kw)
     assert (asked["gpu_updated_units"], asked["gpu_updated_asked"]) == (3, 3)
     assert "(as asked;" in report.format_plan(asked)
-    assert P.plan(cfg, hw, mode="lean", **dict(kw, batch_size=8), gpus=2)["gpu_updated_units"] == 0
+    assert P.plan(cfg, hw, mode="lean", **dict(kw, batch_size=8, resident_units=0), gpus=2)["gpu_updated_units"] == 0
     with pytest.raises(P.PlanError, match="one process holding whole units"):
         P.plan(cfg, hw, mode="lean", gpu_updated_units=2, **dict(kw, batch_size=8), gpus=2)
     with pytest.raises(P.PlanError, match="gpu_updated_units must be an integer >= 0"):

@@ -390,7 +390,7 @@ REFUSALS = {  # name: (arguments, words the one line must hold)
     "only-blank-lines": (["blank.jsonl", "--out", "o"], "no records, only blank lines"),
     "text-not-a-string": (["notext.jsonl", "--out", "o"], 'notext.jsonl:1: "text" must be a string, got int'),
     "no-assistant": (["noassistant.jsonl", "--out", "o"], "noassistant.jsonl:1: no assistant message"),
-    "val-fraction": (["ok.txt", "--out", "o", "--val-fraction", "1"], "--val-fraction must be >= 0 and < 1"),
+    "val-fraction": (["ok.txt", "--out", "o", "--val-fraction", "1"], "--val-fraction 1: it must be > 0 and < 1"),
     "all-in-val": (["ok.txt", "--out", "o", "--val-fraction", "0.5"], "the train split is empty"),
     "no-tokenizer-json": (["ok.txt", "--out", "o", "--tokenizer", "no-tokenizer"], "no tokenizer.json"),
     "native-without-template": (["ok.txt", "--out", "o", "--chat-format", "native"],

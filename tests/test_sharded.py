@@ -109,7 +109,7 @@ def _shard_states(t):
     out = []
     for u in range(len(t.units)):
         lo, hi = t.placement.part(t.units[u])
-        out.append(({s: v[:hi - lo].clone() for s, v in t.opt.state(u).items() if s in ckpt_read.STATES},
+        out.append(({s: v[:hi - lo].clone() for s, v in t.opt.tensors(u).items()},
                     t.opt.steps[u].item()))
     return out
 
@@ -169,8 +169,8 @@ def test_checkpoints_resume_bit_exact_and_reshard_1_to_2_and_2_to_1(tmp_path):
     back = engine(cfg, model.init_weights(cfg, 1), device="cpu", **one_kw)
     checkpoint.load(back, n2)
     for u in range(len(back.units)):
-        for s in ckpt_read.STATES:
-            assert torch.equal(back.opt.state(u)[s], torch.cat([r["states3"][u][0][s] for r in got]))
+        for s in back.opt.tensors(u):
+            assert torch.equal(back.opt.tensors(u)[s], torch.cat([r["states3"][u][0][s] for r in got]))
     assert all(torch.equal(back.weights()[k], r0["at3"][k]) for k in r0["at3"])
     back_rest = ([back.step(x, y) for x, y in batches[3:]], back.weights())
     # and training on from either agrees with the other world size as closely as test_n_ranks_... demands

@@ -1,8 +1,10 @@
 """The project's central test: stream.Trainer (weights in host memory, one layer at a time, recompute,
 layer-major micro-batches) equals plain PyTorch training (megatrain_min.reference: one autograd graph,
 torch.optim.AdamW) step for step, on the CPU in fp32.
-Tolerances (docs/design.md, section 'Numerics contract'): per-step loss <= 1e-5 relative; weight updates
-<= 1e-3 relative by the norm of their difference (Adam magnifies rounding in near-zero gradients)."""
+Tolerances (docs/design.md, section 'Numerics contract'): about 10x the difference measured on the dev machine,
+per dtype, the measurement beside each bound below; weight updates are compared by the norm of their difference
+(Adam magnifies rounding in near-zero gradients). A failure names the step, the tensor and the worst relative
+difference (conftest.check_loss, check_updates); `python -m pytest -s` prints every measured difference."""
 import dataclasses
 import gc
 import math
@@ -19,11 +21,32 @@ import cuda_doubles
 import model
 import optim
 import stream
-from conftest import ROOT, SPECIAL, engine, losses_agree, random_batch, update_rel
+from conftest import (ROOT, SPECIAL, check_loss, check_updates, engine, homed, losses_agree, random_batch,
+                      reference_lion, update_rel)
 from megatrain_min import plan
+from megatrain_min.gpu_update import GpuUpdated
+from megatrain_min.lion import Lion
+from megatrain_min.resident import Resident
 from megatrain_min.reference import ReferenceTrainer
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# Bounds: about 10x the worst difference measured on the 2-core dev machine (torch 2.13, CPU), the measurement
+# beside each; re-measure with `python -m pytest -s -v tests/test_stream.py | grep measured`. (The older 1e-5 and
+# 1e-3 let a clipping epsilon of 1e-3 instead of 1e-6 pass: it moves the clipped cases' updates to 3.5e-5..8.5e-5
+# and their losses to 3.8e-6.)
+# fp32 engine vs reference, per-step loss: measured 2.2e-7 (test_stream_equals_reference[toy-1-clip-ckpt-offload],
+# the worst of 80 steps); resident, GPU-updated, CUDA-double and tiled cases 6.5e-8..9e-8
+LOSS_FP32 = 2e-6
+# fp32 engine vs reference, weight updates: measured 2.9e-6 (the same case); resident, GPU-updated and CUDA-double
+# cases 5.7e-7..7.7e-7
+UPDATE_FP32 = 3e-5
+# the same at T = 2048 in tiles of 700 (test_tiled_engine_equals_reference_at_2048_tokens): measured 1.3e-5, its
+# longer sums rounding more
+UPDATE_FP32_LONG = 1.3e-4
+LOSS_BF16 = 3e-4       # bf16 engine vs the autocast reference, per-step loss: measured 2.6e-5
+# bf16 engine vs the autocast reference, weight updates: measured 6.7e-3 (32 layers of bf16 rounding; the design's
+# bound 1e-2 is kept, tighter than 10x: a bound is never loosened)
+UPDATE_BF16 = 1e-2
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["ckpt-gpu", "ckpt-offload"])
@@ -35,17 +58,12 @@ def test_stream_equals_reference(cfg, M, clip, offload):
     w0 = model.init_weights(cfg, seed=0)
     ours = engine(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, offload_activations=offload, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cpu", grad_clip=clip, micro_batches=M, **HP)
-    worst = 0.0
     for step in range(5):
         tok, tgt = random_batch(cfg, 4, 24, gen)
         ours.set_lr(HP["lr"] * (1 - 0.1 * step))
         ref.set_lr(HP["lr"] * (1 - 0.1 * step))
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        worst = max(worst, abs(a - b) / abs(b))
-        assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
-    rel = update_rel(w0, ours.weights(), ref.weights())
-    print(f"max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
-    assert rel <= 1e-3
+        check_loss(step, ours.step(tok, tgt), ref.step(tok, tgt), LOSS_FP32)
+    check_updates("after step 4", w0, ours.weights(), ref.weights(), UPDATE_FP32)
     assert set(ours.weights()) == set(w0)
 
 
@@ -62,15 +80,13 @@ def test_resident_units_equal_reference(cfg, resident, clip, offload):
                   resident_units=resident, **HP)
     ref = ReferenceTrainer(cfg, w0, device="cpu", grad_clip=clip, micro_batches=2, **HP)
     want = ours.order[:resident]
-    assert sorted(ours.opt.resident) == sorted(want) and want[0] == ours.embed
-    assert all(ours.opt.shadow is None or ours.opt.shadow[u] is None for u in want)
+    assert homed(ours, Resident) == sorted(want) and want[0] == ours.embed
+    assert all(ours.opt.shadow[u] is None for u in want)
     for step in range(4):
         tok, tgt = random_batch(cfg, 4, 24, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
-    rel = update_rel(w0, ours.weights(), ref.weights())
-    print(f"{len(want)} resident: update rel diff {rel:.1e}")
-    assert rel <= 1e-3 and all(ours.opt.steps[u].item() == 4 for u in range(len(ours.units)))
+        check_loss(step, ours.step(tok, tgt), ref.step(tok, tgt), LOSS_FP32)
+    check_updates(f"after step 3, {len(want)} resident", w0, ours.weights(), ref.weights(), UPDATE_FP32)
+    assert all(ours.opt.steps[u].item() == 4 for u in range(len(ours.units)))
 
 
 @pytest.mark.parametrize("n,resident", [(2, 0), (99, 1)], ids=["2-of-the-streamed", "every-streamed"])
@@ -94,29 +110,75 @@ def test_gpu_updated_units_equal_reference(cfg, dtype, mode, n, resident, clip, 
                   mode=mode, **kw)
     host = engine(cfg, w0, offload_activations=offload, resident_units=resident, mode=mode, **kw)
     ref = ReferenceTrainer(cfg, w0, **kw)
+    # the main thread (where a GPU-side update is issued) and the optimizer thread take a unit's squared norm with
+    # as many OpenMP threads, so that a reduction's order, and its bits, are the same on both (on a GPU: cuBLAS)
+    torch.set_num_threads(ours.lanes.threads[1])
     streamed = [u for u in ours.order[resident:] if u != ours.embed]
     want = streamed if n >= len(streamed) else [streamed[0], streamed[len(streamed) // 2]]
-    assert sorted(ours.opt.gpu_updated) == sorted(want) and ours.embed not in ours.opt.gpu_updated
+    assert homed(ours, GpuUpdated) == sorted(want) and ours.embed not in want
     moved = sum(4 * ours.units[u].numel for u in want)            # their fp32 gradients
-    assert ours.opt.nbytes(resident=True) == host.opt.nbytes(resident=True) + moved
+    assert ours.opt.nbytes(gpu=True) == host.opt.nbytes(gpu=True) + moved
     assert ours.opt.nbytes() == host.opt.nbytes() - (moved if clip else 0)   # (no clip: slabs, not counted)
     for step in range(4):
         tok, tgt = random_batch(cfg, 4, 24, gen)
         a, h, b = ours.step(tok, tgt), host.step(tok, tgt), ref.step(tok, tgt)
         assert a == h, f"step {step}: loss {a} vs the host-updated engine's {h}"
         if dtype == torch.float32:
-            assert abs(a - b) / abs(b) <= 1e-5, f"step {step}: loss {a} vs {b}"
+            check_loss(step, a, b, LOSS_FP32)
     ours.wait(), host.wait()
     for u in range(len(ours.units)):
-        mine, theirs = ours.opt.state(u), host.opt.state(u)
+        mine, theirs = ours.opt.tensors(u), host.opt.tensors(u)
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), ours.units[u].name
         assert ours.opt.steps[u].item() == host.opt.steps[u].item() == 4
-        if ours.opt.shadow and ours.opt.shadow[u] is not None:   # what the next forward streams
+        if ours.opt.shadow[u] is not None:   # what the next forward streams
             assert torch.equal(ours.opt.shadow[u], host.opt.shadow[u])
     if dtype == torch.float32:
-        rel = update_rel(w0, ours.weights(), ref.weights())
-        print(f"{len(want)} updated on the device: update rel diff {rel:.1e}")
-        assert rel <= 1e-3
+        check_updates(f"after step 3, {len(want)} updated on the device", w0, ours.weights(), ref.weights(),
+                      UPDATE_FP32)
+
+
+LION = dict(lr=1e-3, weight_decay=1.0)   # the Lion paper's advice against HP's AdamW: lr 10x lower, decay 10x higher
+
+
+@pytest.mark.parametrize("cfg,dtype,clip,M,homes", [
+    pytest.param(model.PRESETS["toy"], torch.float32, 0.0, 2, {}, id="toy-fp32-noclip-streamed"),
+    pytest.param(SPECIAL, torch.float32, 1.0, 2, dict(resident_units=2), id="tied-fp32-clip-2-resident"),
+    pytest.param(model.PRESETS["toy"], torch.float32, 1.0, 1, dict(gpu_updated_units=2), id="toy-fp32-clip-2-gpu-updated"),
+    pytest.param(model.PRESETS["toy"], torch.bfloat16, 0.0, 2, dict(resident_units=1, gpu_updated_units=2),
+                 id="toy-bf16-noclip-resident-and-gpu-updated"),
+    pytest.param(SPECIAL, torch.bfloat16, 1.0, 1, {}, id="tied-bf16-clip-streamed", marks=pytest.mark.slow),
+    pytest.param(SPECIAL, torch.float32, 0.0, 1, dict(gpu_updated_units=99), id="tied-fp32-every-gpu-updated",
+                 marks=pytest.mark.slow)])
+def test_lion_through_the_engine_equals_the_papers_lion(cfg, dtype, clip, M, homes):
+    """The update rule is handed in: megatrain_min.lion.Lion (one moment: the store holds master, m and -- clipping
+    -- the gradient) through the streaming engine equals plain PyTorch training with Lion written from the paper
+    (conftest.ReferenceLion, the whole model in memory): fp32 and bf16 (against the autocast reference), clipping
+    on and off, micro-batches, resident and GPU-updated units, tied and untied embeddings. Lion's update is the
+    sign of a sum: in fp32 the two runs' weights are the same (measured: none differs after 4 steps); in bf16 a
+    gradient's rounding flips the sign where the sum is near 0, so the first step's updates are compared element by
+    element (measured: at most 0.07% differ; bound 1%) and every step's loss (measured <= 8.8e-5; bound 1e-3)."""
+    gen = torch.Generator().manual_seed(7)
+    w0 = model.init_weights(cfg, seed=0)
+    kw = dict(device="cpu", dtype=dtype, grad_clip=clip, micro_batches=M, **LION)
+    ours = engine(cfg, w0, rule=Lion(), **homes, **kw)
+    ref = ReferenceTrainer(cfg, w0, optimizer=reference_lion(), **kw)
+    assert list(ours.opt.tensors(0)) == ["master", "m"]
+    worst = 0.0
+    for step in range(4):
+        tok, tgt = random_batch(cfg, 4, 24, gen)
+        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
+        worst = max(worst, abs(a - b) / abs(b))
+        if step == 0:
+            mine, theirs = ours.weights(), ref.weights()
+            flipped = sum(int((mine[k] != theirs[k]).sum()) for k in mine) / model.n_params(cfg)
+    mine, theirs = ours.weights(), ref.weights()
+    differ = sum(int((mine[k] != theirs[k]).sum()) for k in mine) / model.n_params(cfg)
+    print(f"Lion engine vs the paper's Lion ({dtype}): max loss rel diff {worst:.1e}, weights differing after the "
+          f"first step {flipped:.2%}, after 4 steps {differ:.2%}")
+    if dtype == torch.float32:   # measured: loss <= 8.4e-8, no weight differs
+        assert worst <= 1e-6 and differ <= 1e-4, f"loss rel diff {worst:.1e}, {differ:.2%} of the weights differ"
+    else:                        # measured: loss <= 8.8e-5, <= 0.07% differ after the first step
+        assert worst <= 1e-3 and flipped <= 0.01, f"loss rel diff {worst:.1e}, {flipped:.2%} of the updates differ"
 
 
 def test_resident_units_store_and_guard(gen):
@@ -127,8 +189,8 @@ def test_resident_units_store_and_guard(gen):
     w0 = model.init_weights(cfg, 0)
     t = engine(cfg, w0, device="cpu", dtype=torch.bfloat16, resident_units=2, skip_nonfinite=True, **HP)
     host = engine(cfg, w0, device="cpu", dtype=torch.bfloat16, **HP)
-    n_res = sum(t.units[u].numel for u in t.opt.resident)
-    assert t.opt.nbytes() == host.opt.nbytes() - 14 * n_res and t.opt.nbytes(resident=True) == 16 * n_res
+    n_res = sum(t.units[u].numel for u in homed(t, Resident))
+    assert t.opt.nbytes() == host.opt.nbytes() - 14 * n_res and t.opt.nbytes(gpu=True) == 16 * n_res
     tok, tgt = random_batch(cfg, 2, 16, gen)
     t.step(tok, tgt)
     before = t.weights()
@@ -149,8 +211,9 @@ def test_micro_batches_equal_one_batch():
     gen = torch.Generator().manual_seed(3)
     w0 = model.init_weights(cfg, 0)
     one, four = (engine(cfg, w0, device="cpu", micro_batches=m, **HP) for m in (1, 4))
-    losses_agree(four, one, cfg, gen, steps=3, B=8, T=16, rtol=1e-6)
-    assert update_rel(w0, four.weights(), one.weights()) <= 1e-4
+    losses_agree(four, one, cfg, gen, steps=3, B=8, T=16, rtol=1e-6)                      # measured 1.0e-7
+    # measured 1.8e-5 (the older bound 1e-4 kept, tighter than 10x)
+    check_updates("after step 2, 4 micro-batches vs 1", w0, four.weights(), one.weights(), 1e-4)
 
 
 def test_two_identical_runs_match_bit_for_bit():
@@ -172,7 +235,7 @@ def test_evaluate_equals_reference_loss(gen):
     t = engine(cfg, w0, device="cpu", micro_batches=2, chunk_tokens=5, **HP)
     tok, tgt = random_batch(cfg, 4, 16, gen)
     ref = model.loss(cfg, w0, tok, tgt).item()
-    assert abs(t.evaluate(tok, tgt) - ref) / ref <= 1e-6
+    check_loss(0, t.evaluate(tok, tgt), ref, 1e-6, "evaluation loss")                  # measured 1.0e-7
     assert all(torch.equal(v, w0[k]) for k, v in t.weights().items())  # evaluation changes nothing
 
 
@@ -184,7 +247,7 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     tok, tgt = random_batch(cfg, 2, 16, gen)
     t.step(tok, tgt)
     before = t.weights()
-    m_before = [t.opt.state(u)["m"].clone() for u in range(len(t.units))]
+    m_before = [t.opt.tensors(u)["m"].clone() for u in range(len(t.units))]
     emb = t.units[0].views(t.opt.master[0])["embed"]
     saved = emb[tok[0, 0]].clone()
     emb[tok[0, 0], 0] = float("inf")   # poison one embedding row that the batch uses
@@ -193,7 +256,7 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(gen, clip):
     emb[tok[0, 0]] = saved
     after = t.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(torch.equal(m, t.opt.state(u)["m"]) for u, m in enumerate(m_before))
+    assert all(torch.equal(m, t.opt.tensors(u)["m"]) for u, m in enumerate(m_before))
     assert all(t.opt.steps[u].item() == 1 for u in range(len(t.units)))  # step counts untouched too
     t.step(tok, tgt)
     assert not t.guard.skipped
@@ -224,7 +287,6 @@ def test_host_store_layout_bf16_shadow():
     """In fast mode with a bf16 compute dtype the store keeps an exact bf16 copy of each master unit."""
     cfg = model.PRESETS["toy"]
     t = engine(cfg, model.init_weights(cfg, 0), device="cpu", dtype=torch.bfloat16)
-    assert t.opt.shadow is not None
     for u in range(len(t.units)):
         assert torch.equal(t.opt.shadow[u], t.opt.master[u].to(torch.bfloat16))
     assert t.wslot[0].dtype == torch.bfloat16 and t.gslot[0].dtype == torch.float32
@@ -279,9 +341,7 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
     worst = 0.0
     for step in range(2):
         tok, tgt = random_batch(cfg, B, T, gen)
-        a, b = ours.step(tok, tgt), ref.step(tok, tgt)
-        worst = max(worst, abs(a - b) / abs(b))
-        assert abs(a - b) / abs(b) <= loss_tol, f"step {step}: loss {a} vs {b}"
+        worst = max(worst, check_loss(step, ours.step(tok, tgt), ref.step(tok, tgt), loss_tol))
     return worst, update_rel(w0, ours.weights(), ref.weights())
 
 
@@ -290,16 +350,15 @@ def two_steps_against(ours, ref, w0, cfg, B, T, loss_tol):
 @pytest.mark.parametrize("M", [1, 2])
 def test_bf16_engine_equals_autocast_reference(M, clip, resident):
     """bf16 compute: the engine (blocks and head under autocast, fp32 residual, weights from the bf16
-    shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= 1e-3
-    relative at every step, weight updates <= 1e-2 relative after 2 steps (docs/design.md, section 'Numerics
-    contract')."""
+    shadow) equals the reference trainer under torch.autocast(bf16) on a 32-layer narrow model: loss <= LOSS_BF16
+    relative at every step, weight updates <= UPDATE_BF16 relative after 2 steps (docs/design.md, section
+    'Numerics contract')."""
     w0 = model.init_weights(NARROW, 0)
     ours = engine(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M,
                   resident_units=resident, **HP)
     ref = ReferenceTrainer(NARROW, w0, device="cpu", dtype=torch.bfloat16, grad_clip=clip, micro_batches=M, **HP)
-    worst, rel = two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=1e-3)
-    print(f"bf16 engine vs autocast reference: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
-    assert rel <= 1e-2
+    two_steps_against(ours, ref, w0, NARROW, 4, 32, loss_tol=LOSS_BF16)
+    check_updates("after step 1 (bf16)", w0, ours.weights(), ref.weights(), UPDATE_BF16)
 
 
 def test_bf16_residual_option_is_explicit_and_drifts_further():
@@ -357,11 +416,11 @@ def test_pinned_buffers_are_made_once_and_grow_only_to_the_largest_shape():
     t = engine(cfg, model.init_weights(cfg, 0), device="cpu", offload_activations=True, micro_batches=2, **HP)
     gen = torch.Generator().manual_seed(0)
     t.step(*random_batch(cfg, 4, 16, gen))
-    first = {k: v.data_ptr() for k, v in t.pinned_buffers.items()}
+    first = {k: v.data_ptr() for k, v in t.host_buffers.items()}
     assert set(first) == {"targets", "rows", "dy", "activations", "loss"}
     t.step(*random_batch(cfg, 4, 16, gen))
     t.evaluate(*random_batch(cfg, 2, 8, gen))
-    assert {k: v.data_ptr() for k, v in t.pinned_buffers.items()} == first       # smaller: the same pages
+    assert {k: v.data_ptr() for k, v in t.host_buffers.items()} == first       # smaller: the same pages
     largest = {"activations": cfg.n_layer * 4 * 16 * cfg.d_model, "targets": 4 * 16}
     for B, T in ((2, 8), (4, 32), (2, 24), (4, 16)):
         t.step(*random_batch(cfg, B, T, gen))
@@ -369,9 +428,9 @@ def test_pinned_buffers_are_made_once_and_grow_only_to_the_largest_shape():
         largest = {"activations": max(largest["activations"], cfg.n_layer * B * T * cfg.d_model),
                    "targets": max(largest["targets"], B * (T + 1))}
         ring = t.activations.ring
-        assert set(t.pinned_buffers) == set(first) and len(t.rope) == 1 and ring[0].shape == (B, T, cfg.d_model)
+        assert set(t.host_buffers) == set(first) and len(t.rope) == 1 and ring[0].shape == (B, T, cfg.d_model)
         assert t.activations.host.shape == (cfg.n_layer, B, T, cfg.d_model) and t.batch.tokens.shape == (B, T + 1)
-        assert {k: t.pinned_buffers[k].numel() for k in largest} == largest and list(t.rope) == [T + 1]
+        assert {k: t.host_buffers[k].numel() for k in largest} == largest and list(t.rope) == [T + 1]
     t.wait()
 
 
@@ -406,8 +465,8 @@ def test_the_optimizer_thread_selects_the_trainers_gpu(monkeypatch):
     import threading
     gpu = cuda_doubles.install(monkeypatch, devices=4)
     lanes = stream.Lanes(torch.device("cuda", 3))
-    assert lanes.submit(lambda: threading.current_thread().name).result().startswith("adamw")
-    assert [(who.startswith("adamw"), d) for who, d in gpu.set_device_calls] == [(True, 3)], gpu.set_device_calls
+    assert lanes.submit(lambda: threading.current_thread().name).result().startswith("optimizer")
+    assert [(who.startswith("optimizer"), d) for who, d in gpu.set_device_calls] == [(True, 3)], gpu.set_device_calls
     assert {s.device for s in gpu.streams} == {torch.device("cuda", 3)}
     lanes.worker.shutdown()
     gpu.set_device(1)                                       # the current device: what "cuda" means
@@ -449,12 +508,13 @@ def test_a_cuda_trainer_built_and_stepped_through_validating_doubles(monkeypatch
     assert t.dev == t.lanes.device == torch.device("cuda", 0)
     assert {s.device for s in gpu.streams} == {t.dev} and len(gpu.streams) == 3     # h2d, compute, d2h
     worker = [] if p["resident_units"] == len(t.units) else [(True, 0)]   # all resident: the thread never starts
-    assert [(who.startswith("adamw"), d) for who, d in gpu.set_device_calls] == worker, gpu.set_device_calls
-    assert all(abs(ours - theirs) / theirs <= 1e-5 for ours, theirs in zip(losses, expected)), (losses, expected)
-    assert update_rel(w0, got, ref.weights()) <= 1e-3
-    assert len(t.opt.resident) == p["resident_units"] == (0 if resident == 0 else len(t.units) if resident is None
-                                                          else resident)
-    assert len(t.opt.gpu_updated) == p["gpu_updated_units"] == gpu_updated
+    assert [(who.startswith("optimizer"), d) for who, d in gpu.set_device_calls] == worker, gpu.set_device_calls
+    for step, (ours, theirs) in enumerate(zip(losses, expected)):
+        check_loss(step, ours, theirs, LOSS_FP32)
+    check_updates("after step 2", w0, got, ref.weights(), UPDATE_FP32)
+    assert len(homed(t, Resident)) == p["resident_units"] == (0 if resident == 0 else len(t.units)
+                                                               if resident is None else resident)
+    assert len(homed(t, GpuUpdated)) == p["gpu_updated_units"] == gpu_updated
     registered = gpu.cudart.registered
     print(f"page-locked: {sum(registered.values()):,} B in {len(registered)} buffers; plan: {p['pinned_bytes']:,} B")
     assert 0 <= sum(registered.values()) - p["pinned_bytes"] <= len(registered) * mmap.PAGESIZE
@@ -487,13 +547,12 @@ LONG = model.GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model
 def test_tiled_engine_equals_reference_at_2048_tokens():
     """Sequence tiling in the engine (tiles of 700 tokens: 2048 is not a multiple), boundary activations through
     the host ring as at long T, against the plain PyTorch reference, which runs the untiled layer: 2 steps at 2 x 2048
-    tokens in 2 micro-batches, loss <= 1e-5, updates <= 1e-3."""
+    tokens in 2 micro-batches, loss <= LOSS_FP32, updates <= UPDATE_FP32_LONG."""
     w0 = model.init_weights(LONG, seed=0)
     ours = engine(LONG, w0, device="cpu", micro_batches=2, offload_activations=True, tile_tokens=700, **HP)
     ref = ReferenceTrainer(LONG, w0, device="cpu", micro_batches=2, **HP)
-    worst, rel = two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=1e-5)
-    print(f"tiled engine vs reference at T=2048: max loss rel diff {worst:.1e}, update rel diff {rel:.1e}")
-    assert rel <= 1e-3
+    two_steps_against(ours, ref, w0, LONG, 2, 2048, loss_tol=LOSS_FP32)
+    check_updates("after step 1, tiles of 700 at T=2048", w0, ours.weights(), ref.weights(), UPDATE_FP32_LONG)
     with pytest.raises(ValueError, match="tile_tokens"):
         engine(LONG, w0, device="cpu", tile_tokens=-1)
     with pytest.raises(ValueError, match="tile_tokens"):

@@ -76,7 +76,8 @@ x = torch.randn(1, Tc, cfg.d_model)                                   # (1, T, d
 
 
 def mlp(h):
-    """(B, t, d) -> (B, t, d): SwiGLU, with a (B, t, d_ff) intermediate."""
+    """(B, t, d) -> (B, t, d): SwiGLU, with a (B, t, d_ff) intermediate: model.mlp written out (its
+    activation is cfg.hidden_act, SiLU here; the check below holds the two equal)."""
     return F.linear(
         F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"]),
                     w["mlp.down_proj.weight"])
@@ -86,7 +87,9 @@ with torch.no_grad():
     whole = mlp(x)                                                   # a (1, 1024, 512) intermediate
     # (1, 256, 512) at a time
     tiled = torch.cat([mlp(x[:, s:s + 256]) for s in range(0, Tc, 256)], dim=1)
-print(f"MLP whole vs in tiles of 256: max |diff| = {(whole - tiled).abs().max():.1e}")
+    same_as_model = torch.equal(whole, model.mlp(cfg, x, w))          # the same ops, the same bits
+print(f"MLP whole vs in tiles of 256: max |diff| = {(whole - tiled).abs().max():.1e}; equal to "
+      f"model.mlp: {same_as_model}")
 
 # %% [markdown]
 # `tiling.Tiled(tile_tokens)` does this for the whole layer: its `block` and `block_grad` are what
@@ -228,13 +231,15 @@ print("published: MegaTrain 7B at 512k on one GH200; ALST Llama-8B at 500k on on
 # ## Check
 #
 # * the tiled layer equals the untiled one (forward, dx, every weight gradient) to <= 1e-6 in fp32,
-#   for a tile that divides T and one that does not; the tiled MLP equals the whole one;
+#   for a tile that divides T and one that does not; the tiled MLP equals the whole one, and the
+#   MLP written out here equals model.mlp bit for bit (so the two cannot drift apart);
 # * with tiles, no tensor of T x d_ff elements is ever made;
 # * 7b at 524,288 tokens fits a GH200 with 480 GB of host memory, and each technique switched off
 #   shortens the longest context.
 
 # %%
 assert (whole - tiled).abs().max() < 1e-5
+assert same_as_model, "mlp() above is no longer model.py's MLP (model.mlp, cfg.hidden_act)"
 assert max(errs.values()) <= 1e-6, errs
 assert largest[0] >= Tc * cfg.d_ff > largest[256]
 assert base["fits"] and base["tile_tokens"] and base["offload_activations"]

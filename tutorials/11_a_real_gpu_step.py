@@ -28,6 +28,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent if "__file__" in globals() else Path.cwd().resolve()
 ROOT = HERE.parent
 RUN = ROOT / "bench" / "results" / "2026-11-27-nvidia-h200"
+MISSING = [name for name in ("trace_extract.json", "results.json") if not (RUN / name).is_file()]
+if MISSING:   # the lesson copied away from the repository, or a checkout without bench/results
+    raise SystemExit(f"error: lesson 11 reads {RUN / MISSING[0]}, committed with the repository; "
+                     "run it from a clone that has bench/results/ (git checkout -- bench/results)")
 X = json.loads((RUN / "trace_extract.json").read_text())
 meta, cfg, lanes, STEP = X["meta"], X["config"], X["lanes"], X["step"]["end"]
 print(f"{meta['device']}, {meta['cpus']} host cores, torch {meta['torch']}; {cfg['layers']} layers "

@@ -36,6 +36,7 @@ Try it
 """
 import dataclasses
 import functools
+import warnings
 
 import model
 import stream
@@ -57,7 +58,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
          host_mem_gb=None, host_bw_gbs=None, residual_dtype="fp32", grad_slabs=None,
          skip_nonfinite=True, chunk_tokens=None, host_speed=1.0, name=None, tile_tokens=None,
          gpus=1,
-         nodes=1, device=None, resident_units=None, gpu_updated_units=None):
+         nodes=1, device=None, resident_units=None, gpu_updated_units=None,
+         optimizer=cli.DEFAULTS["optimizer"]):
     """The memory and throughput plan of training cfg: a JSON-ready dict (report.py prints it).
 
     hardware: a hardware.HARDWARE name, "local", or a dict like HARDWARE's rows. batch_size:
@@ -85,7 +87,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     fit in the memory the step leaves (one rank). gpu_updated_units: how many of the other streamed
     units are updated on the GPU (megatrain_min/gpu_update.py: their gradient there, 4 B/param;
     master, m, v cross both ways); None: the count that makes the simulated step fastest, within
-    the memory left (gpu_updates). mode "auto": the plan picks (auto_mode).
+    the memory left (gpu_updates). mode "auto": the plan picks (auto_mode). optimizer: the update
+    rule (cli.RULES): its state is 4 B/param per name on the host, its update's DRAM traffic 8.
     """
     if mode == "auto":
         return auto_mode(cfg, **{k: v for k, v in locals().items() if k not in ("cfg", "mode")})
@@ -97,20 +100,34 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
             raise ValueError(f"tile_tokens must be >= 0 (0 = no tiling), got {tile_tokens}")
         s = Setting(cfg, hw, batch_size, seq_len or cfg.max_seq_len, micro_batches, mode, dtype,
                     residual_dtype, grad_clip, skip_nonfinite, chunk_tokens, host_speed, gpus,
-                    nodes)
+                    nodes, optimizer)
     except ValueError as e:
         raise PlanError(str(e)) from None
     name = name or next((k for k, c in model.PRESETS.items() if c == cfg), "this config")
 
-    # ---- memory: the GPU's (tile, boundary activations, resident units), then the host's
-    tile = memory.tile(s, tile_tokens, offload_activations)
-    gpu, offloaded, resident = memory.gpu(s, tile, offload_activations, resident_units)
-    if gpu_updated_units is not None and not (checks.integer(gpu_updated_units) and
-                                              gpu_updated_units >= 0):
-        raise PlanError(f"gpu_updated_units must be an integer >= 0, got {gpu_updated_units!r}")
+    # ---- the units kept on the GPU: counts any run can have
+    for arg, n in (("resident_units", resident_units), ("gpu_updated_units", gpu_updated_units)):
+        if n is not None and not (checks.integer(n) and n >= 0):
+            raise PlanError(f"{arg} must be an integer >= 0, got {n!r}")
+    if resident_units and s.world > 1:
+        raise PlanError(f"--resident-units {resident_units}: units kept resident need one process "
+                        f"holding whole units; {s.world} sharded ranks stream every unit, each "
+                        "holding 1/N of it (--resident-units 0)")
     if gpu_updated_units and s.world > 1:
         raise PlanError("units updated on the GPU need one process holding whole units; sharded "
                         "ranks update every unit on the host (--gpu-updated-units 0)")
+
+    # ---- memory: the GPU's (tile, boundary activations, resident units), then the host's
+    tile = memory.tile(s, tile_tokens, offload_activations)
+    gpu, offloaded, resident = memory.gpu(s, tile, offload_activations, resident_units)
+    if resident_units is None and gpu_updated_units and s.cuda and s.world == 1:
+        # the GPU updates asked for take their room first: as many residents as fit beside them
+        room = memory.RESIDENT_HEADROOM * hw["gpu_mem_gb"] * GB
+        r = len(resident)
+        while r and sum(memory.gpu(s, tile, offloaded, r)[0].values()) + memory.gpu_bytes_of(
+                s, gpu_update.chosen(s.order, r, s.embed, gpu_updated_units)) > room:
+            r -= 1
+        gpu, offloaded, resident = memory.gpu(s, tile, offloaded, r)
     # ---- time: each visit's seconds, the slabs that hide a gradient's trip, the schedule replayed
     v = timing.speeds(s)
     t, numel, rate = timing.visits(s, tile, v)
@@ -182,12 +199,12 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     # ---- the plan, JSON-ready
     return dict(
         config=name, model=cfg.to_dict(), hardware=hw, mode=mode, mode_asked=mode, mode_why=None,
-        dtype=dtype,
+        dtype=dtype, optimizer=optimizer,
         residual_dtype=residual_dtype, batch_size=batch_size, seq_len=s.seq_len,
         micro_batches=micro_batches, tokens_per_step=s.tokens_step, gpus=gpus, nodes=nodes,
         world=s.world, grad_clip=grad_clip, defer_updates=s.defer, chunk_tokens=chunk_tokens,
         host_speed=host_speed, tile_tokens=tile, tile_asked=tile_tokens,
-                skip_nonfinite=skip_nonfinite,
+        skip_nonfinite=skip_nonfinite, host_mem_asked=host_mem_gb,
         grad_slabs=slabs, grad_slabs_asked=grad_slabs, grad_slabs_fewest=fewest,
         offload_activations=bool(offloaded),
         offload_asked=offload_activations, resident_units=len(resident),
@@ -268,7 +285,8 @@ def replan(p, **change):
               skip_nonfinite=p["skip_nonfinite"], chunk_tokens=p["chunk_tokens"],
               host_speed=p["host_speed"], tile_tokens=p["tile_asked"], gpus=p["gpus"],
               nodes=p["nodes"], resident_units=p["resident_asked"],
-              gpu_updated_units=p["gpu_updated_asked"])
+              gpu_updated_units=p["gpu_updated_asked"], host_mem_gb=p["host_mem_asked"],
+              optimizer=p["optimizer"])
     cfg = change.pop("cfg", None) or model.GPTConfig(**p["model"])
     kw.update(change)
     # train.py's --max-seq-len applies to whichever preset: plan at the asked length (the
@@ -281,7 +299,9 @@ def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
     """plan() for the command-line flags of megatrain_min/cli.py (hw: --hardware unless given;
     guarded: train.py's non-finite guard; change: arguments of plan() that replace the flags').
     real: the plan of a run about to train here, whose --host-mem may lower this machine's memory,
-    never raise it."""
+    never raise it, and whose --engine reference keeps no unit on the GPU (nothing streams). A
+    count of units above what the model has is used as all of them, with a warning when the plan
+    fits (capped)."""
     if real and a.host_mem is not None and a.host_mem * GB > hardware.host_available_bytes():
         raise PlanError(f"--host-mem {a.host_mem:g} GB is more than this machine has "
                         f"available ({hardware.host_available_bytes() / GB:.0f} GB); a run is "
@@ -294,5 +314,31 @@ def from_flags(a, cfg, hw=None, guarded=True, real=False, **change):
               host_mem_gb=a.host_mem, host_bw_gbs=a.host_bw, tile_tokens=a.tile_tokens,
               skip_nonfinite=guarded, gpus=a.gpus, nodes=a.nodes,
               resident_units=getattr(a, "resident_units", None),
-              gpu_updated_units=getattr(a, "gpu_updated_units", None))
-    return plan(cfg, hw or a.hardware, **{**kw, **change})
+              gpu_updated_units=getattr(a, "gpu_updated_units", None),
+              optimizer=getattr(a, "optimizer", cli.DEFAULTS["optimizer"]))
+    if real and getattr(a, "engine", "stream") == "reference":   # one model in memory, no units
+        kw.update(resident_units=0, gpu_updated_units=0)
+    p = plan(cfg, hw or a.hardware, **{**kw, **change})
+    for line in capped(p) if p["fits"] else ():   # (a plan that does not fit: its refusal says it)
+        warnings.warn(line)
+    return p
+
+
+def capped(p):
+    """The lines that say where plan p used fewer units than asked: a count above the units
+    there are (--resident-units), or above the streamed units a GPU may update (every one but the
+    embedding: --gpu-updated-units)."""
+    n = len(model.units(model.GPTConfig(**p["model"])))
+    k = p["resident_units"]
+    g = p["gpu_updated_units"]
+    lines = []
+    if p["resident_asked"] is not None and p["resident_asked"] > k:
+        lines.append(f"--resident-units {p['resident_asked']} is more than the {n} units "
+                     f"{p['config']} has: all {k} are kept resident")
+    if p["gpu_updated_asked"] is not None and p["gpu_updated_asked"] > g:
+        asked = f"--gpu-updated-units {p['gpu_updated_asked']}"
+        lines.append(f"{asked}: no unit streams (all {k} are resident), so none is updated on "
+                     "the GPU" if not g else
+                     f"{asked} is more than the {g} streamed units the GPU can update (every "
+                     f"one but the embedding): all {g} are updated there")
+    return lines

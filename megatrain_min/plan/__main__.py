@@ -26,6 +26,7 @@ def main(argv=None):
                     help="print one JSON object instead of the table")
     a = ap.parse_args(argv)
     cli.survive_closed_pipe()
+    cli.warn_in_one_line()
     try:
         cli.check(a)
         if a.config not in model.PRESETS:

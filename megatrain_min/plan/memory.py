@@ -4,7 +4,8 @@ What it is
     The plan's memory steps, each from a Setting (setting.py): tile (the sequence tile, the
     planner's choice unless asked), gpu (the weight and gradient slots, the step's working set, the
     boundary activations on the device or through a ring to the host, the units kept resident), host
-    (the store: fp32 master, m, v, the bf16 shadow, the fp32 gradient store or slabs; pinned
+    (the store: fp32 master, the rule's state, the bf16 shadow, the fp32 gradient store or slabs;
+    pinned
     buffers; the runtime) and what of it is page-locked. Below them, what one step holds on the
     device: block_activation_bytes (one layer's backward, untiled or in tiles:
     megatrain_min/tiling.py), attention_bytes (the whole sequence's attention at the peak of the
@@ -30,11 +31,21 @@ CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-alloc
 # token-local activations is ~2 GB (~140 GB untiled at 512k tokens).
 TILE_HEADROOM = 0.9
 TILE_TOKENS = 8192
-# Resident units (stream.Trainer(resident_units=)): the plan fills the GPU memory the step leaves,
-# up to RESIDENT_HEADROOM of it, with whole units in the order the forward needs them, 16 B/param
-# each (fp32 master, m, v, gradient).
+# Resident units (megatrain_min/resident.py): the plan fills the GPU memory the step leaves, up to
+# RESIDENT_HEADROOM of it, with whole units in the order the forward needs them (resident_bytes:
+# fp32 master, the rule's state, gradient; 16 B/param with AdamW).
 RESIDENT_HEADROOM = 0.9
-UNPINNED = {"Adam m (fp32)", "Adam v (fp32)"}   # host components no copy engine reads or writes
+
+
+def resident_bytes(s):
+    """A resident unit's GPU bytes per parameter: its fp32 master, state and gradient."""
+    return 4 * (2 + s.states)
+
+
+def state_names(s):
+    """The host components of the update rule's state: "AdamW m (fp32)", ...: no copy engine reads
+    or writes them (but of a unit updated on the GPU: host(on_gpu))."""
+    return [f"{s.rule.__name__} {name} (fp32)" for name in s.rule.state]
 
 
 def count(n):
@@ -79,7 +90,7 @@ def gpu(s, tile_tokens, offload=None, resident=None):
     held = residents(s, resident, sum(gpu.values()))
     if held:
         gpu[f"resident units: {len(held)} of {len(s.units)}, 16 B/param"] = \
-            16 * sum(s.units[u].numel for u in held)
+            resident_bytes(s) * sum(s.units[u].numel for u in held)
     return gpu, offloaded, held
 
 
@@ -126,8 +137,8 @@ def residents(s, asked, gpu_bytes):
     k = asked or 0
     if asked is None and s.cuda and s.world == 1:      # as many as fit in what the step leaves
         room = RESIDENT_HEADROOM * s.hw["gpu_mem_gb"] * GB - gpu_bytes
-        while k < len(s.order) and 16 * s.units[s.order[k]].numel <= room:
-            room, k = room - 16 * s.units[s.order[k]].numel, k + 1
+        while k < len(s.order) and resident_bytes(s) * s.units[s.order[k]].numel <= room:
+            room, k = room - resident_bytes(s) * s.units[s.order[k]].numel, k + 1
     return set(s.order[:k])
 
 
@@ -139,14 +150,14 @@ def gpu_updated(s, resident, n, gpu):
     if units:
         grads, scratch = gpu_parts_of(s, units)
         gpu[f"GPU-updated units: {len(units)}, fp32 grads 4 B/param"] = grads
-        gpu["GPU update scratch: 2 x master, m, v" + (", shadow" if s.shadow else "")] = scratch
+        gpu["GPU update scratch: 2 x master, state" + (", shadow" if s.shadow else "")] = scratch
     return set(units)
 
 
 def gpu_parts_of(s, units):
-    """(gradients, scratches): the GPU bytes of updating `units` there (gpu_update.GpuUpdates)."""
+    """(gradients, scratches): the GPU bytes of updating `units` there (gpu_update.GpuUpdated)."""
     big = max((s.units[u].numel for u in units), default=0)
-    return 4 * sum(s.units[u].numel for u in units), 2 * big * (12 + 2 * s.shadow)
+    return 4 * sum(s.units[u].numel for u in units), 2 * big * (4 * (1 + s.states) + 2 * s.shadow)
 
 
 def gpu_bytes_of(s, units):
@@ -170,16 +181,16 @@ def gpu_updatable(s, resident, gpu_bytes):
 
 def host(s, resident, slabs, offloaded, gpu_bytes, on_gpu=frozenset()):
     """The host's bytes by component, of one node (its gpus ranks, each with 1/N of the store:
-    optim. HostAdamW and stream.py's pinned buffers): (host, the per-parameter store's bytes, the
-    bytes page-locked -- optim.page_locked, what a copy engine reads or writes: not Adam's m and v,
-    nor the fp32 master when a bf16 shadow is what crosses -- but of a unit updated on the GPU
-    (on_gpu) master, m and v cross, and its gradient stays there)."""
+    optim.HostStore and stream.py's pinned buffers): (host, the per-parameter store's bytes, the
+    bytes page-locked -- optim.page_locked, what a copy engine reads or writes: not the rule's
+    state, nor the fp32 master when a bf16 shadow is what crosses -- but of a unit updated on the
+    GPU (on_gpu) master and state cross, and its gradient stays there)."""
     cfg, gpus = s.cfg, s.gpus
 
     def per_unit(bytes_per_param):   # of every unit the host keeps (not the resident ones)
         return gpus * sum(s.shard(u.numel) * bytes_per_param
                           for i, u in enumerate(s.units) if i not in resident)
-    host = {"fp32 master": per_unit(4), "Adam m (fp32)": per_unit(4), "Adam v (fp32)": per_unit(4)}
+    host = {"fp32 master": per_unit(4), **{name: per_unit(4) for name in state_names(s)}}
     if s.shadow:
         host["bf16 shadow (streamed)"] = per_unit(2)
     if s.defer:
@@ -196,9 +207,9 @@ def host(s, resident, slabs, offloaded, gpu_bytes, on_gpu=frozenset()):
     else:
         host["pinned buffers: embedding rows, dy, targets"] = \
             gpus * (s.tokens_step * cfg.d_model * s.row_b + s.act_step + s.tokens * 8)
-    unpinned = UNPINNED | ({"fp32 master"} if s.shadow else set())
+    unpinned = set(state_names(s)) | ({"fp32 master"} if s.shadow else set())
     pinned = sum(v for k, v in host.items() if s.cuda and k not in unpinned) + s.cuda * gpus * \
-        sum(s.shard(s.units[u].numel) * (8 + 4 * s.shadow) for u in on_gpu)   # m, v (+ master)
+        sum(s.shard(s.units[u].numel) * 4 * (s.states + s.shadow) for u in on_gpu)  # (+ master)
     host["runtime: Python, torch" + (", CUDA" if s.cuda else "")] = \
         gpus * (RUNTIME if s.cuda else 10**9)
     if not s.cuda:

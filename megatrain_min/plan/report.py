@@ -81,16 +81,17 @@ def format_plan(p):
              (f"   {verdict(p['fits_gpu'])} in {size(hw['gpu_mem_gb'] * GB)}" if cuda else ""), "",
              resident_line(p), "",
              f"{'time per layer visit':<50}{'ms':>10}"]
-    adam = "CPU AdamW" + (" + grad-norm pass" if p["defer_updates"] else "")
+    rule = cli.RULES[p["optimizer"]].__name__           # the update rule: AdamW, Lion
+    adam = f"CPU {rule}" + (" + grad-norm pass" if p["defer_updates"] else "")
     rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
         ("H2D weights", t["load"]), ("forward: 2NT + attention", t["fwd"]),
         ("recompute + backward: 2NT + 4NT + attention", t["bwd"]), ("D2H fp32 gradient", t["grad"]),
         (adam, t["adam"] + t["norm"] * p["defer_updates"]),
         ("head: loss forward + backward, 6 V d T", t["head"]))]
-    if p["gpu_updated_units"]:                     # gpu_update.GpuUpdates.step: its copies each way
+    if p["gpu_updated_units"]:                     # gpu_update.GpuUpdated.update: copies each way
         rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
-            ("GPU-updated unit: master, m, v H2D (+ AdamW)", t["visit_h2d"] + t["gpu_adam"]),
-            ("GPU-updated unit: master, m, v (+ shadow) D2H", t["visit_d2h"]))]
+            (f"GPU-updated unit: master, state H2D (+ {rule})", t["visit_h2d"] + t["gpu_adam"]),
+            ("GPU-updated unit: master, state (+ shadow) D2H", t["visit_d2h"]))]
     if many:
         rows += [f"  {k:<48}{v * 1e3:10.1f}" for k, v in (
             ("all_gather of the weights (comm lane)", t["all_gather"]),
@@ -141,21 +142,26 @@ def alternatives(p):
 
 def resident_line(p):
     """What the plan keeps on the GPU and updates there, and why (--resident-units,
-    --gpu-updated-units)."""
+    --gpu-updated-units): what was asked beside what is used when they differ."""
     k, g = p["resident_units"], p["gpu_updated_units"]
     n = len(model.units(model.GPTConfig(**p["model"])))
+    where = "on the GPU" if p["hardware"]["gpu_mem_gb"] > 0 else "on the device"   # a CPU run's
     if p["resident_asked"] is not None:
-        why = "as asked (--resident-units)"
+        why = "as asked (--resident-units)" if p["resident_asked"] == k else \
+            f"--resident-units {p['resident_asked']} asked: all there are"
     elif p["hardware"]["gpu_mem_gb"] > 0 and p["world"] == 1:
         why = "as many as fit beside the step" + (" and the GPU updates" if g else "")
     else:
         why = "none: " + ("each rank holds 1/N of every unit" if p["world"] > 1 else "a CPU run")
-    line = (f"resident on the GPU: {k} of {n} units ({why}; the embedding and layer 0 first): "
-            "updated there" if k else f"resident on the GPU: none ({why}): every unit streams")
+    line = (f"resident {where}: {k} of {n} units ({why}; the embedding and layer 0 first): "
+            "updated there" if k else f"resident {where}: none ({why}): every unit streams")
+    asked = p["gpu_updated_asked"]
     if not g:
-        return line + (f", the host updates the other {n - k}" if k else "")
-    asked = "as asked" if p["gpu_updated_asked"] is not None else "the plan's pick: a faster step"
-    return (f"{line}; of the {n - k} streamed, {g} updated on the GPU ({asked}; their master, m, v "
+        unused = f"; --gpu-updated-units {asked} asked, but no unit streams" if asked else ""
+        return line + (f", the host updates the other {n - k}" if k else "") + unused
+    why = "the plan's pick: a faster step" if asked is None else "as asked" if asked == g else \
+        f"--gpu-updated-units {asked} asked: every streamed unit but the embedding"
+    return (f"{line}; of the {n - k} streamed, {g} updated {where} ({why}; their master, m, v "
             f"cross for it, the gradient stays), the host updates {n - k - g}")
 
 
@@ -163,14 +169,16 @@ def describe_run(p, world=1, gpus=1):
     """The one line train.py prints of the plan of the run it is about to make (world ranks, gpus
     per node)."""
     many = world > 1
+    where = "on the GPU" if p["hardware"]["gpu_mem_gb"] > 0 else \
+        "on the device (a CPU run: host memory)"
     return (f"plan{f' for {world} ranks ({gpus} per node)' if many else ''}: --mode {p['mode']}, "
             f"host {p['host_bytes'] / GB:.2f} GB{' per node' if many else ''} "
             f"({p['host_bytes_per_param']:.1f} B/param in the store, {p['pinned_bytes'] / GB:.2f} "
             f"GB page-locked), device {p['gpu_bytes'] / GB:.2f} GB{' per GPU' if many else ''}, "
             "boundary activations "
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}, "
-            f"{p['resident_units']} units resident on the GPU, {p['gpu_updated_units']} updated "
-            f"there; predicted {p['tokens_per_s']:,.0f} "
+            f"{p['resident_units']} units resident {where}, {p['gpu_updated_units']} "
+            f"updated there; predicted {p['tokens_per_s']:,.0f} "
             f"tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
 
 

@@ -14,7 +14,7 @@ import dataclasses
 
 import model
 from megatrain_min import checks
-from megatrain_min.cli import DTYPES
+from megatrain_min.cli import DTYPES, RULES
 
 
 @dataclasses.dataclass
@@ -33,6 +33,7 @@ class Setting:
     host_speed: float          # the host issues ops this many times faster than HOST_OP_S says
     gpus: int = 1              # per node
     nodes: int = 1
+    optimizer: str = "adamw"   # the update rule, a name of cli.RULES
 
     def __post_init__(self):
         """Check the arguments (ValueError, one line), then derive what every step reads."""
@@ -43,6 +44,8 @@ class Setting:
         if self.residual_dtype == "bf16" and self.dtype == "fp32":
             raise ValueError("a bf16 residual needs bf16 compute (--dtype bf16); with fp32 compute "
                              "drop --residual-dtype")
+        if self.optimizer not in RULES:
+            raise ValueError(f"optimizer must be one of {', '.join(RULES)}; got {self.optimizer!r}")
         if self.seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {self.seq_len}")
         if not all(checks.integer(n) and n >= 1 for n in (self.gpus, self.nodes)):
@@ -62,6 +65,8 @@ class Setting:
         # the units in the order the forward needs them (stream.Trainer.order)
         self.order = [self.embed] + [u for u in range(len(self.units)) if u != self.embed]
         self.defer = self.grad_clip > 0                    # stream.Trainer.defer_updates
+        self.rule = RULES[self.optimizer]                  # its state: fp32, 4 B/param per name
+        self.states = len(self.rule.state)
         self.cb = DTYPES[self.dtype].itemsize              # bytes: compute
         self.rb = DTYPES[self.residual_dtype].itemsize     # bytes: residual
         self.shadow = self.mode == "fast" and self.dtype == "bf16"   # fast streams a bf16 shadow

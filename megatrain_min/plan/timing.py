@@ -34,6 +34,12 @@ ENGINE_OPS = dict(visit=5, step=41, update=11)
 NEED_FIRST = True
 
 
+def update_bytes(s):
+    """The update rule's DRAM bytes per parameter: p and g read, p written (12), each state read and
+    written (8 per name): AdamW 28, Lion 20."""
+    return 12 + 8 * s.states
+
+
 def speeds(s):
     """The rates of Setting s on its hardware: F (achievable FLOP/s), the links h2d and d2h, hbm,
     hbw (the host's DRAM for AdamW) and net (NVLink within a node, else InfiniBand) in bytes/s; cast
@@ -44,12 +50,14 @@ def speeds(s):
                         d2h=hw["d2h_gbs"] * GB, hbw=hw["host_bw_gbs"] * GB, hbm=hw["hbm_gbs"] * GB)
     # read 4, write 2
     v.cast = 6 / (hw["hbm_gbs"] * GB) if not s.shadow and s.dtype == "bf16" else 0
-    # AdamW reads p, g, m, v and writes p, m, v; clipped: the kernel writes the scaled g back; the
-    # guard without deferral reads g once more (HostAdamW.step(finite_only)); fast: it reads p again
-    # and writes the shadow, 6 B -- also in optim.TILE's one pass, where p is read from cache: on
-    # the measured H200 host the fp32 -> bf16 copy costs the same from cache (bench/NOTES.md)
-    v.adam_b = 28 + (4 if s.defer else 0) + (4 if s.skip_nonfinite and not s.defer else 0) + \
-        (6 if s.shadow else 0)
+    # the rule reads p, g and its state and writes p and its state (AdamW: 28 B); clipped: the
+    # kernel writes the scaled g back; the guard without deferral reads g once more; fast: it reads
+    # p again and writes the shadow, 6 B -- also in optim.TILE's one pass, where p is read from
+    # cache: on the measured H200 host the fp32 -> bf16 copy costs the same from cache
+    # (bench/NOTES.md)
+    v.update_b = update_bytes(s)
+    v.adam_b = v.update_b + (4 if s.defer else 0) + (4 if s.skip_nonfinite and not s.defer else 0) \
+        + (6 if s.shadow else 0)
     v.net = (hw["nvlink_gbs"] if s.nodes == 1 else min(hw["nvlink_gbs"], hw["ib_gbs"])) * GB
     return v
 
@@ -73,10 +81,11 @@ def visits(s, tile, v):
                 reduce_scatter=(world - 1) / world * 4 / v.net,
                 # a resident unit: cast into its slot, gradient copied D2D, AdamW (or norm) on GPU
                 load_res=(4 + cb) / hbm, grad_res=8 / hbm,
-                gpu_adam=(28 + 4 * s.defer) / (hbm * GPU_ADAM_FRAC), gpu_norm=4 / hbm,
-                # a unit updated on the GPU (gpu_update.py): master, m, v cross both ways (fast: the
-                # shadow, cast there, back too)
-                visit_h2d=12 / v.h2d, visit_d2h=(12 + 2 * s.shadow) / v.d2h)
+                gpu_adam=(v.update_b + 4 * s.defer) / (hbm * GPU_ADAM_FRAC), gpu_norm=4 / hbm,
+                # a unit updated on the GPU (gpu_update.py): master and state cross both ways
+                # (fast: the shadow, cast there, back too)
+                visit_h2d=4 * (1 + s.states) / v.h2d,
+                visit_d2h=(4 * (1 + s.states) + 2 * s.shadow) / v.d2h)
     numel = dict(layer=lay.numel, head=head.numel, embed=0 if s.tied else s.units[0].numel)
     qkv = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     # the FLOP-free ops (norms, casts, RoPE, residual adds, the loss softmax, fp32 grad
@@ -184,7 +193,7 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     (or their norm taken) on the h2d lane, their gradient copied on d2h, the embedding's rows
     gathered and its dy scattered on the GPU: the host waits for none of it. gpu_updated: units
     whose gradient stays on the GPU (copied D2D, its norm taken there) and whose update crosses
-    the link (gpu_update.GpuUpdates: master, m, v H2D into one of two scratches after its last D2H,
+    the link (gpu_update.GpuUpdated: master, state H2D into one of two scratches after its last D2H,
     the kernel, then D2H) on the h2d and d2h lanes; the unit's next H2D waits for that D2H."""
     need_first = NEED_FIRST if need_first is None else need_first
     free = dict.fromkeys(("h2d", "compute", "d2h", "cpu_adam") + (("comm",) if sharded else ()),
