@@ -2,7 +2,7 @@
 measured side by side in one run, against the host's own memory bandwidth measured the same way.
 
 Variants (each on the same units, best of interleaved rounds; the bytes counted are the algorithm's, not measured):
-  one pass   optim.HostAdamW.step: the fused kernel in tiles of optim.TILE elements, each tile's bf16 shadow
+  one pass   optim.HostStore.step: the fused kernel in tiles of optim.TILE elements, each tile's bf16 shadow
              written while the tile is in cache -- read p g m v (16 B), write p m v (12 B), write the shadow (2 B)
   two passes the kernel over the whole unit, then the shadow from the master (the engine before 2026-11-27):
              the 30 B above + reading the master back from DRAM (4 B) = 34 B
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optim  # noqa: E402
-from optim import HostAdamW  # noqa: E402
+from optim import HostStore  # noqa: E402
 
 LAYER_7B = 202_383_360   # parameters of one Llama-2-7B-width layer (d 4096, ff 11008): the wide case's unit
 
@@ -73,8 +73,8 @@ def main():
     print(f"{n_units} units x {unit:,} params = {N:,} ({N * 18 / 1e9:.1f} GB with the shadow; L3 "
           f"{l3_bytes() / 2**20:.0f} MiB); torch {torch.__version__}, {torch.get_num_threads()} threads")
 
-    opt = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4, shadow_dtype=torch.bfloat16)
-    lean = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4)
+    opt = HostStore([(unit, n_decay)] * n_units, lr=1e-4, shadow_dtype=torch.bfloat16)
+    lean = HostStore([(unit, n_decay)] * n_units, lr=1e-4)
     for o in (opt, lean):
         for u in range(n_units):
             o.master[u].normal_(0, 0.02), o.grad[u].normal_(0, 1e-3)
@@ -95,7 +95,7 @@ def main():
             optim.TILE = tile
 
     variants = {  # name: (fn, bytes per parameter counted, elements per call)
-        "one pass (HostAdamW)": (lambda: [opt.step(u) for u in range(n_units)], 30, N),
+        "one pass (HostStore)": (lambda: [opt.step(u) for u in range(n_units)], 30, N),
         "two passes (whole-unit kernel, then shadow)": (two_passes, 34, N),
         "lean (no shadow)": (lambda: [lean.step(u) for u in range(n_units)], 28, N),
         "torch.optim.AdamW(fused=True)": (ref.step, 28, N),
@@ -117,9 +117,9 @@ def main():
         r = rows[name]
         print(f"{name:<46} {r['ms_per_unit']:8.1f} ms/unit  {r['gparams_per_s']:6.2f} Gparam/s  {bpp:2d} B/param "
               f"{r['gbs']:7.1f} GB/s  {r['of_triad']:5.2f} of triad")
-    one, two = rows["one pass (HostAdamW)"], rows["two passes (whole-unit kernel, then shadow)"]
+    one, two = rows["one pass (HostStore)"], rows["two passes (whole-unit kernel, then shadow)"]
     print(f"one pass / two passes: {two['ms_per_unit'] / one['ms_per_unit']:.2f}x faster; "
-          f"HostAdamW lean / torch fused: {rows['torch.optim.AdamW(fused=True)']['ms_per_unit'] / rows['lean (no shadow)']['ms_per_unit']:.2f}x")
+          f"HostStore lean / torch fused: {rows['torch.optim.AdamW(fused=True)']['ms_per_unit'] / rows['lean (no shadow)']['ms_per_unit']:.2f}x")
     result = dict(params=N, unit=unit, units=n_units, l3_bytes=l3_bytes(), threads=torch.get_num_threads(),
                   torch=torch.__version__, tile=optim.TILE, rows=rows)
     if args.json:                                  # written before the DMA part: that one needs a GPU
@@ -133,7 +133,7 @@ def main():
 
 def dma_only(unit, n_decay, n_units, args):
     """--dma-only: the lean AdamW over n_units units alone (best of args.rounds), then under both copy engines."""
-    lean = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4)
+    lean = HostStore([(unit, n_decay)] * n_units, lr=1e-4)
     for u in range(n_units):
         lean.master[u].fill_(0.02)
         lean.grad[u].fill_(1e-3)

@@ -187,35 +187,36 @@ def time_steps(step, b, warmup, steps, drain=lambda: None, steady=None):
 
 
 def link_bytes(t, B, T):
-    """(H2D, D2H) bytes trainer t moves per step of B x T tokens, from how it was built: its store
-    (what it streams into a slot, its state), which units are resident or updated on the GPU, where
-    its boundary activations live. Per unit, each way:
-      streamed  its weights at the streamed tensor's width -- 2 B/param (fast: the bf16 shadow) or 4
-                (lean: the fp32 master, cast on the GPU) -- once per visit: a layer twice (forward,
-                backward) but the last (still in its slot), the head once; its fp32 gradient back
-                (4 B/param), but the embedding's (its rows are gathered on the host, dy comes back)
-      GPU-updated  the same weights in, and for its update master, m, v in (12 B/param) and back with
-                the shadow (14 fast, 12 lean); no gradient crosses
-      resident  nothing
-    Besides: the embedding's rows in and dy back (B x T x d, unless it is resident: then the token
-    ids go in), the targets in, the boundary activations out and in when offloaded."""
+    """(H2D, D2H) bytes trainer t moves per step of B x T tokens, from how it was built: each unit's home
+    (which of its buffers live on the GPU, which cross for its update: megatrain_min/homes.py), its store (what
+    streams into a slot, the rule's state), where the boundary activations live. Per unit, each way:
+      streamed     its weights at the streamed tensor's width -- 2 B/param (fast: the bf16 shadow) or 4
+                   (lean: the fp32 master, cast on the GPU) -- once per visit: a layer twice (forward,
+                   backward) but the last (still in its slot), the head once; its fp32 gradient back
+                   (4 B/param), but the embedding's (its rows are gathered on the host, dy comes back)
+      GPU-updated  the same weights in; its master and state in and back for the update there (AdamW:
+                   12 B/param each way), the shadow back too (14 fast); its gradient stays on the GPU
+      resident     nothing
+    Besides: the embedding's rows in and dy back (B x T x d; resident: its token ids in instead), the
+    targets in, the boundary activations out and in when offloaded."""
     opt, cfg, L = t.opt, t.cfg, len(t.layer_units)
     act = B * T * cfg.d_model * t.residual_dtype.itemsize     # rows, dy, a boundary activation
     visits = {u: 2 - (i == L - 1) for i, u in enumerate(t.layer_units)} | {t.head: 1}
     h2d = d2h = 0
     for u, lay in enumerate(t.units):
-        if u in opt.resident:
-            continue
-        h2d += visits.get(u, 0) * lay.numel * opt.streamed(u).element_size()
-        if u in opt.gpu_updated:
-            state = sum(x.nbytes for x in opt.state(u).values())   # master, m, v: fp32
-            h2d += state
-            d2h += state + (opt.shadow[u].nbytes if opt.shadow is not None else 0)
-        elif u in visits:                                          # its fp32 gradient
+        home = t.home[u]
+        if "master" not in home.on_gpu:                           # streamed into a slot at each visit
+            h2d += visits.get(u, 0) * lay.numel * opt.streamed(u).element_size()
+        if u in visits and "grad" not in home.on_gpu:             # its fp32 gradient, to the host
             d2h += lay.numel * 4
+        update = sum(x.nbytes for name, x in opt.tensors(u).items()      # master and state, crossing
+                     if ("master" if name == "master" else "state") in home.crossing)
+        shadow = opt.shadow[u].nbytes if "shadow" in home.crossing and opt.shadow[u] is not None else 0
+        h2d, d2h = h2d + update, d2h + update + shadow
     ids = B * T * 8                                                # int64 token ids
-    h2d += ids + (ids if t.embed in opt.resident else act)
-    d2h += 0 if t.embed in opt.resident else act
+    resident_embed = "master" in t.home[t.embed].on_gpu
+    h2d += ids + (ids if resident_embed else act)
+    d2h += 0 if resident_embed else act
     if t.activations.offloaded:
         h2d, d2h = h2d + L * act, d2h + L * act
     return h2d, d2h
@@ -392,9 +393,8 @@ def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_cli
 
 def trainer(cfg, M, offload, resident, grad_clip, grad_slabs, mode, gpu_updated):
     """The engine as bench runs it: checked, no guard (train.py's --skip-nonfinite), every layer the same."""
-    return CheckedTrainer(cfg, same_layers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
-                          grad_slabs=grad_slabs, mode=mode,
-                          **engine.parts(offload, gpu_updated_units=gpu_updated))
+    return CheckedTrainer(cfg, same_layers(cfg), micro_batches=M, grad_clip=grad_clip, grad_slabs=grad_slabs,
+                          mode=mode, **engine.parts(offload, resident_units=resident, gpu_updated_units=gpu_updated))
 
 
 def pinned_case(S):

@@ -197,8 +197,7 @@ def test_the_engine_updates_the_landed_units_the_next_forward_needs_first(monkey
             t = engine(cfg, w0, device=torch.device("cuda"), dtype=torch.float32, micro_batches=2,
                        grad_slabs=len(model.units(cfg)), lr=1e-2, resident_units=resident,
                        gpu_updated_units=gpu_updated)
-            master = t.weights(copy=False)
-            names.update({master[lay.keys()[0]].data_ptr(): lay.name for lay in model.units(cfg)})
+            names.update({t.opt.master[u].data_ptr(): lay.name for u, lay in enumerate(model.units(cfg))})
             t.step(*random_batch(cfg, 4, 16, gen))
             t.wait()
             updates.clear()
@@ -207,7 +206,7 @@ def test_the_engine_updates_the_landed_units_the_next_forward_needs_first(monkey
                 during = [u for u in updates if u]      # what ran before any gradient landed
             t.wait()
             order = [u for u in dict.fromkeys(updates) if u]     # (a unit's vectors: a second call)
-            out.append(({k: v.clone() for k, v in t.weights(copy=False).items()}, during, order))
+            out.append((t.weights(), during, order))
     (free, _, _), (late, during, order) = out
     on_main = ["embed"] * resident + ["on a GPU scratch"] * gpu_updated   # (layer 0: gpu_update.chosen)
     assert sorted(set(during)) == sorted(on_main), during
@@ -222,12 +221,14 @@ def test_the_engine_in_bf16_through_the_doubles_computes_what_the_cpu_engine_com
                                                                                       resident, gpu_updated):
     """train.py's default on a GPU -- bf16 -- configured for CUDA and run through the doubles (every operand's
     device checked; autocast on "cuda" is the CPU's over the stand-ins): fast streams the shadow, lean casts the
-    fp32 master on the GPU, GPU-updated units cast their shadow there, resident units never leave. It computes the
-    CPU engine's very losses and weights, bit for bit (the same ops on the same values)."""
+    fp32 master on the GPU, GPU-updated units cast their shadow there, resident units never leave, the guard's
+    verdict for them is a flag on the GPU. It computes the CPU engine's very losses and weights, bit for bit (the
+    same ops on the same values)."""
     cfg = model.GPTConfig(vocab_size=64, n_layer=3, n_head=2, n_kv_head=2, d_model=32, d_ff=64, max_seq_len=16)
     w0 = model.init_weights(cfg, 0)
     kw = dict(dtype=torch.bfloat16, mode=mode, grad_clip=clip, micro_batches=2, grad_slabs=3, lr=1e-2,
-              resident_units=resident, gpu_updated_units=gpu_updated, offload_activations=True)
+              resident_units=resident, gpu_updated_units=gpu_updated, offload_activations=True,
+              skip_nonfinite=True)   # the guard: its verdict for a GPU-side unit a flag on the GPU (found_inf)
     runs = []
     for device in ("cpu", "cuda"):
         gen = torch.Generator().manual_seed(0)
