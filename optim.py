@@ -20,9 +20,11 @@ What it is not
 Reference
     torch.optim.AdamW(fused=True), its kernel: equal (tests/test_optim.py); bench/adamw_cpu.py.
 """
+import ctypes
 import mmap
 import os
 import queue
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -159,7 +161,8 @@ class HostStore:
         scale = None
         if coef != 1.0:   # the fused kernel divides the gradient by it
             scale = torch.full((), 1.0 / coef, device=p.device)
-        tile = n if p.device.type != "cpu" or on else TILE   # on the GPU: one call per region
+        on_gpu = on is not None or self.where[u]["master"] == "gpu"
+        tile = n if on_gpu else TILE   # on the GPU: one call per region
         for lo, hi, wd in ((0, n_decay, self.wd), (n_decay, n, 0.0)):
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
@@ -172,8 +175,10 @@ class HostStore:
             step -= found_inf
 
     def grad_sq(self, u):
-        """Unit u's squared gradient norm: a 0-d tensor on the gradient's device."""
-        return torch.dot(self.grad[u], self.grad[u])
+        """Unit u's squared gradient norm: a float, or -- its gradient on the GPU -- a 0-d tensor
+        there (read once its lane got there: no host sync now)."""
+        sq = torch.dot(self.grad[u], self.grad[u])
+        return sq if self.where[u]["grad"] == "gpu" else float(sq)
 
 
 def page_locked(n, dtype=torch.float32):
@@ -183,14 +188,35 @@ def page_locked(n, dtype=torch.float32):
     # numpy owns the memory and frees it; mem: its page-aligned part, no page shared with another
     raw = np.zeros(size + mmap.PAGESIZE, dtype=np.uint8)
     mem = raw[-raw.ctypes.data % mmap.PAGESIZE:][:size]
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(mem.ctypes.data, size, 0))
+    err = int(torch.cuda.cudart().cudaHostRegister(mem.ctypes.data, size, 0))
     if err:
+        cuda_last_error()   # cleared: the next kernel launch on this thread is not blamed for it
         raise MemoryError(f"CUDA could not page-lock {size / 1e9:.2f} GB of host memory (cudaError"
                           f" {err}); free host memory, raise `ulimit -l`, or plan a smaller run")
     # numpy runs the finalizers before it frees the memory: unregistered first
-    weakref.finalize(raw, cudart.cudaHostUnregister, mem.ctypes.data).atexit = False
+    weakref.finalize(raw, unregister, mem.ctypes.data).atexit = False
     return torch.from_numpy(mem).view(dtype)[:n]
+
+
+def unregister(ptr):
+    """cudaHostUnregister of page_locked's pages (a finalizer: a failure is warned, not raised)."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err:
+        cuda_last_error()
+        warnings.warn(f"cudaHostUnregister failed (cudaError {err}); the pages stay locked")
+
+
+def cuda_last_error():
+    """CUDA's cudaGetLastError(): the error this thread's last failed runtime call left, cleared.
+    torch's binding of the runtime (torch.cuda.cudart) has none in torch 2.11-2.13: the runtime
+    torch loaded is asked by its soname (0: it could not be found)."""
+    runtime = torch.cuda.cudart()
+    if not hasattr(runtime, "cudaGetLastError"):
+        try:
+            runtime = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+        except (OSError, AttributeError):
+            return 0
+    return int(runtime.cudaGetLastError())
 
 
 def resolve_device(device=None):

@@ -20,15 +20,9 @@ Try it
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
     python train.py --config 70b --plan --batch-size 4 --seq-len 4096  # the plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
-step).
-Exit codes (README: Troubleshooting): 0 done or stopped by a signal after a save; 2 bad input,
-refused before anything is trained, nothing lost (or a data file found damaged while training);
-3 training diverged (non-finite steps in a row, or non-finite weights that are never saved); 4 an
-output could not be written (disk full, file too large, no permission), every earlier checkpoint
-whole; 5 N ranks: another rank failed or was killed, this one stopped too (--nproc-per-node exits
-with the first failing rank's code, or 5 naming a rank frozen for 60 s; torchrun exits 1 and names
-the first failure; a refusal's line is rank 0's); 130 Ctrl-C before the first step or a second one
-while training: out at once, no save.
+step). Exit codes (megatrain_min/exits.py; README: Troubleshooting): 0 done, or stopped by a signal
+after a save; 2 bad input, refused with nothing lost; 3 diverged; 4 an output could not be written,
+earlier checkpoints whole; 5 another of N ranks failed; 130 Ctrl-C before the first step, or twice.
 """
 import argparse
 import dataclasses
@@ -63,8 +57,8 @@ for add in (cli.add_step, cli.add_hardware, cli.add_run):
     add(p)
 p.error = fail  # argparse's own complaints: one line and exit code 2 too
 cli.warn_in_one_line()   # warnings: one line, like errors
-signal.signal(signal.SIGINT, lambda *_: fail("interrupted before the first step; nothing was "
-                                             "trained", EXIT["interrupted"]))
+untrained = "interrupted before the first step; nothing was trained"
+signal.signal(signal.SIGINT, lambda *_: fail(untrained, EXIT["interrupted"]))
 args = p.parse_args()
 LAUNCH = args.nproc_per_node > 1 and WORLD == 1   # N ranks from here, all checked here first
 if LAUNCH:   # the checks below run in a child (this process, the ranks' parent, never touches CUDA)
@@ -268,9 +262,9 @@ if prof is not None:
     print(f"profile: {run.out / 'trace.json'} (open in https://ui.perfetto.dev)")
 run.close()
 last = ckpt_read.latest(run.out) if args.engine == "stream" else "none (reference engine)"
-print(f"done: {args.steps} steps in {time.time() - t_start:.0f}s, final val loss {run.val_loss:.4f}"
-      " "
-      f"(nats/token), checkpoint {last}")
+took = time.time() - t_start
+print(f"done: {args.steps} steps in {took:.0f}s, final val loss {run.val_loss:.4f} (nats/token), "
+      f"checkpoint {last}")
 
 # --- export and sample ----------------------------------------------------------------------------
 if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 alone, to write

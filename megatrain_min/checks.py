@@ -25,7 +25,6 @@ import torch
 import model
 import optim
 import stream
-from megatrain_min.homes import Homes
 
 
 def real(v):
@@ -278,7 +277,7 @@ def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=Non
                   grad_slabs=stream.GRAD_SLABS, tied=False, grad_clip=None, homes=None, **_):
     """The engine's own options: the memory mode, the compute and residual dtypes, the loss chunk,
     the slabs (a tied head holds one until the embedding's scatter), the units' homes."""
-    resident_units = getattr(homes, "resident_units", 0)
+    resident_units = getattr(homes, "resident_units", 0)   # (Homes: units kept on the GPU)
     if mode not in ("fast", "lean"):
         raise ValueError(f"mode must be 'fast' or 'lean', got {mode!r}")
     if dtype not in (None, torch.float32, torch.bfloat16):
@@ -297,7 +296,7 @@ def check_options(mode="fast", dtype=None, residual_dtype=None, chunk_tokens=Non
     if tied and grad_slabs < 2 and not grad_clip and not resident_units:   # else the engine waits
         raise ValueError("a tied head holds a gradient slab until the embedding's scatter: "
                          f"grad_slabs must be >= 2, got {grad_slabs}")   # for a slab forever
-    if homes is not None and not isinstance(homes, Homes):
+    if homes is not None and not callable(getattr(homes, "assign", None)):
         raise ValueError("homes must be a megatrain_min.homes.Homes (or None: every unit "
                          f"streamed), got {type(homes).__name__}")
 

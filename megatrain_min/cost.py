@@ -32,7 +32,8 @@ EMPTY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.d
          aten.new_empty_strided.default, aten.empty_permuted.default}      # allocate, write nothing
 SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 WRITE_ONLY = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor}        # write, read nothing
-INDEXED = {aten.index_select.default, aten.index_select.out, aten.index_add_.default}
+INDEXED = {aten.index_select.default, aten.index_select.out, aten.index_add_.default,
+           aten.index_put_.default, aten._index_put_impl_.default}   # (the resident scatter)
 UNMARKED_VIEWS = {aten._unsafe_view.default, aten.alias.default}    # views the schema does not mark
 # torch.distributed's collectives (sharded.py) reach the dispatcher as c10d ops whose schemas mark
 # no write: the output (the first argument) is written, the input read; all_reduce reads and writes

@@ -26,6 +26,8 @@ from megatrain_min.resident import Resident
 
 
 class Homes:
+    kinds = dict(resident=Resident, gpu_updated=GpuUpdated)   # what it hands out besides Streamed
+
     def __init__(self, resident_units=0, gpu_updated_units=0):
         for name, n in (("resident_units", resident_units),
                         ("gpu_updated_units", gpu_updated_units)):
@@ -41,11 +43,11 @@ class Homes:
         gpu = chosen(t.order, len(resident), t.embed, self.gpu_updated_units)
         homes = stream.Streamed.assign(t)
         if gpu:
-            shared = GpuUpdated(t, gpu)   # one: its units share its two scratches
+            shared = self.kinds["gpu_updated"](t, gpu)   # one: its units share its two scratches
             for u in gpu:
                 homes[u] = shared
         for u in resident:
-            homes[u] = Resident(t)
+            homes[u] = self.kinds["resident"](t)
         return homes
 
     def __repr__(self):

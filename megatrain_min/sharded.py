@@ -217,7 +217,7 @@ class ShardedTrainer(checks.Checked, stream.Trainer):
         torch.distributed process group (default: the whole world, initialised). micro_batches are
         per rank: the step's batch is split over the ranks, then each rank's share into
         micro-batches. lanes: with a comm lane (ShardedLanes, record.SimLanes)."""
-        if kw.get("homes") is not None:
+        if kw.pop("homes", None) is not None:
             raise ValueError("resident or GPU-updated units need one process holding whole units"
                              "; sharded ranks stream every unit (no homes)")
         dev = checks.check_device(device)

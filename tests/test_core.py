@@ -5,7 +5,9 @@ stream.py only those two; no module reaching into another's underscored names; n
 (issue numbers, commit hashes); every default of grad_clip, batch_size, micro_batches, lr and the device written
 out in one home; the batch split over ranks and micro-batches checked in one place."""
 import ast
+import io
 import re
+import tokenize
 
 import pytest
 
@@ -80,6 +82,105 @@ def test_core_file_within_its_budget(name):
     lines = (ROOT / name).read_text().splitlines()
     assert len(lines) <= BUDGET[name], f"{name}: {len(lines)} lines, budget {BUDGET[name]}"
     assert not wide(ROOT / name), f"{name}: lines wider than {COLUMNS} columns (line, width): {wide(ROOT / name)}"
+
+
+# ----------------------------------------------------------------------------- one idea per line
+READ_LIKE_THE_CORE = sorted(BUDGET) + [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tutorials").glob("0[1-4]_*.py"))]
+# a word a phrase does not end on: a trailing comment that stops at one was cut (its rest on the next line)
+DANGLING = {"a", "an", "the", "of", "its", "their", "and", "or", "than"}
+SHORT = 12   # a piece of a string broken over lines this short saved no width: the phrase was cut
+
+
+def string_pieces(src):
+    """[(line, text of each piece)] of every implicit concatenation of string literals in src (f-strings too, however
+    the running Python tokenizes them)."""
+    lines = src.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    at = lambda pos: starts[pos[0] - 1] + pos[1]  # noqa: E731 -- (row, col) -> offset in src
+    pieces, runs, fstring = [], [], None
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        name = tokenize.tok_name[tok.type]
+        if name == "FSTRING_START":            # Python 3.12: an f-string is several tokens
+            fstring = tok.start
+        elif name == "FSTRING_END":
+            pieces.append((fstring[0], src[at(fstring):at(tok.end)]))
+            fstring = None
+        elif fstring is not None:
+            continue
+        elif tok.type == tokenize.STRING:
+            pieces.append((tok.start[0], tok.string))
+        elif tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT) and name != "NEWLINE":
+            continue
+        else:
+            if len(pieces) > 1:
+                runs.append(pieces)
+            pieces = []
+    return runs
+
+
+def body(literal):
+    """The text between a string literal's quotes (its prefix and quotes dropped)."""
+    return re.match(r"(?s)^[rRbBuUfF]*('{3}|\"{3}|'|\")(.*)\1$", literal).group(2)
+
+
+def packed(path):
+    """[(line, what)]: the mechanical signs of lines that hold more than one idea -- a condition used as a statement
+    (`a and f()`, `f() if c else g()`), a semicolon, more than three names assigned at once from a tuple written out,
+    a string broken mid-word or a piece of nothing but spaces, a trailing comment cut mid-phrase."""
+    src = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, (ast.BoolOp, ast.IfExp)):
+            found.append((node.lineno, "a condition used as a statement: an if reads better"))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) and \
+                any(isinstance(t, ast.Tuple) and len(t.elts) > 3 for t in node.targets):
+            found.append((node.lineno, f"{len(node.value.elts)} names assigned at once"))
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.OP and tok.string == ";":
+            found.append((tok.start[0], "a semicolon"))
+        if tok.type == tokenize.COMMENT and tok.line.strip() != tok.string.strip():   # at the end of a code line
+            words = re.findall(r"[\w']+", tok.string)
+            if words and (words[-1].lower() in DANGLING or tok.string.rstrip().endswith("'")):
+                found.append((tok.start[0], f"a comment cut mid-phrase: {tok.string.strip()!r}"))
+    for run in string_pieces(src):
+        texts = [body(text) for _, text in run]
+        for (line, _), a, b in zip(run, texts, texts[1:]):
+            if not a.strip() or not b.strip():
+                found.append((line, "a string piece of nothing but spaces"))
+            elif a[-1].isalnum() and b[0].isalnum():
+                found.append((line, f"a string broken mid-word: {a[-12:]!r} + {b[:12]!r}"))
+            elif min(len(a), len(b)) < SHORT:
+                found.append((line, f"a string broken mid-phrase: {a[-12:]!r} + {b[:12]!r}"))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", READ_LIKE_THE_CORE)
+def test_one_idea_per_line(name):
+    """The core and lessons 1-4 read in one pass (docs/design.md, "One idea per line"): no line found by `packed`.
+    Each finding names its line."""
+    found = packed(ROOT / name)
+    assert not found, f"{name}: " + "; ".join(f"line {n}: {what}" for n, what in found)
+
+
+def test_the_packing_finder_finds_each_sign(tmp_path):
+    """The finder can fail: each sign, written once in a probe file, is found on its line."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("guard and guard.reset()\n"                              # 1
+                     "x = 1 if guard else 2\n"                                # 2: fine
+                     "a if b else c\n"                                        # 3
+                     "x = 1; y = 2\n"                                         # 4
+                     "a, b, c, d = 1, 2, 3, 4\n"                              # 5
+                     "p, q, r = 1, 2, 3\n"                                    # 6: fine
+                     "s = ('cpu ' 'adam'\n"                                   # 7
+                     "     'w')\n"                                            # 8
+                     "t = (f'one {x}'\n"                                      # 9
+                     "     ' '\n"                                              # 10
+                     "     'two')\n"                                          # 11
+                     "u = 1   # unit -> Future of its\n"                       # 12
+                     "v = 2   # a whole comment.\n")                          # 13: fine
+    assert sorted({n for n, _ in packed(probe)}) == [1, 3, 4, 5, 7, 9, 10, 12], packed(probe)
 
 
 PERIPHERY = LIBRARY + sorted((ROOT / "tutorials").glob("*.py"))

@@ -166,3 +166,28 @@ def test_resident_units_checkpoint_round_trip(tmp_path):
         checkpoint.load(b, path)
         b.wait()
         assert all(torch.equal(x, y) for x, y in zip(state(a), state(b)))
+
+
+def test_resident_scatter_is_deterministic_on_cuda():
+    """The resident embedding's scatter on CUDA (resident.Resident.add_dy: index_put_ with accumulate -- a stable
+    sort of the token ids, then each row's tokens added in that order): the same bits twice, and the host's
+    index_add_ to fp32 rounding (bit for bit where the kernel keeps the token order: printed)."""
+    from megatrain_min.resident import Resident
+    cfg = dataclasses.replace(model.PRESETS["toy"], vocab_size=32000, d_model=512, n_head=8, n_kv_head=8)
+    t = engine(cfg, model.init_weights(cfg, 0), device="cuda", resident_units=1, **HP)
+    assert isinstance(t.home[t.embed], Resident)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (8, 512), generator=gen).cuda()       # many repeats: rows shared by tokens
+    dy = torch.randn(8 * 512, cfg.d_model, generator=gen).cuda()
+    runs = []
+    for _ in range(2):
+        t.opt.grad[t.embed].zero_()
+        t.home[t.embed].add_dy(tokens, dy)
+        torch.cuda.synchronize()
+        runs.append(t.opt.grad[t.embed].clone())
+    host = torch.zeros(cfg.vocab_size, cfg.d_model).index_add_(0, tokens.cpu().reshape(-1), dy.cpu())
+    got = runs[0][:cfg.vocab_size * cfg.d_model].view(cfg.vocab_size, -1).cpu()
+    print(f"resident scatter: deterministic {torch.equal(runs[0], runs[1])}, the host's bits {torch.equal(got, host)}, "
+          f"max |diff| {float((got - host).abs().max()):.1e}")
+    assert torch.equal(runs[0], runs[1])
+    assert torch.allclose(got, host, rtol=1e-6, atol=1e-5)

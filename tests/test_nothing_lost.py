@@ -252,27 +252,29 @@ def test_nonfinite_or_negative_hyper_parameters_are_refused(cli, tmp_path, args)
     assert not (tmp_path / "o").exists()
 
 
-def test_nonfinite_gradient_skips_that_units_update():
+@pytest.mark.parametrize("homes", [{}, dict(resident_units=3), dict(gpu_updated_units=99)],
+                         ids=["streamed", "resident", "gpu-updated"])
+def test_nonfinite_gradient_skips_that_units_update(homes):
     """The guard looks at every unit's gradient, not only the loss: without deferral a unit whose gradient holds a
-    NaN keeps its weights, m, v and step count while the other units update; guard.units says which."""
-    t = engine(CFG, model.init_weights(CFG), device="cpu", skip_nonfinite=True, lr=1e-2)
+    NaN keeps its weights, its optimizer state and step count while the other units update; guard.units says
+    which -- whether the unit is updated on the host (its verdict read there) or on the GPU, resident or streamed
+    (its verdict a device flag the update skips itself on, read at the step's end: no host sync)."""
+    t = engine(CFG, model.init_weights(CFG), device="cpu", skip_nonfinite=True, lr=1e-2, **homes)
     gen = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2)]
     t.step(*batch)
     t.wait()
 
-    def state(u):  # what a unit's update changes, copied: master, m, v and its step count
+    def state(u):  # what a unit's update changes, copied: master, state and its step count
         return [s.clone() for s in t.opt.tensors(u).values()] + [t.opt.steps[u].item()]
 
     before = [state(u) for u in range(len(t.units))]
-    real = t.update_unit
-
-    def nan_in_layer_1(u, lr):  # the gradient of layer.1 lands with a NaN in it
-        if t.units[u].name == "layer.1":
-            t.opt.grad[u][7] = float("nan")
-        return real(u, lr)
-
-    t.update_unit = nan_in_layer_1
+    for home in set(t.home):          # the gradient of layer.1 lands with a NaN in it
+        def poisoned(u, lr, coef=1.0, guard=None, real=home.update):
+            if t.units[u].name == "layer.1":
+                t.opt.grad[u][7] = float("nan")
+            return real(u, lr, coef, guard)
+        home.update = poisoned
     loss = t.step(*batch)
     t.wait()
     assert math.isfinite(loss) and not t.guard.skipped and t.guard.units == ["layer.1"]

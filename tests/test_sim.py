@@ -4,7 +4,7 @@ the CPU.
 - The engine is clean: 2 steps with an evaluate() between them (at another length), over a pairwise covering of
   {toy, GQA + qkv-bias + qk-norm + tied} x M {1, 4} x clipping x activation offload x fast/lean x the guard.
 - Seeded defects are reported, naming the right buffer: each of the engine's event waits deleted in turn (every
-  one is needed: none is implied by another), the one record_stream (Lane.keep), a grad slot zeroed on the
+  one is needed: none is implied by another), the one record_stream (Lane.uses), a grad slot zeroed on the
   legacy default stream, the loss read before its event.
 - The sharded engine (megatrain_min/sharded.py, one gloo rank): clean, and each of its event waits deleted in turn
   is reported -- the collectives on the comm lane are covered like the copies.
@@ -20,9 +20,10 @@ import torch
 import model
 from conftest import ROOT, SPECIAL, train_py
 from megatrain_min import race, record
+from megatrain_min.homes import Homes
 
-SOURCES = {name: (ROOT / name).read_text()
-           for name in ("stream.py", "megatrain_min/activations.py", "megatrain_min/gpu_update.py")}
+SOURCES = {name: (ROOT / name).read_text() for name in (
+    "stream.py", "megatrain_min/activations.py", "megatrain_min/resident.py", "megatrain_min/gpu_update.py")}
 STREAM = SOURCES["stream.py"]
 TOY = model.PRESETS["toy"]
 
@@ -77,7 +78,7 @@ GPU_UPDATED = [dict(cfg=TOY, micro_batches=2, grad_clip=1.0, offload_activations
 @pytest.mark.parametrize("kw", [pytest.param(kw, marks=[pytest.mark.slow] if k else [], id=f"gpu-updated-{k}")
                                 for k, kw in enumerate(GPU_UPDATED)])
 def test_gpu_updated_units_are_race_free(kw):
-    """Streamed units updated on the GPU (gpu_update.GpuUpdates): the gradient copied D2D on the D2H lane, the
+    """Streamed units updated on the GPU (gpu_update.GpuUpdated): the gradient copied D2D on the D2H lane, the
     update issued on H2D (master, m, v into one of two scratches, the kernel, the shadow's cast), copied back on
     D2H after it, the next copy of the unit into a slot after that; a scratch refilled after its last D2H."""
     c = checked(**kw)
@@ -85,15 +86,31 @@ def test_gpu_updated_units_are_race_free(kw):
     assert all(s["copies"] for s in c.steps[:2])
 
 
+def test_the_guard_takes_no_host_sync_for_a_unit_updated_on_the_gpu():
+    """The non-finite guard without clipping asks each unit's gradient before its update. A unit updated on the
+    GPU (resident, or streamed and updated there) has its update issued by the main thread in the backward: its
+    verdict is a device flag the update skips itself on (guard.Guard.found_inf), never a read of the gradient on
+    the host, which would block the main thread until the GPU drained and leave it idle before the next layer.
+    The step's host syncs: the loss (twice: the guard's check, the step's result) and the gradient slabs."""
+    c = race.Checker()
+    record.run(TOY, [c], 2, batch=(4, 16), grad_clip=0.0, skip_nonfinite=True, resident_units=2,
+               gpu_updated_units=2)
+    assert not c.races, c.summary()
+    for s in c.steps[:2]:
+        waits = {**s["syncs"], **s["worker_waits"]}
+        assert not [w for w in waits if "device tensor" in w], waits
+        assert sum(n for w, n in s["syncs"].items() if "host_wait" in w) == 2, s["syncs"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("old,buffer,what", [
-    ("self.comp.wait(self.h2d.record())", "master[", "write on h2d / read on compute"),   # rows before the update
-    ("self.d2h.wait(self.comp.record())", "dy_to_host", "write on compute / read on h2d"),  # scatter before dy
-    ("self.h2d.keep(dy := torch.cat(dy))", "dy_to_host", "freed on the host while h2d"),    # dy's block reused
+    ("t.comp.wait_event(t.h2d.record())", "master[", "write on h2d / read on compute"),   # rows before the update
+    ("t.d2h.wait_event(t.comp.record())", "dy_out", "write on compute / read on h2d"),    # scatter before dy
+    ("t.h2d.uses(dy)", "dy_out", "freed on the host while h2d"),                         # dy's block reused
 ])
 def test_resident_defects_are_reported(old, buffer, what):
-    mutated = mutant(old, "            dy = torch.cat(dy)\n" if "keep" in old else None)   # the cat stays
-    found = [r for kw in RESIDENT[:2] for r in checked(**{**kw, **mutated}).races]
+    mutated = mutant(old, name="megatrain_min/resident.py")
+    found = [r for kw in RESIDENT[:2] for r in checked(**{**kw, **mutated(kw["resident_units"], 0)}).races]
     assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
 
 
@@ -131,15 +148,27 @@ def test_back_to_back_steps_without_clipping_offloaded_and_tiled():
 
 
 def mutant(old, new=None, nth=0, name="stream.py"):
-    """The engine with the nth line of `name` (stream.py or the activations' ring) that contains `old` replaced
-    (by `pass`, keeping the indent): checked()'s arguments that run it."""
+    """The engine with the nth line of `name` (stream.py, the activations' ring, a home) that contains `old`
+    replaced (by `pass`, keeping the indent): checked()'s arguments that run it -- for a home, a function of the
+    resident and GPU-updated counts that gives them."""
     lines = SOURCES[name].splitlines(keepends=True)
     i = [i for i, line in enumerate(lines) if old in line][nth]
     lines[i] = new if new is not None else re.match(r"\s*", lines[i]).group(0) + "pass  # deleted by the test\n"
     mod = types.ModuleType("mutant")
     exec(compile("".join(lines), str(ROOT / name), "exec"), mod.__dict__)
-    return dict(trainer_cls=mod.Trainer) if name == "stream.py" else dict(activations=mod.HostRing) \
-        if "activations" in name else dict(gpu_updates=mod.GpuUpdates)
+    if name == "stream.py":
+        return dict(trainer_cls=mod.Trainer)
+    if "activations" in name:
+        return dict(activations=mod.HostRing)
+    kind = "resident" if "resident" in name else "gpu_updated"
+
+    class MutantHomes(Homes):
+        kinds = {**Homes.kinds, kind: mod.Resident if kind == "resident" else mod.GpuUpdated}
+
+    def handed(resident, gpu_updated):
+        return dict(homes=MutantHomes(resident, gpu_updated), resident_units=0, gpu_updated_units=0)
+    handed.kind = kind
+    return handed
 
 
 CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
@@ -153,20 +182,26 @@ CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
 
 
 def races_of(mutated):
-    """The races a mutant engine shows in the first of CONFIGS that shows any."""
+    """The races a mutant engine shows in the first of CONFIGS that shows any (a home's: those that hold it)."""
     for kw in CONFIGS:
-        ring, gpu = mutated.get("activations"), mutated.get("gpu_updates")
-        if gpu and not kw.get("gpu_updated_units"):
-            continue
-        made = dict(activations=ring()) if ring else dict(gpu_updates=gpu(kw["gpu_updated_units"])) if gpu else {}
-        c = checked(**{**kw, **mutated, **made})
+        if callable(mutated):   # a home: the configurations with its units
+            counts = kw.get("resident_units", 0), kw.get("gpu_updated_units", 0)
+            if not counts[0 if mutated.kind == "resident" else 1]:
+                continue
+            made = mutated(*counts)
+        elif "activations" in mutated:
+            made = dict(mutated, activations=mutated["activations"]())
+        else:
+            made = mutated
+        c = checked(**{**kw, **made})
         if c.races:
             return c.races
     return []
 
 
 WAITS = [(name, line.strip()) for name, src in SOURCES.items() for line in src.splitlines()
-         if re.search(r"\.wait\(self|\.wait\(ready|\.wait\(done|host_wait\(", line) and "def " not in line]
+         if re.search(r"\.wait_event\(|host_wait\(", line) and "def " not in line
+         and "self.stream." not in line]   # Lane's own call of CUDA's: what every wait above runs
 
 
 @pytest.mark.slow
@@ -185,12 +220,12 @@ def test_every_event_wait_is_needed_and_caught():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("old,nth,new,buffer,what", [
-    ("self.h2d.wait(self.slot_free[slot])", 0, None, "wslot", "write on h2d"),   # refill a slot still in use
-    ("self.comp.wait(self.slot_loaded[s])", 0, None, "wslot", "read on compute"),  # compute on half-copied weights
-    ("self.comp.wait(self.gslot_free[gs])", 0, None, "gslot", "on compute"),     # zero a slot before its D2H read it
-    ("self.lanes.host_wait(done)", 0, None, "grad[", "on worker"),               # AdamW before the gradient landed
-    ("t.h2d.wait(self.free[r])", 0, None, "activations (pinned)", "on h2d"),     # reload before the offload landed
-    ("self.d2h.keep(x)", 0, None, "block_grad", "freed on the host while d2h"),  # a record_stream dropped (dy)
+    ("self.h2d.wait_event(self.slot_free[slot])", 0, None, "wslot", "write on h2d"),   # refill a slot in use
+    ("self.comp.wait_event(self.slot_loaded[s])", 0, None, "wslot", "read on compute"),  # half-copied weights
+    ("self.comp.wait_event(self.gslot_free[gs])", 0, None, "gslot", "on compute"),   # a slot zeroed before its D2H
+    ("t.lanes.host_wait(ready)", 0, None, "grad[", "on worker"),               # AdamW before the gradient landed
+    ("t.h2d.wait_event(self.free[r])", 0, None, "activations (pinned)", "on h2d"),   # reload before it landed
+    ("t.d2h.uses(x)", 0, None, "block_grad", "freed on the host while d2h"),   # a record_stream dropped (dy)
     ("with self.comp():", 0, "        if True:\n", "gslot", "made outside any lane"),  # __init__'s slots zeroed on the default stream
     ("self.lanes.host_wait(loss_ready)", 0, None, "loss", "on main"),            # the loss read before its event
     ("out = torch.empty(host.shape", 0,                                          # an upload allocated on compute,
@@ -249,13 +284,12 @@ def sharded_races(cls):
 @pytest.mark.slow
 def test_sharded_engine_is_race_free_and_every_comm_wait_is_needed(one_rank):
     """sharded.ShardedTrainer on checked lanes (one rank: the schedule and its events are those of N): clean in
-    three settings; each event wait of sharded.py deleted in turn is reported as a race. (Its Lane.keep calls are
+    three settings; each event wait of sharded.py deleted in turn is reported as a race. (Its Lane.uses calls are
     not needed by this schedule: the host's wait at the end of a step orders the next allocation after them.)"""
     from megatrain_min import sharded
     assert sharded_races(sharded.ShardedTrainer) == []
     waits = [line.strip() for line in SHARDED.splitlines()
-             if re.search(r"\.wait\(self|\.wait\(lanes|\.wait\(ready|\.wait\(summed|\.wait\(scattered|"
-                          r"\.wait\(shard_ready|host_wait\(", line) and "def " not in line]
+             if re.search(r"\.wait_event\(|host_wait\(", line) and "def " not in line]
     assert len(waits) >= 12, waits
     missed, lines = [], SHARDED.splitlines(keepends=True)
     for k, line in enumerate(waits):

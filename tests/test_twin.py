@@ -121,7 +121,7 @@ def test_twin_and_planner_agree(preset, hw, mode, clip, resident):
 
 def test_gpu_updated_units_in_twin_and_planner():
     """Clipping (every update after the backward) on the measured H200 profile, 6 streamed layers of 7B width at
-    16k tokens, lean mode: the plan updates about half of the streamed units on the GPU (gpu_update.GpuUpdates:
+    16k tokens, lean mode: the plan updates about half of the streamed units on the GPU (gpu_update.GpuUpdated:
     master, m, v over PCIe both ways while the host updates the others). The twin replays the engine doing so and
     agrees with the planner; both find the step at least 15% shorter than the planner's with every update on the
     host (the twin and the planner agree on that one elsewhere: test_need_first_order_in_twin_and_planner)."""
@@ -146,11 +146,11 @@ def test_offload_ring_keeps_peak_memory_flat_in_depth():
     host never waits in the forward, so how many are live is how far it runs ahead: with a host much faster than
     the GPU (here: issuing for free), the whole depth."""
     src = (ROOT / "megatrain_min" / "activations.py").read_text()
-    old = "        t.comp.wait(self.free[r])                  # the slot's last D2H is done\n"
+    old = "        t.comp.wait_event(self.free[r])                  # the slot's last D2H is done\n"
     keep = "            self.free[r] = t.d2h.record()\n"
     assert old in src and keep in src, "the ring changed: update this test's ringless mutant"
     mutated = src.replace(old, "        self.ring[r] = torch.empty_like(self.ring[r])   # ringless: a fresh buffer\n")
-    mutated = mutated.replace(keep, keep + "            t.d2h.keep(self.ring[r])\n")
+    mutated = mutated.replace(keep, keep + "            t.d2h.uses(self.ring[r])\n")
     ringless = types.ModuleType("activations_ringless")
     exec(compile(mutated, str(ROOT / "megatrain_min" / "activations.py"), "exec"), ringless.__dict__)
     peaks = {}

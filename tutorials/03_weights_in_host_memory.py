@@ -9,7 +9,7 @@
 # * what the host keeps per parameter: fp32 master, Adam m and v, fp32 gradient (+ a bf16 shadow):
 #   16-18 bytes per parameter -- the number that decides how big a model fits (lesson 6);
 # * AdamW written out from scratch, checked against `torch.optim.AdamW`, then the project's
-#   `optim.HostAdamW`, which updates one unit's flat buffer with two calls of torch's fused CPU
+#   `optim.HostStore`, which updates one unit's flat buffer with two calls of torch's fused CPU
 #   kernel;
 # * why that fused kernel matters: we time it against the plain for-loop and foreach
 #   implementations.
@@ -32,7 +32,7 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
         else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from optim import HostAdamW, page_locked  # noqa: E402
+from optim import AdamW, HostStore, page_locked  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 torch.manual_seed(0)
@@ -44,7 +44,7 @@ torch.manual_seed(0)
 # else. Ordinary ("pageable") memory may be swapped or moved by the OS, so CUDA first copies it into
 # a pinned bounce buffer, synchronously. Memory allocated with `pin_memory=True` is page-locked up
 # front: the copy goes straight from it, at full PCIe speed, and `non_blocking=True` really is
-# asynchronous. That is why `optim.HostAdamW` page-locks every buffer a copy engine reads or writes
+# asynchronous. That is why `optim.HostStore` page-locks every buffer a copy engine reads or writes
 # (the gradients and the streamed shadow; never Adam's m and v) when CUDA is present:
 # `pinned=optim.page_locked`. page_locked registers ordinary host pages with CUDA
 # (`cudaHostRegister`), exactly as many as the buffer needs: torch's pinned allocator rounds every
@@ -97,9 +97,10 @@ if CUDA:
         for d, s in pairs:
             d.copy_(s, non_blocking=True)
 
-    for name, fn in (("one flat "
-                      "copy", lambda: slot.copy_(flat, non_blocking=True)), ("per "
-                                                                             "tensor", per_tensor)):
+    def one_flat_copy():
+        slot.copy_(flat, non_blocking=True)
+
+    for name, fn in (("one flat copy", one_flat_copy), ("per tensor", per_tensor)):
         fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -113,7 +114,8 @@ else:
 # %% [markdown]
 # ## 3. What the host keeps, per parameter
 #
-# For every unit, `optim.HostAdamW` holds flat fp32 buffers of the unit's size:
+# For every unit, `optim.HostStore` holds flat fp32 buffers of the unit's size (with the AdamW
+# update rule, `optim.AdamW`; the rule declares its state, `optim.AdamW.state`):
 #
 # | buffer | bytes/param | why |
 # |---|---|---|
@@ -135,12 +137,12 @@ sizes = [(u.numel, u.n_decay) for u in units]                  # (numel, decayed
 N = model.n_params(cfg)
 for shadow in (torch.bfloat16, None):
     for grad_store in (True, False):
-        opt = HostAdamW(sizes, shadow_dtype=shadow, grad_store=grad_store,
+        opt = HostStore(sizes, shadow_dtype=shadow, grad_store=grad_store,
                         pinned=page_locked if CUDA else None)
         print(f"shadow {str(shadow):<15} grad_store {str(grad_store):<5}: host store "
               f"{opt.nbytes() / 1e6:6.2f} MB = {opt.nbytes() / N:.0f} B/param")
-assert HostAdamW(sizes, shadow_dtype=torch.bfloat16).nbytes() == 18 * N
-assert HostAdamW(sizes, grad_store=False).nbytes() == 12 * N
+assert HostStore(sizes, shadow_dtype=torch.bfloat16).nbytes() == 18 * N
+assert HostStore(sizes, grad_store=False).nbytes() == 12 * N
 
 # %% [markdown]
 # ## 4. AdamW from scratch
@@ -181,7 +183,9 @@ leaves = [p.clone().requires_grad_() for p in init]
 ref = torch.optim.AdamW([{"params": [p for p in leaves if p.dim() >= 2], "weight_decay": WD},
                          {"params": [p for p in leaves if p.dim() < 2], "weight_decay": 0.0}], **HP,
                         fused=True)
-host = HostAdamW([(lay.numel, lay.n_decay)], weight_decay=WD, **HP)   # one unit: the whole layer
+RULE = AdamW(HP["betas"], HP["eps"])                 # the update rule: torch's fused AdamW kernel
+# one unit: the whole layer
+host = HostStore([(lay.numel, lay.n_decay)], RULE, lr=HP["lr"], weight_decay=WD)
 host.master[0].copy_(torch.cat([p.flatten() for p in init]))   # layout order = [matrices | vectors]
 gen = torch.Generator().manual_seed(0)
 for t in range(1, 6):
@@ -196,7 +200,7 @@ ref_flat = torch.cat([p.detach().flatten() for p in leaves])
 diff_scratch = (torch.cat([p.flatten() for p in ours]) - ref_flat).abs().max().item()
 diff_host = (host.master[0] - ref_flat).abs().max().item()
 print(f"after 5 steps, max |diff| vs torch.optim.AdamW(fused=True): scratch {diff_scratch:.1e}, "
-      f"HostAdamW {diff_host:.1e}")
+      f"HostStore {diff_host:.1e}")
 
 # %% [markdown]
 # ## 5. Why the fused kernel matters
@@ -234,17 +238,16 @@ def torch_adamw(**kw):
 scratch_state = ([p.clone() for p in params], [torch.zeros_like(p) for p in params],   # p, m, v
                  [torch.zeros_like(p) for p in params])
 scratch_wds = [WD if len(s) >= 2 else 0.0 for s in shapes]
-host = HostAdamW([(lay.numel, lay.n_decay) for lay in lays], weight_decay=WD, **HP)
+host = HostStore([(lay.numel, lay.n_decay) for lay in lays], RULE, lr=HP["lr"], weight_decay=WD)
 for u in range(len(lays)):
     host.grad[u].normal_(0, 1e-3)
 contenders = {
-    "scratch loop (section "
-    "4)": lambda: adamw_scratch(scratch_state[0], grads, scratch_state[1], scratch_state[2],
-                                                      1, wds=scratch_wds, **HP),
+    "scratch loop (section 4)": lambda: adamw_scratch(scratch_state[0], grads, scratch_state[1],
+                                                      scratch_state[2], 1, wds=scratch_wds, **HP),
     "torch AdamW(foreach=False)": torch_adamw(foreach=False),
     "torch AdamW(foreach=True)": torch_adamw(foreach=True),
     "torch AdamW(fused=True)": torch_adamw(fused=True),
-    "optim.HostAdamW (fused, flat)": lambda: [host.step(u) for u in range(len(lays))],
+    "optim.HostStore (fused, flat)": lambda: [host.step(u) for u in range(len(lays))],
 }
 for fn in contenders.values():
     fn()                                                   # warm-up (allocates the optimizer state)
@@ -259,14 +262,14 @@ print(f"{n_big / 1e6:.1f}M params, {torch.get_num_threads()} threads (times on a
 for name, ms in ms_per_step.items():
     print(f"  {name:<30} {ms:7.1f} ms/step   ~{28 * n_big / ms / 1e6:5.1f} "
           "GB/s useful (28 B/param)")
-speedup = ms_per_step["scratch loop (section 4)"] / ms_per_step["optim.HostAdamW (fused, flat)"]
-print(f"fused HostAdamW is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py compares it with "
+speedup = ms_per_step["scratch loop (section 4)"] / ms_per_step["optim.HostStore (fused, flat)"]
+print(f"fused HostStore is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py compares it with "
       "torch's fused at 50M)")
 
 # %% [markdown]
 # ## Check
 #
-# The scratch AdamW and `optim.HostAdamW` give the same weights as `torch.optim.AdamW` after 5
+# The scratch AdamW and `optim.HostStore` give the same weights as `torch.optim.AdamW` after 5
 # steps, and the store really costs 18 B/param with a bf16 shadow and a gradient store, 12 with
 # neither. (Speed is printed, not asserted: a shared machine makes timings noisy. Expect the fused
 # kernel to be several times faster than the loop.)
@@ -274,5 +277,5 @@ print(f"fused HostAdamW is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py c
 # %%
 assert diff_scratch < 1e-6, diff_scratch
 assert diff_host < 1e-6, diff_host
-print(f"OK  scratch AdamW max diff {diff_scratch:.1e}, HostAdamW max diff {diff_host:.1e}, "
+print(f"OK  scratch AdamW max diff {diff_scratch:.1e}, HostStore max diff {diff_host:.1e}, "
       f"fused vs loop {speedup:.1f}x")

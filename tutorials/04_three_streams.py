@@ -33,7 +33,7 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
-from optim import HostAdamW, page_locked  # noqa: E402
+from optim import AdamW, HostStore, page_locked  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -84,7 +84,7 @@ class Lane:
 # %% [markdown]
 # ## 2. The schedule
 #
-# The host store is lesson 3's `HostAdamW`: fp32 master, m, v and gradient per unit, numbered as
+# The host store is lesson 3's `HostStore`: fp32 master, m, v and gradient per unit, numbered as
 # `model.units` lists them (0 the embedding, 1..L the layers, L+1 the head). On the device: weight
 # slots A and B, two fp32 gradient slots, each as big as the largest unit that visits, with views
 # made once per slot (every layer has the same layout, lesson 1); layer i always sits in slot i % 2.
@@ -102,12 +102,14 @@ class Lane:
 # %%
 class PingPong:
     def __init__(self, cfg, weights, micro_batches, **adamw):
-        # steps: where each begins in log
-        self.cfg, self.M, self.log, self.steps = cfg, micro_batches, [], []
+        self.cfg, self.M = cfg, micro_batches
+        self.log = []       # what each lane did, in order
+        self.steps = []     # where each step begins in log
         self.units = model.units(cfg)
         self.label = ["E", *map(str, range(cfg.n_layer)), "H"]    # unit -> its name in the timeline
-        self.opt = HostAdamW([(lay.numel, lay.n_decay) for lay in self.units],
-                             pinned=page_locked if CUDA else None, **adamw)
+        lr, wd = adamw.pop("lr"), adamw.pop("weight_decay")
+        self.opt = HostStore([(lay.numel, lay.n_decay) for lay in self.units], AdamW(**adamw), lr,
+                             wd, pinned=page_locked if CUDA else None)
         for u, lay in enumerate(self.units):
             for key, view in lay.key_views(self.opt.master[u]).items():
                 view.copy_(weights[key])
@@ -169,7 +171,8 @@ class PingPong:
         self.updated[u] = self.worker.submit(task)
 
     def step(self, tokens, targets):
-        cfg, M, L, comp = self.cfg, self.M, self.cfg.n_layer, self.comp
+        cfg, M, comp = self.cfg, self.M, self.comp
+        L = cfg.n_layer
         self.steps.append(len(self.log))
         n_tok = max(1, int((targets != model.IGNORE).sum()))        # the step's loss is sum / n_tok
         with comp():
@@ -285,11 +288,12 @@ print(f"losses max rel diff {loss_rel:.1e}; weights max |diff| {w_abs:.1e}, ||di
 # one, the log can. Step 2 begins with the host waiting for step 1's AdamW of layer 0 (unit 1):
 
 # %%
-for lane, kind, what, reads, writes in [e for e in ours.log[ours.steps[1]:] if e[0] != "cpu "
-                                                                                       "adam"][:9]:
-    print(f"  {lane:<8} "
-          f"{kind:<7}", f"{what:<4} {', '.join(reads)} -> {', '.join(writes)}" if kind == "op"
-          else what.name)
+step_2 = [e for e in ours.log[ours.steps[1]:] if e[0] != "cpu adam"]
+for lane, kind, what, reads, writes in step_2[:9]:
+    if kind == "op":
+        print(f"  {lane:<8} {kind:<7} {what:<4} {', '.join(reads)} -> {', '.join(writes)}")
+    else:
+        print(f"  {lane:<8} {kind:<7} {what.name}")
 
 # %% [markdown]
 # ## 5. Happens-before, checked

@@ -81,7 +81,9 @@ def visits(s, tile, v):
                 reduce_scatter=(world - 1) / world * 4 / v.net,
                 # a resident unit: cast into its slot, gradient copied D2D, AdamW (or norm) on GPU
                 load_res=(4 + cb) / hbm, grad_res=8 / hbm,
-                gpu_adam=(v.update_b + 4 * s.defer) / (hbm * GPU_ADAM_FRAC), gpu_norm=4 / hbm,
+                # (the guard without deferral: its verdict a sum of the gradient, read on the GPU)
+                gpu_adam=(v.update_b + 4 * s.defer) / (hbm * GPU_ADAM_FRAC)
+                + 4 * (s.skip_nonfinite and not s.defer) / hbm, gpu_norm=4 / hbm,
                 # a unit updated on the GPU (gpu_update.py): master and state cross both ways
                 # (fast: the shadow, cast there, back too)
                 visit_h2d=4 * (1 + s.states) / v.h2d,
