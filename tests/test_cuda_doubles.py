@@ -13,6 +13,7 @@ accepted them):
 Then optim.Worker's need-first order through held events, alone and inside the engine (stream.Trainer); and the
 engine configured for CUDA in bf16 (train.py's default there) through the doubles, equal to the CPU engine."""
 import contextlib
+import gc
 import threading
 
 import pytest
@@ -207,6 +208,8 @@ def test_the_engine_updates_the_landed_units_the_next_forward_needs_first(monkey
             t.wait()
             order = [u for u in dict.fromkeys(updates) if u]     # (a unit's vectors: a second call)
             out.append((t.weights(), during, order))
+            del t                                       # its pages unregistered while the doubles stand
+            gc.collect()
     (free, _, _), (late, during, order) = out
     on_main = ["embed"] * resident + ["on a GPU scratch"] * gpu_updated   # (layer 0: gpu_update.chosen)
     assert sorted(set(during)) == sorted(on_main), during
@@ -238,6 +241,8 @@ def test_the_engine_in_bf16_through_the_doubles_computes_what_the_cpu_engine_com
                 t = engine(cfg, w0, device=torch.device(device), **kw)
                 losses = [t.step(*random_batch(cfg, 4, 16, gen)) for _ in range(3)]
                 runs.append((losses, t.weights()))
+                del t                                   # its pages unregistered while the doubles stand
+                gc.collect()
     (cpu_losses, cpu_w), (gpu_losses, gpu_w) = runs
     assert gpu_losses == cpu_losses and all(torch.isfinite(torch.tensor(cpu_losses)))
     assert all(torch.equal(cpu_w[k], gpu_w[k]) for k in cpu_w)
