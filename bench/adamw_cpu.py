@@ -2,7 +2,7 @@
 measured side by side in one run, against the host's own memory bandwidth measured the same way.
 
 Variants (each on the same units, best of interleaved rounds; the bytes counted are the algorithm's, not measured):
-  one pass   optim.HostAdamW.step: the fused kernel in tiles of optim.TILE elements, each tile's bf16 shadow
+  one pass   optim.HostStore.step: the fused kernel in tiles of optim.TILE elements, each tile's bf16 shadow
              written while the tile is in cache -- read p g m v (16 B), write p m v (12 B), write the shadow (2 B)
   two passes the kernel over the whole unit, then the shadow from the master (the engine before 2026-11-27):
              the 30 B above + reading the master back from DRAM (4 B) = 34 B
@@ -18,6 +18,9 @@ models (megatrain_min/twin.py, plan/timing.py) assume neither slows the other be
     python bench/adamw_cpu.py                       # >= 4x the L3 in all, units of up to a 7B-width layer
     python bench/adamw_cpu.py --params 8e8 --unit 202383360   # 4 Llama-2-7B-width layers (gpu_run.sh: ~40 GB)
     python bench/adamw_cpu.py --json OUT.json
+    python bench/adamw_cpu.py --dma-only --params 4.05e8 --unit 202383360   # gpu_run.sh --quick: ~10 s
+--dma-only: the lean AdamW alone (its yardstick) and the DMA part, nothing else; the values are filled, not drawn
+(AdamW's speed does not depend on them, and drawing 2 x 400M normals takes seconds).
 """
 import argparse
 import json
@@ -31,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optim  # noqa: E402
-from optim import HostAdamW  # noqa: E402
+from optim import HostStore  # noqa: E402
 
 LAYER_7B = 202_383_360   # parameters of one Llama-2-7B-width layer (d 4096, ff 11008): the wide case's unit
 
@@ -52,6 +55,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is reported")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, not the speed")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--dma-only", action="store_true",
+                    help="the lean AdamW alone and under both copy engines (dma_contention), nothing else")
     args = ap.parse_args()
     total = 2e5 if args.smoke else args.params or 4 * l3_bytes() / 18     # >= 4x the L3 at 18 B/param
     unit = int(args.unit or min(LAYER_7B, max(total / 2, 2 * optim.TILE)))   # >= 2 tiles: one pass differs
@@ -63,11 +68,13 @@ def main():
             "SC_AVPHYS_PAGES"):
         sys.exit(f"adamw_cpu: {N:,} params need ~{need / 1e9:.0f} GB of free RAM; pass a smaller --params")
     n_decay = unit * 99 // 100                    # [matrices | vectors], as a layer
+    if args.dma_only:
+        return dma_only(unit, n_decay, n_units, args)
     print(f"{n_units} units x {unit:,} params = {N:,} ({N * 18 / 1e9:.1f} GB with the shadow; L3 "
           f"{l3_bytes() / 2**20:.0f} MiB); torch {torch.__version__}, {torch.get_num_threads()} threads")
 
-    opt = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4, shadow_dtype=torch.bfloat16)
-    lean = HostAdamW([(unit, n_decay)] * n_units, lr=1e-4)
+    opt = HostStore([(unit, n_decay)] * n_units, lr=1e-4, shadow_dtype=torch.bfloat16)
+    lean = HostStore([(unit, n_decay)] * n_units, lr=1e-4)
     for o in (opt, lean):
         for u in range(n_units):
             o.master[u].normal_(0, 0.02), o.grad[u].normal_(0, 1e-3)
@@ -88,7 +95,7 @@ def main():
             optim.TILE = tile
 
     variants = {  # name: (fn, bytes per parameter counted, elements per call)
-        "one pass (HostAdamW)": (lambda: [opt.step(u) for u in range(n_units)], 30, N),
+        "one pass (HostStore)": (lambda: [opt.step(u) for u in range(n_units)], 30, N),
         "two passes (whole-unit kernel, then shadow)": (two_passes, 34, N),
         "lean (no shadow)": (lambda: [lean.step(u) for u in range(n_units)], 28, N),
         "torch.optim.AdamW(fused=True)": (ref.step, 28, N),
@@ -110,9 +117,9 @@ def main():
         r = rows[name]
         print(f"{name:<46} {r['ms_per_unit']:8.1f} ms/unit  {r['gparams_per_s']:6.2f} Gparam/s  {bpp:2d} B/param "
               f"{r['gbs']:7.1f} GB/s  {r['of_triad']:5.2f} of triad")
-    one, two = rows["one pass (HostAdamW)"], rows["two passes (whole-unit kernel, then shadow)"]
+    one, two = rows["one pass (HostStore)"], rows["two passes (whole-unit kernel, then shadow)"]
     print(f"one pass / two passes: {two['ms_per_unit'] / one['ms_per_unit']:.2f}x faster; "
-          f"HostAdamW lean / torch fused: {rows['torch.optim.AdamW(fused=True)']['ms_per_unit'] / rows['lean (no shadow)']['ms_per_unit']:.2f}x")
+          f"HostStore lean / torch fused: {rows['torch.optim.AdamW(fused=True)']['ms_per_unit'] / rows['lean (no shadow)']['ms_per_unit']:.2f}x")
     result = dict(params=N, unit=unit, units=n_units, l3_bytes=l3_bytes(), threads=torch.get_num_threads(),
                   torch=torch.__version__, tile=optim.TILE, rows=rows)
     if args.json:                                  # written before the DMA part: that one needs a GPU
@@ -122,6 +129,29 @@ def main():
                                               best["lean (no shadow)"], unit, 28 * N, args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def dma_only(unit, n_decay, n_units, args):
+    """--dma-only: the lean AdamW over n_units units alone (best of args.rounds), then under both copy engines."""
+    lean = HostStore([(unit, n_decay)] * n_units, lr=1e-4)
+    for u in range(n_units):
+        lean.master[u].fill_(0.02)
+        lean.grad[u].fill_(1e-3)
+    adamw, best = (lambda: [lean.step(u) for u in range(n_units)]), math.inf
+    for _ in range(args.rounds):
+        adamw()                                    # warm (first touch, caches)
+        t0 = time.perf_counter()
+        adamw()
+        best = min(best, time.perf_counter() - t0)
+    N = n_units * unit
+    result = dict(params=N, unit=unit, units=n_units, threads=torch.get_num_threads(), torch=torch.__version__,
+                  tile=optim.TILE, rows={"lean (no shadow)": dict(ms_per_unit=best / n_units * 1e3,
+                                                                 gbs=28 * N / best / 1e9, bytes_per_param=28)})
+    print(f"lean AdamW: {best / n_units * 1e3:.1f} ms per unit of {unit:,}, {28 * N / best / 1e9:.0f} GB/s")
+    if torch.cuda.is_available():
+        result["dma_contention"] = contention(adamw, best, unit, 28 * N, args.rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 def contention(adamw, adamw_alone_s, unit, adamw_bytes, rounds):

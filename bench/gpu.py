@@ -23,8 +23,12 @@ Fairness: every engine runs the same model, shapes and micro-batches, and none s
     Each peer runs in a process of its own (`--peer NAME`): the engine's pinned-allocator settings
     (optim.pin_exact_sizes: big pinned blocks exact-sized, never cached) would make FSDP2's per-step pinned
     copies pay cudaHostAlloc / cudaFreeHost, which synchronise. Every engine's batch comes from pinned memory.
+    quick (--quick, alone): the wide case's streaming regime at 16,384 and 12,288 tokens (4 micro-batches of one
+    sequence: 4 x 4096, 4 x 3072), clip 1 and 0, lean then fast, the plan's GPU-updated units and none; a trainer per
+    (mode, clip, units), each row's step beside the planner's, within --budget-s (quick_case).
 Run
     python bench/gpu.py [--out DIR] [--only pinned,sweep,peers,wide] [--profile]   # one GPU, ~5 min
+    python bench/gpu.py --quick --budget-s 190 --out DIR   # bench/gpu_run.sh --quick's part: ~3 min on an H200
     python bench/gpu.py --smoke --out /tmp/b   # tiny shapes, any machine, < 1 min (tests/test_bench.py)
 """
 import argparse, dataclasses, datetime, gc, gzip, json, math, os, re, socket, subprocess, sys, time  # noqa: E401
@@ -53,12 +57,27 @@ GB = 1e9
 LLAMA7B_LAYER = dict(vocab_size=32000, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008, max_seq_len=4096)
 FULL = dict(wide=model.GPTConfig(n_layer=1, **LLAMA7B_LAYER), seq=4096, max_depth=64, peers_depth=8, token_sweep=(2, 4, 8),
             sweep=model.GPTConfig(vocab_size=32000, n_layer=1, n_head=16, n_kv_head=16, d_model=2048, d_ff=5632,
-                                  max_seq_len=4096), depths=(4, 8, 16, 32), sweep_batch=4, warmup=2, steps=4)
+                                  max_seq_len=4096), depths=(4, 8, 16, 32), sweep_batch=4, warmup=2, steps=3, steady=3,
+            quick_layers=24, quick_tokens=(16384, 12288), quick_gpu_updated=None)
 SMOKE = dict(wide=model.GPTConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head=4, d_model=64, d_ff=176, max_seq_len=64),
              seq=64, max_depth=3, peers_depth=2, token_sweep=(2,), sweep=model.GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_kv_head=2,
-             d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, tokens=256)
+             d_model=32, d_ff=96, max_seq_len=64), depths=(1, 2, 4), sweep_batch=2, warmup=1, steps=2, steady=2,
+             tokens=256, quick_layers=3, quick_tokens=(256, 192), quick_gpu_updated=1)   # a CPU's plan picks none
+# --quick: each trainer at both token counts in QUICK_M micro-batches of one sequence (16,384 = 4 x 4096, 12,288 =
+# 4 x 3072), each count after one lead-in step: QUICK_STEPS synced steps and QUICK_STEADY steady ones (time_steps)
+QUICK_M, QUICK_LEAD, QUICK_STEPS, QUICK_STEADY = 4, 1, 1, 2
+# what a streamed 24-layer 7B-width trainer costs besides its steps: build (page-locking, filling), first-touch
+# page faults, free. Run 3 (bench/results/2026-11-27-nvidia-h200-3): three trainers in 133 s of case wall time,
+# of which 37 s were steps and ~29 s the bench's own weight RNG (464M + 333M normals per trainer at the ~80 M/s a
+# CPU generator gives; now made once per config): ~22 s each, 25 with a margin. The quick case records build_s
+# and free_s per trainer: the next run measures it.
+QUICK_TRAINER_S = 25
 DEFS = dict(
-    step_s="median of timed steps (torch.cuda.synchronize before and after each) after warm-up steps",
+    step_s="steady state: the mean of timed steps issued back to back, torch.cuda.synchronize before the first and "
+           "after the last, whose deferred work (updates on the optimizer thread) is drained inside -- what train.py "
+           "sees (runs before 2026-11-28: step_synced_s's form)",
+    step_synced_s="median of timed steps with torch.cuda.synchronize before and after each (the deferred updates' "
+                  "tail, which the next forward would hide, billed to every step)",
     N="parameters that multiply: every matrix but the embedding gather (= plan.hardware.flops_per_token / 6)",
     model_tflops="6 N tokens / step_s (no recompute, no attention scores: useful work only)",
     hw_tflops="(8 N_layers + 6 N_head) tokens / step_s: the layers' recompute counted, attention scores not",
@@ -68,8 +87,10 @@ DEFS = dict(
                    "all micro-batches) + the chunked head forward+backward, weights already on the device: "
                    "no copies, no optimizer, no engine",
     overlap="compute_only_s / step_s (1.0 = copies, optimizer and engine overhead fully hidden)",
-    h2d_gbs="bytes the engine must move host->device per step / step_s: an average over the step, not the "
-            "rate during a copy (d2h_gbs likewise); *_link_share = that / the pinned-copy peak of this run",
+    h2d_gbs="bytes the engine must move host->device per step (link_bytes: weights at 2 B/param fast, 4 lean, a "
+            "GPU-updated unit's master, m, v 12 B/param each way, 14 back with the shadow, no gradient; a resident "
+            "unit nothing) / step_s: an average over the step, not the rate during a copy (d2h_gbs likewise); "
+            "*_link_share = that / the pinned-copy peak of this run",
     pinned="peak copy rate: 1 GiB pinned bf16 buffer <-> GPU, timed with CUDA events, best of 5",
     peak_gpu_gb="torch.cuda.max_memory_allocated over the timed steps",
     rss_gb="VmRSS of this process after the timed steps (pinned pages included); rss_peak_gb: VmHWM, "
@@ -94,6 +115,17 @@ class SameLayers(Mapping):
 
     def __len__(self):
         return len(self.keys_)
+
+
+_SAME = {}   # repr(cfg) -> its SameLayers: the RNG of a 7B-width layer, head and embedding takes seconds
+
+
+def same_layers(cfg):
+    """SameLayers(cfg), made once per config (read-only: every trainer of cfg fills its store from it)."""
+    if repr(cfg) not in _SAME:
+        _SAME.clear()                             # one config's weights held at a time
+        _SAME[repr(cfg)] = SameLayers(cfg)
+    return _SAME[repr(cfg)]
 
 
 def sync():
@@ -124,58 +156,112 @@ def batch(cfg, B, T, seed=0):
     return tuple(t.pin_memory() for t in b) if CUDA else b
 
 
-def time_steps(step, b, warmup, steps, drain=lambda: None):
-    """{step_s (median), steps_s, loss, peak_gpu_gb, rss...}: warm-up, then `steps` synchronised steps."""
+def time_steps(step, b, warmup, steps, drain=lambda: None, steady=None):
+    """{step_s, step_synced_s, steps_synced_s, loss, peak_gpu_gb, rss...}: `warmup` steps; `steps` steps each
+    between two device syncs (step_synced_s: their median, the form of the runs before 2026-11-28); then
+    `steady` steps (default `steps`) between one sync and the next, the last step's deferred work drained
+    (`drain`) inside (step_s: their mean, what train.py sees -- the updates one step defers overlap the next
+    one's forward, and a per-step sync bills their tail to every step)."""
     for _ in range(warmup):
         step(*b)
-    drain(), sync()
+    sync()                                  # not drained: each timed step finds the last one's deferred work
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
-    times, loss = [], None
+    synced, loss = [], None
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
         loss = step(*b)
         sync()
-        times.append(time.perf_counter() - t0)
+        synced.append(time.perf_counter() - t0)
+    n = steps if steady is None else steady
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = step(*b)
     drain()
-    return dict(step_s=median(times), steps_s=times, loss=loss, **rss(),
+    sync()
+    steady_s = (time.perf_counter() - t0) / n
+    return dict(step_s=steady_s, step_synced_s=median(synced), steps_synced_s=synced, loss=loss, **rss(),
                 peak_gpu_gb=torch.cuda.max_memory_allocated() / GB if CUDA else None)
 
 
-def rates(cfg, B, T, r, peak=None, offload=False, compute_s=None, resident=0):
-    """Add tokens/s, TFLOP/s, copy volumes and rates, overlap to a timing dict r (see the docstring). resident: the
-    units kept on the GPU (the first the forward needs), whose weights and gradients never cross PCIe."""
+def link_bytes(t, B, T):
+    """(H2D, D2H) bytes trainer t moves per step of B x T tokens, from how it was built: each unit's home
+    (which of its buffers live on the GPU, which cross for its update: megatrain_min/homes.py), its store (what
+    streams into a slot, the rule's state), where the boundary activations live. Per unit, each way:
+      streamed     its weights at the streamed tensor's width -- 2 B/param (fast: the bf16 shadow) or 4
+                   (lean: the fp32 master, cast on the GPU) -- once per visit: a layer twice (forward,
+                   backward) but the last (still in its slot), the head once; its fp32 gradient back
+                   (4 B/param), but the embedding's (its rows are gathered on the host, dy comes back)
+      GPU-updated  the same weights in; its master and state in and back for the update there (AdamW:
+                   12 B/param each way), the shadow back too (14 fast); its gradient stays on the GPU
+      resident     nothing
+    Besides: the embedding's rows in and dy back (B x T x d; resident: its token ids in instead), the
+    targets in, the boundary activations out and in when offloaded."""
+    opt, cfg, L = t.opt, t.cfg, len(t.layer_units)
+    act = B * T * cfg.d_model * t.residual_dtype.itemsize     # rows, dy, a boundary activation
+    visits = {u: 2 - (i == L - 1) for i, u in enumerate(t.layer_units)} | {t.head: 1}
+    h2d = d2h = 0
+    for u, lay in enumerate(t.units):
+        home = t.home[u]
+        if "master" not in home.on_gpu:                           # streamed into a slot at each visit
+            h2d += visits.get(u, 0) * lay.numel * opt.streamed(u).element_size()
+        if u in visits and "grad" not in home.on_gpu:             # its fp32 gradient, to the host
+            d2h += lay.numel * 4
+        update = sum(x.nbytes for name, x in opt.tensors(u).items()      # master and state, crossing
+                     if ("master" if name == "master" else "state") in home.crossing)
+        shadow = opt.shadow[u].nbytes if "shadow" in home.crossing and opt.shadow[u] is not None else 0
+        h2d, d2h = h2d + update, d2h + update + shadow
+    ids = B * T * 8                                                # int64 token ids
+    resident_embed = "master" in t.home[t.embed].on_gpu
+    h2d += ids + (ids if resident_embed else act)
+    d2h += 0 if resident_embed else act
+    if t.activations.offloaded:
+        h2d, d2h = h2d + L * act, d2h + L * act
+    return h2d, d2h
+
+
+def rates(cfg, B, T, r, peak=None, compute_s=None, trainer=None):
+    """Add tokens/s, TFLOP/s, overlap and (for an engine run: its trainer) the link's bytes and average
+    rates (link_bytes) to a timing dict r (see the docstring)."""
     us, tok, L = model.units(cfg), B * T, cfg.n_layer
-    cb = DTYPE.itemsize                                     # bytes of the compute dtype (bf16 shadow / fp32)
-    lay, head, act = us[1], us[-1], B * T * cfg.d_model * 4  # fp32 residual: rows, checkpoints, dy
+    lay, head = us[1], us[-1]
     n_layers, n_head = L * lay.n_decay, head.n_decay
     r.update(tokens=tok, tokens_per_s=tok / r["step_s"], N=n_layers + n_head,
              model_tflops=6 * (n_layers + n_head) * tok / r["step_s"] / 1e12,
              hw_tflops=(8 * n_layers + 6 * n_head) * tok / r["step_s"] / 1e12,
              megatrain_tflops=6 * model.n_params(cfg) * tok / r["step_s"] / 1e12)
-    if r.get("engine") == "stream":  # L layers + head forward, L-1 layers again backward; fp32 grads back
-        streamed = L - max(0, min(resident - 1, L))                    # layers that cross PCIe
-        head_s = resident < len(us)                                     # the head crosses unless resident
-        rows = act * (resident == 0)                                    # a resident embedding: on the GPU
-        h2d = ((2 * streamed - (streamed > 0)) * lay.numel + head_s * head.numel) * cb + \
-            rows + act * L * offload
-        d2h = (streamed * lay.numel + head_s * head.numel) * 4 + rows + act * L * offload
-        r.update(h2d_gb=h2d / GB, d2h_gb=d2h / GB, h2d_gbs=h2d / GB / r["step_s"], d2h_gbs=d2h / GB / r["step_s"])
+    if trainer is not None:
+        h2d, d2h = link_bytes(trainer, B, T)
+        r.update(h2d_gb=h2d / GB, d2h_gb=d2h / GB, h2d_gbs=h2d / GB / r["step_s"],
+                 d2h_gbs=d2h / GB / r["step_s"])
         if peak:
-            r.update(h2d_link_share=r["h2d_gbs"] / peak["h2d_gbs"], d2h_link_share=r["d2h_gbs"] / peak["d2h_gbs"])
+            r.update(h2d_link_share=r["h2d_gbs"] / peak["h2d_gbs"],
+                     d2h_link_share=r["d2h_gbs"] / peak["d2h_gbs"])
     if compute_s:
         r.update(compute_only_s=compute_s, overlap=compute_s / r["step_s"])
     return r
 
 
+_COMPUTE = {}   # (repr(cfg), B, T, M) -> compute_only's seconds: every trainer of a shape shares them
+
+
 def compute_only(cfg, B, T, M, reps=3):
     """compute_only_s (docstring): one layer's and the head's GPU work for a step, weights resident, with the
     engine's own functions (model.block, model.block_grad, model.head_grad), M micro-batches, as the engine
-    runs them: bf16 autocast on an fp32 residual."""
+    runs them: bf16 autocast on an fp32 residual. Measured once per shape (layer 0's and the head's
+    values of same_layers(cfg))."""
+    key = (repr(cfg), B, T, M)
+    if key not in _COMPUTE:
+        _COMPUTE[key] = measure_compute(cfg, B, T, M, reps)
+    return _COMPUTE[key]
+
+
+def measure_compute(cfg, B, T, M, reps):
     dev, dt = DEV, DTYPE
-    us, gen = model.units(cfg), torch.Generator().manual_seed(0)
-    flat = lambda u: torch.cat([t.flatten() for t in model.init_unit(cfg, u, gen).values()]).to(dev, dt)  # noqa: E731
+    us, w0 = model.units(cfg), same_layers(cfg)
+    flat = lambda u: torch.cat([w0[k].flatten() for k in u.keys()]).to(dev, dt)  # noqa: E731
     lay, head = us[1], us[-1]
     w = {k: v.requires_grad_() for k, v in lay.views(flat(lay)).items()}
     wh = {k: v.requires_grad_() for k, v in head.views(flat(head)).items()}
@@ -296,15 +382,19 @@ def stream_case(cfg, B, T, M, S, peak, offload, keep=False, resident=0, grad_cli
     needs), `gpu_updated` streamed units updated there (gpu_update.GpuUpdates), grad_clip, the gradient slabs (None:
     stream.GRAD_SLABS) and the memory mode as given: its timing (and the trainer, keep=True)."""
     slabs = grad_slabs or stream.GRAD_SLABS
-    t = CheckedTrainer(cfg, SameLayers(cfg), micro_batches=M, resident_units=resident, grad_clip=grad_clip,
-                       grad_slabs=slabs, mode=mode, **engine.parts(offload, gpu_updated_units=gpu_updated))
-    b = batch(cfg, B, T)
-    r = time_steps(t.step, b, S["warmup"], S["steps"], drain=lambda: t.weights(copy=False))
+    t = trainer(cfg, M, offload, resident=resident, grad_clip=grad_clip, grad_slabs=slabs, mode=mode,
+                gpu_updated=gpu_updated)
+    r = time_steps(t.step, batch(cfg, B, T), S["warmup"], S["steps"], drain=t.wait, steady=S["steady"])
     r = rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer, offload=offload, resident_units=resident,
                               grad_clip=grad_clip, grad_slabs=slabs, mode=mode, gpu_updated_units=gpu_updated),
-              peak, offload,
-              compute_only(cfg, B, T, M), resident)
+              peak, compute_only(cfg, B, T, M), t)
     return (r, t) if keep else r
+
+
+def trainer(cfg, M, offload, resident, grad_clip, grad_slabs, mode, gpu_updated):
+    """The engine as bench runs it: checked, no guard (train.py's --skip-nonfinite), every layer the same."""
+    return CheckedTrainer(cfg, same_layers(cfg), micro_batches=M, grad_clip=grad_clip, grad_slabs=grad_slabs,
+                          mode=mode, **engine.parts(offload, resident_units=resident, gpu_updated_units=gpu_updated))
 
 
 def pinned_case(S):
@@ -424,7 +514,8 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     B, T, M = tokens_for(base, S)
     avail = hardware.host_available_bytes()
     few = lambda cfg: len(model.units(cfg)) // 10  # noqa: E731  the streaming regime: <= 10% resident
-    kw = lambda clip, k: dict(batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip, resident_units=k)  # noqa
+    kw = lambda clip, k: dict(batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip,  # noqa: E731
+                              resident_units=k, skip_nonfinite=False)   # the bench builds no guard
     fits = lambda L, clip=0.0: planner.plan(dataclasses.replace(base, n_layer=L), "local", **kw(  # noqa: E731
         clip, few(dataclasses.replace(base, n_layer=L))))["host_bytes"] <= 0.85 * avail
     L = min(layers or S["max_depth"], next((L for L in range(S["max_depth"], 0, -1) if fits(L)), 1))
@@ -441,10 +532,10 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     save(out)
     for mult in S["token_sweep"] if sweep is None else sweep:   # the same trainer, more tokens (its M)
         bm = batch(cfg, mult * B, T)
-        rm = time_steps(t.step, bm, 1, 2, drain=lambda: t.weights(copy=False))
+        rm = time_steps(t.step, bm, 1, 2, drain=t.wait)
         out[f"at_{mult}x_tokens"] = rates(cfg, mult * B, T, dict(
             rm, engine="stream", n_layer=L, resident_units=k, gpu_updated_units=p["gpu_updated_units"],
-            grad_slabs=p["grad_slabs"], mode="fast"), peak, off, compute_only(cfg, mult * B, T, M), k)
+            grad_slabs=p["grad_slabs"], mode="fast"), peak, compute_only(cfg, mult * B, T, M), t)
         out[f"at_{mult}x_tokens"]["planned_step_s"] = planner.plan(cfg, "local", **dict(   # this trainer's
             kw(0.0, k), batch_size=mult * B, gpu_updated_units=p["gpu_updated_units"], grad_slabs=p["grad_slabs"])
         )["step_time_s"]
@@ -456,14 +547,14 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
                                     experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True)) as prof:
             for _ in range(3):
                 t.step(*b)
-            t.weights(copy=False), sync()
+            t.wait()
         trace = Path(profile_dir) / "trace.json"
         prof.export_chrome_trace(str(trace))  # gzipped: a 7B-wide trace is large; Perfetto opens .json.gz
         with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
             g.write(f.read())
         trace.unlink()
         out["trace"] = f"{trace}.gz"
-    t.weights(copy=False)
+    t.wait()
     del t
     # clipped (train.py's default: every update waits for the norm) first -- issue 33's target is lean_clip_1 -- each
     # with the plan's count of units updated on the GPU, and once with none (every update on the host)
@@ -487,6 +578,79 @@ def wide_case(S, peak, profile_dir=None, save=lambda out: None, layers=None, cli
     return out
 
 
+def quick_case(S, peak, modes=("lean", "fast"), budget_s=None, save=lambda out: None):
+    """The wide case (S["quick_layers"] layers of 7B width) in the streaming regime (<= 10% of the units
+    resident) at each of S["quick_tokens"] (QUICK_M sequences, one per micro-batch), grad clip 1 and 0, each
+    memory mode of `modes`, with the plan's count of units updated on the GPU (at the first token count) and
+    with none: one trainer per (mode, clip, count), timed at every token count, the planner's step beside
+    each row. In that order -- the plan's pick beside its baseline, lean first (--mode auto's pick there)
+    -- while the planned cost fits in what is left of budget_s: the planned steps and what a trainer costs
+    besides (QUICK_TRAINER_S, or more where the trainers so far took more); the rest are listed with their
+    prediction, "skipped"."""
+    cfg = dataclasses.replace(S["wide"], n_layer=S["quick_layers"])
+    M, k = QUICK_M, len(model.units(cfg)) // 10
+    shapes = [(M, tokens // M) for tokens in S["quick_tokens"]]                     # (B, T)
+    kw = lambda B, T, clip, mode, g: dict(batch_size=B, seq_len=T, micro_batches=M, grad_clip=clip,  # noqa: E731
+                                          mode=mode, resident_units=k, gpu_updated_units=g, skip_nonfinite=False)
+    out = dict(n_layer=cfg.n_layer, params=model.n_params(cfg), units=len(model.units(cfg)), resident_units=k,
+               micro_batches=M, model=cfg.to_dict(), budget_s=budget_s, rows={}, trainers=[])
+    start, steps_per_shape = time.time(), QUICK_LEAD + QUICK_STEPS + QUICK_STEADY
+    for mode in modes:
+        for clip in (1.0, 0.0):
+            for asked in (S["quick_gpu_updated"], 0):      # the plan's count (None) or the smoke's, then none
+                free_memory()                              # "local" plans read the GPU's free memory now
+                pick = planner.plan(cfg, "local", **kw(*shapes[0], clip, mode, asked))
+                g, slabs, off = pick["gpu_updated_units"], pick["grad_slabs"], pick["offload_activations"]
+                names = [f"{mode}_clip_{clip:g}_gpu_{'plan' if asked is None else asked}_{B * T}" for B, T in shapes]
+                plans = [pick] + [planner.plan(cfg, "local", **kw(B, T, clip, mode, g), grad_slabs=slabs or None,
+                                               offload_activations=off) for B, T in shapes[1:]]
+                picks = [g] + [planner.plan(cfg, "local", **kw(B, T, clip, mode, None))["gpu_updated_units"]
+                               if asked is None else g for B, T in shapes[1:]]   # the plan's own, at each count
+                steps_s = steps_per_shape * sum(p["step_time_s"] for p in plans)
+                extra = max([QUICK_TRAINER_S] + [x["wall_s"] - x["planned_steps_s"] for x in out["trainers"]])
+                need = extra + steps_s          # (what the trainers so far cost besides their planned steps)
+                left = None if budget_s is None else budget_s - (time.time() - start)
+                why = ("the plan picks no GPU-updated unit here: the row with none measures it"
+                       if asked is None and g == 0 else
+                       "the plan does not fit this machine" if not pick["fits"] else
+                       f"the budget: ~{need:.0f} s planned, {left:.0f} s left" if left is not None and need > left
+                       else None)
+                for name, p, here, (B, T) in zip(names, plans, picks, shapes):
+                    out["rows"][name] = dict(tokens=B * T, batch=B, seq=T, micro_batches=M, mode=mode,
+                                             grad_clip=clip, resident_units=k, gpu_updated_units=g,
+                                             gpu_updated_plan=asked is None, gpu_updated_plan_here=here,
+                                             grad_slabs=slabs, offload=off, planned_step_s=p["step_time_s"],
+                                             skipped=why)
+                if why:
+                    continue
+                began = t0 = time.time()
+                t, built = None, None
+                try:   # an OOM or a failure is this trainer's result: the others still run
+                    t = trainer(cfg, M, off, resident=k, grad_clip=clip, grad_slabs=slabs or stream.GRAD_SLABS,
+                                mode=mode, gpu_updated=g)
+                    built = time.time() - t0
+                    for name, (B, T) in zip(names, shapes):
+                        row = out["rows"][name]
+                        r = time_steps(t.step, batch(cfg, B, T), QUICK_LEAD, QUICK_STEPS, drain=t.wait,
+                                       steady=QUICK_STEADY)
+                        row.update(rates(cfg, B, T, dict(r, engine="stream", n_layer=cfg.n_layer), peak,
+                                         compute_only(cfg, B, T, M), t))
+                        row.pop("skipped")
+                        save(out)
+                except Exception as e:  # noqa: BLE001
+                    for name in names:
+                        if "step_s" not in out["rows"][name]:
+                            out["rows"][name]["skipped"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                    save(out)
+                t0 = time.time()
+                del t
+                free_memory()
+                out["trainers"].append(dict(rows=names, build_s=built, free_s=time.time() - t0,
+                                            wall_s=time.time() - began, planned_steps_s=steps_s))
+    out["wall_s"] = time.time() - start
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 def meta(args):
     drv = None
@@ -499,8 +663,9 @@ def meta(args):
                 torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                 host=socket.gethostname(), cpus=os.cpu_count(),
                 command=" ".join([sys.executable, "bench/gpu.py", *sys.argv[1:]]),
-                smoke=args.smoke, host_available_gb=hardware.host_available_bytes() / GB,
-                update_order="need-first")   # optim.Worker's (runs before this key: first come, first served)
+                smoke=args.smoke, quick=args.quick, host_available_gb=hardware.host_available_bytes() / GB,
+                update_order="need-first",   # optim.Worker's (runs before this key: first come, first served)
+                step_s="steady")   # time_steps: step_s over steps between one sync (runs before: per-step syncs)
 
 
 def summary(res):
@@ -546,7 +711,31 @@ def markdown(res):
             f"pinned copy peak: {res['cases'].get('pinned')}\n\nsummary: {json.dumps(res['summary'])}\n\n"
             "| case | layers | tokens/step | step s | planned s | tokens/s | model TFLOP/s | MegaTrain TFLOP/s | overlap "
             "| H2D GB/s (avg) | peak GPU GB | peak RSS GB |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-    return head + "\n".join(rows) + "\n"
+    return head + "\n".join(rows) + "\n" + quick_table(res["cases"].get("quick"))
+
+
+def quick_table(q):
+    """The quick case's rows: each measured step (steady; per-step synced) beside the planner's."""
+    if not q:
+        return ""
+    f = lambda v, p=3: "-" if v is None else f"{v:,.{p}f}"  # noqa: E731
+    lines = [f"\n## --quick: {q['n_layer']} layers of 7B width, {q['resident_units']} of {q['units']} units "
+             f"resident, {q['micro_batches']} micro-batches of one sequence\n",
+             "| row | tokens (B x T) | clip | mode | updated on the GPU | slabs | step s (steady) | step s "
+             "(synced per step) | planned s | planned / steady | H2D GB/s | D2H GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in q["rows"].items():
+        g = f"{r['gpu_updated_units']}" + (" (the plan)" if r["gpu_updated_plan"] else "")
+        ratio = r["planned_step_s"] / r["step_s"] if "step_s" in r else None
+        steady = f"skipped: {r['skipped']}" if r.get("skipped") else f(r.get("step_s"))
+        lines.append(f"| {name} | {r['tokens']:,} ({r['batch']} x {r['seq']}) | {r['grad_clip']:g} | {r['mode']} "
+                     f"| {g} | {r['grad_slabs']} | {steady} | {f(r.get('step_synced_s'))} | "
+                     f"{f(r['planned_step_s'])} | {f(ratio)} | {f(r.get('h2d_gbs'), 1)} | {f(r.get('d2h_gbs'), 1)} |")
+    built = ", ".join("-" if x["build_s"] is None else f"{x['build_s']:.0f}" for x in q["trainers"])
+    freed = ", ".join(f"{x['free_s']:.0f}" for x in q["trainers"])
+    lines.append(f"\n{len(q['trainers'])} trainers built in {built} s, freed in {freed} s; case wall "
+                 f"{f(q.get('wall_s'), 0)} s of a {f(q['budget_s'], 0)} s budget")
+    return "\n".join(lines) + "\n"
 
 
 def main():
@@ -564,11 +753,18 @@ def main():
     ap.add_argument("--wide-layers", type=int, help="the wide case's depth (default: the deepest that fits)")
     ap.add_argument("--wide-clips", default="0,1", help="grad_clip values of the wide case at its min tokens")
     ap.add_argument("--wide-sweep", help="the wide case's token multiples (default 2,4,8; 'none': no sweep)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the pinned peaks and the quick case alone (bench/gpu_run.sh --quick): the wide case's "
+                         "streaming regime at 16,384 and 12,288 tokens, clip 1 and 0, lean and fast, the plan's "
+                         "GPU-updated units and none, each row beside its plan")
+    ap.add_argument("--quick-modes", default="lean,fast", help="the quick case's memory modes, in this order")
+    ap.add_argument("--budget-s", type=float,
+                    help="seconds for the quick case: a trainer whose planned cost no longer fits is skipped")
     args = ap.parse_args()
-    S, only = SMOKE if args.smoke else FULL, args.only.split(",")
+    S, only = SMOKE if args.smoke else FULL, ["quick"] if args.quick else args.only.split(",")
     if args.peer:
         return peer_main(args.peer, S, not args.default_adamw, args.out)
-    if bad := set(only) - {"pinned", "sweep", "peers", "wide"}:
+    if bad := set(only) - {"pinned", "sweep", "peers", "wide", "quick"}:
         ap.error(f"unknown case(s) {sorted(bad)} in --only; choose from pinned,sweep,peers,wide")
     res = dict(meta=meta(args), definitions=DEFS, cases={})
     slug = re.sub(r"[^a-z0-9]+", "-", res["meta"]["device"].lower()).strip("-")
@@ -576,10 +772,12 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
 
-    def save(case):  # the wide case saves itself before its trace
-        res["cases"]["wide"] = case
-        write()
-        print(f"bench: wide {sorted(k for k, v in case.items() if isinstance(v, dict))} saved", flush=True)
+    def saver(name):  # the wide and quick cases save each row as it is measured
+        def save(case):
+            res["cases"][name] = case
+            write()
+            print(f"bench: {name} saved", flush=True)
+        return save
 
     def write():  # after every case: a crash (host OOM kill) keeps what was measured
         res["summary"] = summary(res)
@@ -595,8 +793,10 @@ def main():
         tuple(int(m) for m in args.wide_sweep.split(","))
     for name, fn in (("sweep", lambda: sweep_case(S, peak)),
                      ("peers", lambda: peers_case(S, peak, args.smoke, out, args.peers.split(","))),
-                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, save, args.wide_layers, clips,
-                                                     sweep))):
+                     ("wide", lambda: wide_case(S, peak, out if args.profile else None, saver("wide"),
+                                                args.wide_layers, clips, sweep)),
+                     ("quick", lambda: quick_case(S, peak, args.quick_modes.split(","), args.budget_s,
+                                                  saver("quick")))):
         if name in only:
             t0 = time.time()
             print(f"bench: {name} ...", flush=True)

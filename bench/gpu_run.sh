@@ -1,9 +1,23 @@
 #!/usr/bin/env bash
-# The one command a GPU session runs: the GPU tests, the host AdamW on buffers far beyond the L3 (bench/adamw_cpu.py),
-# the single-GPU benchmark (the headline), the host's issue cost fitted on this GPU, then -- with 2 or more GPUs and
-# time left -- the multi-GPU case. Logs and results in $OUT.
-#   OUT=/abs/dir bash bench/gpu_run.sh     # ~6-9 min on one H100/H200 with ~128 GB of host RAM
-#   BENCH_ARGS="--smoke --profile" ADAMW_ARGS=--smoke bash bench/gpu_run.sh   # dry run on any machine (< 1 min)
+# The command a GPU session runs, in two forms. The routine: --quick first, commit what it wrote, then -- with time
+# left -- the full run (or the quick case's fast rows: QUICK_PARTS=bench BENCH_ARGS="--quick-modes fast").
+#   OUT=/abs/dir bash bench/gpu_run.sh --quick   # <= 4 min on one H200 (machine start excluded): estimate below
+#   OUT=/abs/dir bash bench/gpu_run.sh           # the full run: ~9.5 min on one H100/H200 with ~128 GB of host RAM
+#   BENCH_ARGS=--smoke ADAMW_ARGS="--smoke --unit 1e5" bash bench/gpu_run.sh --quick   # dry run, any machine
+#   BENCH_ARGS="--smoke --profile" ADAMW_ARGS=--smoke bash bench/gpu_run.sh             # the full one's (< 1 min)
+# --quick (240 s in all; QUICK_PARTS picks among "tests adamw bench"):
+#   tests  tests/test_gpu.py's exactness subset: async == synchronised bit for bit, fp32 == the reference (75 s cap)
+#   adamw  the host AdamW under both copy engines: bench/adamw_cpu.py --dma-only, 2 units of 7B width (40 s cap)
+#   bench  bench/gpu.py --quick in what is left: the pinned peaks, then the wide case (24 layers of 7B width, 2 of
+#          26 units resident) at 16,384 and 12,288 tokens, clip 1 and 0, lean then fast, the plan's GPU-updated
+#          units and none -- a trainer per (mode, clip, units), each row's steady and per-step-synced step beside
+#          the planner's (results.md); a trainer whose planned cost no longer fits the budget is listed, skipped.
+#   Estimated on an H200 from the measured runs' costs (bench/NOTES.md, 2026-11-28): tests ~38 s, adamw ~12 s,
+#   bench start + pinned ~8 s; a streamed trainer ~25 s (build, first touch, free) + 8 steps (13-24 s): the four
+#   lean trainers (8 rows) in ~163 s, ~225 s in all; the four fast ones (~170 s more) are listed, skipped.
+# The full run: the GPU tests, the host AdamW on buffers far beyond the L3 (bench/adamw_cpu.py), the single-GPU
+# benchmark (the headline), the host's issue cost fitted on this GPU, then -- with 2 or more GPUs and time left --
+# the multi-GPU case. Logs and results in $OUT.
 # Installs nothing (the GPU box has no network): torch with CUDA, pytest and transformers must be importable.
 # Every part runs even when an earlier one failed; the exit status is non-zero if any failed. Timeouts keep the
 # whole under the 10-minute limit of one device command (570 s): the tests get 150 s, the host AdamW 90 s, the bench
@@ -16,17 +30,49 @@
 # pinned,peers,wide" adds them. Each part writes into a directory of its
 # own under $OUT, made fresh (a rerun with the same $OUT replaces its results), and writes after every case, so a
 # timeout still leaves what was measured.
-# To commit: copy "$OUT/bench", "$OUT/host_op.json", "$OUT/adamw_cpu.json" (and "$OUT/multi/multi_gpu.json") to
-# bench/results/<date>-<device>/ (trace.json.gz is large: keep it out of git).
+# To commit: copy "$OUT/bench" (--quick: "$OUT/quick"), "$OUT/host_op.json", "$OUT/adamw_cpu.json", "$OUT/test_gpu.log"
+# (and "$OUT/multi/multi_gpu.json") to bench/results/<date>-<device>[-quick]/ (trace.json.gz is large: keep it out).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out-gpu}"
 mkdir -p "$OUT"
-rm -rf "$OUT/bench" "$OUT/multi" "$OUT/host_op.json" "$OUT/adamw_cpu.json"
+rm -rf "$OUT/bench" "$OUT/quick" "$OUT/multi" "$OUT/host_op.json" "$OUT/adamw_cpu.json"
 { date -Is; nvidia-smi || true; free -g; nproc; git log -1 --oneline 2>/dev/null || true
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())"
-  python -c "import pytest, transformers" 2>&1 || echo "note: pytest/transformers missing (pip install -r requirements-dev.txt)"
+  python -c "import torch
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available())
+try:
+    import pytest, transformers  # noqa: F401
+except ImportError as e:
+    print('note:', e, '(pip install -r requirements-dev.txt)')" 2>&1
 } 2>&1 | tee "$OUT/env.log"
+
+if [ "${1:-}" = "--quick" ]; then
+  LIMIT=240                                                 # seconds, from the script's start
+  PARTS="${QUICK_PARTS:-tests adamw bench}"
+  tests=0 adamw=0 bench=0
+  if [[ " $PARTS " == *" tests "* ]]; then
+    timeout 75 python -m pytest -q tests/test_gpu.py -s -k "async_equals_synchronised or fp32_equals_reference" \
+      2>&1 | tee "$OUT/test_gpu.log"
+    tests=${PIPESTATUS[0]}                                  # (5: none selected -- a renamed test; fails)
+    echo "tests/test_gpu.py (exactness) exit status: $tests" | tee -a "$OUT/test_gpu.log"
+  fi
+  if [[ " $PARTS " == *" adamw "* ]]; then
+    # shellcheck disable=SC2086  # ADAMW_ARGS, BENCH_ARGS: lists of flags
+    timeout 40 python bench/adamw_cpu.py --dma-only ${ADAMW_ARGS:---params 4.05e8 --unit 202383360 --rounds 2} \
+      --json "$OUT/adamw_cpu.json" 2>&1 | tee "$OUT/adamw_cpu.log"
+    adamw=${PIPESTATUS[0]}
+    echo "bench/adamw_cpu.py --dma-only exit status: $adamw" | tee -a "$OUT/adamw_cpu.log"
+  fi
+  if [[ " $PARTS " == *" bench "* ]]; then
+    # shellcheck disable=SC2086
+    timeout $((LIMIT - SECONDS)) python bench/gpu.py --quick --budget-s $((LIMIT - 15 - SECONDS)) \
+      --out "$OUT/quick" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/quick.log"
+    bench=${PIPESTATUS[0]}
+    echo "bench/gpu.py --quick exit status: $bench ($SECONDS s since the start)" | tee -a "$OUT/quick.log"
+  fi
+  [ "$tests" -eq 0 ] && [ "$adamw" -eq 0 ] && [ "$bench" -eq 0 ]
+  exit
+fi
 
 timeout 150 python -m pytest -q tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.log"
 tests=${PIPESTATUS[0]}

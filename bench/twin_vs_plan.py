@@ -3,6 +3,7 @@
     python bench/twin_vs_plan.py --measured bench/results/2026-11-27-nvidia-h200   # ~2 min on a 2-core CPU
     python bench/twin_vs_plan.py              # twin vs planner, full depth: 100b/120b and 7b/14b (~15 min)
     python bench/twin_vs_plan.py --quick      # the 7b rows only
+    python bench/twin_vs_plan.py --quick-run OUT/quick   # bash bench/gpu_run.sh --quick's rows (~15 s a row)
 
 --measured DIR: DIR holds bench/gpu.py's results.json (the run of ../shared/gpu/2026-11-27-h200 is committed as
 bench/results/2026-11-27-nvidia-h200). The twin (the real engine replayed at full size, megatrain_min/twin.py) and
@@ -43,29 +44,29 @@ SEQ = 4096                          # bench/gpu.py: one sequence of 4096 tokens 
 TOLERANCE = 0.10
 
 
-def predict(cfg, hw, B, M, twin_too=True, need_first=True, grad_slabs=None, **kw):
-    """(twin result or None, plan) of cfg on hardware dict hw at B x SEQ tokens in M micro-batches; kw: the engine's
+def predict(cfg, hw, B, M, twin_too=True, need_first=True, grad_slabs=None, seq=SEQ, **kw):
+    """(twin result or None, plan) of cfg on hardware dict hw at B x seq tokens in M micro-batches; kw: the engine's
     settings (grad_clip, mode, resident_units, offload_activations), as bench/gpu.py runs it (no guard). need_first:
     the optimizer thread's order (False: first come, first served, the engine of the earlier runs); grad_slabs: the
     gradient slabs (None: the plan's; the earlier runs had 3)."""
     timing.NEED_FIRST, was = need_first, timing.NEED_FIRST
     try:
-        return predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, **kw)
+        return predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, seq, **kw)
     finally:
         timing.NEED_FIRST = was
 
 
-def predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, **kw):
+def predict_as(cfg, hw, B, M, twin_too, need_first, grad_slabs, seq, **kw):
     kw = dict(dict(grad_clip=0.0, mode="fast", resident_units=0, offload_activations=False), **kw)
-    p = planner.plan(cfg, hw, batch_size=B, seq_len=SEQ, micro_batches=M, dtype="bf16", skip_nonfinite=False,
+    p = planner.plan(cfg, hw, batch_size=B, seq_len=seq, micro_batches=M, dtype="bf16", skip_nonfinite=False,
                      grad_slabs=grad_slabs, **kw)
     if not twin_too:
         return None, p
     tw = twin.Twin(p["hardware"], need_first=need_first)
-    record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(B, SEQ), dtype=torch.bfloat16,
+    record.run(cfg, [tw], 3, fake=True, sources=False, costs=True, batch=(B, seq), dtype=torch.bfloat16,
                micro_batches=M, grad_slabs=p["grad_slabs"] or 3,
                **dict(kw, resident_units=p["resident_units"], gpu_updated_units=p["gpu_updated_units"]))
-    return tw.result_of(cfg, B * SEQ), p
+    return tw.result_of(cfg, B * seq), p
 
 
 def read_results(d):
@@ -196,6 +197,41 @@ def predictions(hw, res, wide):
     return out
 
 
+def quick_run(d):
+    """The twin and the planner beside each measured row of bench/gpu.py --quick's DIR/results.json (the config it
+    records; the measured H200's profile with the host memory the run saw): DIR/twin_vs_plan.md. Exit status 1
+    when either model is more than TOLERANCE off a measured (steady) step."""
+    res = json.loads((d / "results.json").read_text())
+    q = res["cases"]["quick"]
+    hw = dict(hardware.HARDWARE["h200"], host_mem_gb=res["meta"]["host_available_gb"], name="h200 (measured)")
+    cfg = model.GPTConfig(**q["model"])
+    lines = [f"# twin and planner vs bench/gpu.py --quick's rows, {d.name} ({datetime.date.today()}, "
+             f"`python bench/twin_vs_plan.py --quick-run {d.relative_to(ROOT) if d.is_relative_to(ROOT) else d}`)",
+             "", f"Profile: plan.hardware.HARDWARE['h200'], host memory {hw['host_mem_gb']:.0f} GB; "
+             f"{q['n_layer']} layers, {q['resident_units']} of {q['units']} units resident, each row's engine as run.",
+             "", "| row | tokens (B x T) | measured s (steady) | measured s (synced per step) | twin s | twin / "
+             "measured | planner s | planner / measured |", "|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for name, r in q["rows"].items():
+        if "step_s" not in r:
+            lines.append(f"| {name} | {r['tokens']:,} | skipped: {r.get('skipped')} | | | | | |")
+            continue
+        tw, p = predict(cfg, hw, r["batch"], r["micro_batches"], seq=r["seq"], grad_clip=r["grad_clip"],
+                        mode=r["mode"], resident_units=r["resident_units"], gpu_updated_units=r["gpu_updated_units"],
+                        grad_slabs=r["grad_slabs"] or None, offload_activations=r["offload"])
+        a, b = tw["step_time_s"] / r["step_s"], p["step_time_s"] / r["step_s"]
+        worst = max(worst, abs(a - 1), abs(b - 1))
+        lines.append(f"| {name} | {r['tokens']:,} ({r['batch']} x {r['seq']}) | {r['step_s']:.3f} | "
+                     f"{r['step_synced_s']:.3f} | {tw['step_time_s']:.3f} | {a:.3f} | {p['step_time_s']:.3f} | "
+                     f"{b:.3f} |")
+        print(lines[-1], flush=True)
+    verdict = worst <= TOLERANCE
+    lines += ["", f"worst |model / measured - 1| = {worst:.3f}: {'within' if verdict else 'OUTSIDE'} {TOLERANCE:.0%}"]
+    (d / "twin_vs_plan.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {d / 'twin_vs_plan.md'}")
+    return 0 if verdict else 1
+
+
 def full_depth(quick):
     rows = [r for r in ROWS if r[0] == "7b"] if quick else ROWS
     lines = [f"# twin vs planner, full depth ({datetime.date.today()}, `python bench/twin_vs_plan.py`)", "",
@@ -224,7 +260,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measured", help="a directory with bench/gpu.py's results.json: hold both models to it")
     ap.add_argument("--quick", action="store_true", help="(full depth) only the 7b rows")
+    ap.add_argument("--quick-run", help="a directory with bench/gpu.py --quick's results.json: the twin beside "
+                                        "its rows")
     a = ap.parse_args()
+    if a.quick_run:
+        return quick_run(Path(a.quick_run).resolve())
     if a.measured:
         d = Path(a.measured).resolve()
         if not (d / "results.json").is_file():

@@ -7,7 +7,9 @@
 - bf16 streaming tracks the fp32 reference loss on the toy corpus within 2% after 200 steps;
 - peak GPU memory does not grow with depth when boundary activations are offloaded (spread < 5%);
 - the lanes and the optimizer thread run on the Trainer's device, and the host memory it page-locks
-  (cudaHostRegister, counted here) is the plan's pinned figure."""
+  (cudaHostRegister, counted here) is the plan's pinned figure.
+The exactness subset -- test_async_equals_synchronised_bit_for_bit and test_cuda_fp32_equals_reference, 22 cases --
+is what `bash bench/gpu_run.sh --quick` runs, by these names (tests/test_bench.py counts them)."""
 import dataclasses
 import mmap
 
