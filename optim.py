@@ -212,9 +212,10 @@ def cuda_last_error():
     torch loaded is asked by its soname (0: it could not be found)."""
     runtime = torch.cuda.cudart()
     if not hasattr(runtime, "cudaGetLastError"):
+        major = (torch.version.cuda or "").split(".")[0]   # the CUDA torch was built for
         try:
-            runtime = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
-        except (OSError, AttributeError):
+            runtime = ctypes.CDLL(f"libcudart.so.{major}")
+        except OSError:
             return 0
     return int(runtime.cudaGetLastError())
 

@@ -39,12 +39,14 @@ What each double refuses (as torch 2.11 with CUDA does; the source read is named
 - cudaHostRegister of a range that overlaps a registered one (cudaErrorHostMemoryAlreadyRegistered, 712), of 0
   bytes or with unknown flags (cudaErrorInvalidValue, 1), with arguments that are not unsigned integers
   (TypeError, as pybind11); cudaHostUnregister of an address that is not the start of a registration
-  (cudaErrorHostMemoryNotRegistered, 713).
+  (cudaErrorHostMemoryNotRegistered, 713). Each failure stays the thread's last error (Cudart: a later kernel
+  launch raises it) until cudaGetLastError, which torch does not bind: libcudart's own, through ctypes.
 Current device and stream are per thread. mem_get_info and get_device_name answer what the test sets (install's
 memory= and name=: H200 below is what an H200 reports); is_bf16_supported is True (Ampere and later), and autocast
 on "cuda" is the CPU's over the stand-ins, so the engine's bf16 path runs through the doubles too.
 """
 import contextlib
+import ctypes
 import mmap
 import threading
 import weakref
@@ -63,10 +65,27 @@ REAL_FUSED_ADAMW, REAL_DOT, REAL_AUTOCAST = torch._fused_adamw_, torch.dot, torc
 
 
 class Cudart:
-    """torch.cuda.cudart(): cudaHostRegister / cudaHostUnregister over page ranges. registered: ptr -> bytes."""
+    """torch.cuda.cudart(): cudaHostRegister / cudaHostUnregister over page ranges. registered: ptr -> bytes.
+    As CUDA's runtime, a call that fails also leaves its error as this thread's last error, until
+    cudaGetLastError -- which torch's binding lacks: the runtime library's own (runtime below, what
+    ctypes.CDLL("libcudart.so.N") gives) -- returns and clears it; a kernel launch checks it
+    (C10_CUDA_KERNEL_LAUNCH_CHECK) and raises a stale error as its own."""
 
     def __init__(self):
         self.registered, self.calls = {}, []
+        self.errors = threading.local()             # .last: this thread's last error
+        self.runtime = Runtime(self)
+
+    def failed(self, err):
+        if err:
+            self.errors.last = err
+        return err
+
+    def launch_check(self, kernel):
+        err = self.runtime.cudaGetLastError()
+        if err:
+            raise RuntimeError(f"CUDA error: cudaError {err} (reported by the launch of {kernel}; an earlier call "
+                               "left it: it is sticky until cudaGetLastError)")
 
     def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's name)
         for name, v in (("ptr", ptr), ("size", size), ("flags", flags)):
@@ -74,10 +93,10 @@ class Cudart:
                 raise TypeError(f"cudaHostRegister(): incompatible function arguments: {name}={v!r}")
         self.calls.append(("register", ptr, size))
         if size == 0 or flags & ~HOST_REGISTER_FLAGS:
-            return INVALID_VALUE
+            return self.failed(INVALID_VALUE)
         lo, hi = pages(ptr, size)
         if any(lo < pages(p, n)[1] and pages(p, n)[0] < hi for p, n in self.registered.items()):
-            return ALREADY_REGISTERED
+            return self.failed(ALREADY_REGISTERED)
         self.registered[ptr] = size
         return 0
 
@@ -85,10 +104,22 @@ class Cudart:
         if not isinstance(ptr, int) or ptr < 0:
             raise TypeError(f"cudaHostUnregister(): incompatible function arguments: ptr={ptr!r}")
         self.calls.append(("unregister", ptr))
-        return 0 if self.registered.pop(ptr, None) is not None else NOT_REGISTERED
+        return 0 if self.registered.pop(ptr, None) is not None else self.failed(NOT_REGISTERED)
 
     def live_bytes(self):
         return sum(self.registered.values())
+
+
+class Runtime:
+    """libcudart itself, as ctypes loads it: cudaGetLastError (the rest of its API is not asked for)."""
+
+    def __init__(self, cudart):
+        self.cudart = cudart
+
+    def cudaGetLastError(self):  # noqa: N802 (CUDA's name)
+        err = getattr(self.cudart.errors, "last", 0)
+        self.cudart.errors.last = 0
+        return err
 
 
 def pages(ptr, size):
@@ -283,6 +314,8 @@ class GPU:
                 raise RuntimeError(f"_fused_adamw_: {arg} on {self.device_of(t)} beside params on {on}: the "
                                    f"kernel reads it at its address on {on.type} (keyword-only, it escapes the "
                                    "device check) -- an illegal memory access on a GPU, a crash on the host")
+        if on.type == "cuda":
+            self.cudart.launch_check("the fused AdamW kernel")
         return REAL_FUSED_ADAMW(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=lr,
                                 beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
                                 maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
@@ -424,4 +457,10 @@ def install(monkeypatch, devices=1, memory=MEMORY, name=None):
     monkeypatch.setattr(torch, "autocast", autocast)
     monkeypatch.setattr(torch.Tensor, "dot", lambda input, tensor: gpu.dot(input, tensor))
     monkeypatch.setattr(stream.Lane, "streams", {}, raising=False)   # (an engine without it: made anew)
+    real_cdll = ctypes.CDLL                        # the CUDA runtime library, loaded by its soname
+
+    def cdll(name, *args, **kwargs):
+        return gpu.cudart.runtime if str(name).startswith("libcudart.so") else real_cdll(name, *args, **kwargs)
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")    # what a CUDA build of torch says
     return gpu

@@ -162,6 +162,26 @@ def test_page_locked_is_exact_and_unregistered_when_freed(monkeypatch):
         optim.page_locked(100)
 
 
+def test_a_failed_page_lock_leaves_no_error_for_the_next_kernel(monkeypatch):
+    """A cudaHostRegister that fails leaves its error as the thread's last error (CUDA's runtime), which the next
+    kernel launch on the thread would raise as its own (C10_CUDA_KERNEL_LAUNCH_CHECK): page_locked clears it
+    (cudaGetLastError, libcudart's own: torch binds none) before its one-line MemoryError. A cudaHostUnregister
+    that fails is warned and cleared too."""
+    gpu = cuda_doubles.install(monkeypatch)
+    real = gpu.cudart.cudaHostRegister
+    monkeypatch.setattr(gpu.cudart, "cudaHostRegister", lambda ptr, size, flags: gpu.cudart.failed(2))   # OOM
+    with pytest.raises(MemoryError, match="cudaError 2"):
+        optim.page_locked(100)
+    monkeypatch.setattr(gpu.cudart, "cudaHostRegister", real)
+    with gpu.placing():
+        p, g, m, v = (torch.zeros(8, device="cuda") for _ in range(4))
+        step = torch.zeros((), device="cuda")
+        optim.AdamW().update(p, g, {"m": m, "v": v}, step + 1, lr=1e-3, weight_decay=0.0)   # no stale error
+    with pytest.warns(UserWarning, match="cudaHostUnregister failed"):
+        optim.unregister(12345)                                  # never registered: cudaError 713
+    assert gpu.cudart.runtime.cudaGetLastError() == 0            # cleared there too
+
+
 def test_the_cuda_doubles_refuse_what_cuda_refuses(monkeypatch):
     """The doubles the CPU tests stand in for CUDA with fail where the real calls fail (else they would hide the
     bug they are there to catch): set_device of "cuda" without an index (torch's own check), a device ordinal the

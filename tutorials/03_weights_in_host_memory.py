@@ -313,8 +313,8 @@ for _ in range(4):
     loss_ref = ref.step(tokens[:, :-1], tokens[:, 1:])
 got, want = ours.weights(), ref.weights()
 diff_sgd = max(float((got[k] - want[k]).abs().max()) for k in want)
-print(f"SGD with momentum through the engine vs torch.optim.SGD after 4 steps: loss {loss_ours:.5f} "
-      f"vs {loss_ref:.5f}, max |weight diff| {diff_sgd:.1e}; the store holds "
+print(f"SGD with momentum through the engine vs torch.optim.SGD after 4 steps: loss "
+      f"{loss_ours:.5f} vs {loss_ref:.5f}, max |weight diff| {diff_sgd:.1e}; the store holds "
       f"{list(ours.opt.tensors(0))} per unit")
 
 # %% [markdown]
@@ -328,6 +328,7 @@ print(f"SGD with momentum through the engine vs torch.optim.SGD after 4 steps: l
 # %%
 assert diff_scratch < 1e-6, diff_scratch
 assert diff_host < 1e-6, diff_host
-assert diff_sgd < 1e-5 and abs(loss_ours - loss_ref) / loss_ref < 1e-5, (diff_sgd, loss_ours, loss_ref)
+assert diff_sgd < 1e-5, diff_sgd                                        # measured 1.5e-8
+assert abs(loss_ours - loss_ref) / loss_ref < 1e-5, (loss_ours, loss_ref)
 print(f"OK  scratch AdamW max diff {diff_scratch:.1e}, HostStore max diff {diff_host:.1e}, "
       f"fused vs loop {speedup:.1f}x")
