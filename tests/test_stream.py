@@ -466,14 +466,16 @@ def test_pinned_buffers_are_made_once_and_grow_only_to_the_largest_shape():
 
 
 def test_cpu_threads_split_the_usable_cpus(monkeypatch):
-    """The main thread's and the optimizer thread's OpenMP teams add up to this process's share of the CPUs in its
-    affinity mask (not os.cpu_count()): with CUDA the main thread keeps 2 and AdamW gets the rest, on the CPU the
-    worker gets a quarter; a Trainer sets both teams (the worker's on its own thread)."""
+    """The main thread's and the optimizer thread's OpenMP teams, from this process's share of the CPUs in its
+    affinity mask (not os.cpu_count()): with CUDA the main thread keeps 2 and the update rule gets the rest; on the
+    CPU the main thread, which computes the step, keeps every CPU and the optimizer thread runs a quarter beside it
+    (bench/cpu_threads.py: 1.6-1.7x faster than splitting them, the toy and a wide model alike). A Trainer sets
+    both teams (the optimizer's on its own thread)."""
     def split(cuda, procs=1):
         return optim.Worker(torch.device("cuda" if cuda else "cpu"), procs).threads   # no thread started yet
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert split(True) == (2, 14) and split(False) == (12, 4)
-    assert split(True, procs=4) == (2, 2) and split(True, procs=8) == (1, 1)
+    assert split(True) == (2, 14) and split(False) == (16, 4)
+    assert split(True, procs=4) == (2, 2) and split(True, procs=8) == (1, 1) and split(False, procs=4) == (4, 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
     assert split(True) == split(False) == (1, 1)
     monkeypatch.undo()
@@ -482,7 +484,7 @@ def test_cpu_threads_split_the_usable_cpus(monkeypatch):
         cfg = model.PRESETS["toy"]
         t = engine(cfg, model.init_weights(cfg, 0), device="cpu", **HP)
         main, worker = t.lanes.threads
-        assert (main, worker) == split(False) and main + worker == max(2, len(os.sched_getaffinity(0)))
+        assert (main, worker) == split(False) and main == len(os.sched_getaffinity(0))
         assert t.lanes.submit(torch.get_num_threads).result() == worker and torch.get_num_threads() == main
     finally:
         torch.set_num_threads(before)
