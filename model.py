@@ -10,7 +10,7 @@ What it is
     ACTIVATIONS): a new tensor or activation is declared here once, the rest of the project
     follows.
 What it is not
-    No nn.Module, no optimizer, no device logic, no input checks (megatrain_min/checks.py).
+    No nn.Module, no optimizer, no device logic, no input checks (megatrain_min/engine/checks.py).
 Reference
     Hugging Face Llama / Qwen2 / Qwen3 (weights named as in their checkpoints); nanoGPT, llm.c.
 Try it: python model.py      # the presets with parameter counts, the toy layer's layout
@@ -302,7 +302,7 @@ def project(h, w, name, n_heads, hd):
 
 
 # A layer: part A (norm, q/k/v, RoPE: token-local), attention over the whole sequence, part C
-# (o_proj + residual, norm, MLP + residual: token-local). megatrain_min/tiling.py tiles A and C.
+# (o_proj + residual, norm, MLP + residual: token-local). megatrain_min/engine/tiling.py tiles A and C.
 def attn_in(cfg, x, w, cos, sin):
     """Part A. x: (B, t, d) the layer input; cos, sin: (t, hd). Returns q (B, t, nh, hd), k and v
     (B, t, nkv, hd), in the dtype SDPA computes in."""
@@ -454,7 +454,7 @@ def init_unit(cfg, layout, gen):
 
 def init_weights(cfg, seed=0):
     """{key: fp32 CPU tensor}, keyed like a Hugging Face checkpoint: the interchange format
-    (megatrain_min/lazy_init.py makes the same tensors a unit at a time, as the engine reads)."""
+    (megatrain_min/engine/lazy_init.py makes the same tensors a unit at a time, as the engine reads)."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for u in units(as_config(cfg)):

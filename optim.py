@@ -9,7 +9,7 @@ What it is
     which of its buffers live on the GPU and which cross the link; the store allocates accordingly.
     step(u) runs the rule on one unit, a region at a time ([matrices | vectors]: decayed or not),
     in tiles, on Worker, the optimizer thread, while the GPU works on.
-    The rule is handed in: AdamW here (torch's fused kernel); megatrain_min/lion.py is a second one.
+    The rule is handed in: AdamW here (torch's fused kernel); megatrain_min/engine/lion.py is a second one.
     A rule names its per-parameter state and updates one region's flat buffers in place.
 The shadow is never stale
     Every write of a master rewrites its shadow: step() (each tile's shadow from the cache),
@@ -18,7 +18,7 @@ The shadow is never stale
 What it is not
     A torch.optim.Optimizer ([matrices | vectors]: two regions, two calls). Imports nothing of ours.
 Reference
-    torch.optim.AdamW(fused=True), its kernel: equal (tests/test_optim.py); bench/adamw_cpu.py.
+    torch.optim.AdamW(fused=True), its kernel: equal (tests/core/test_optim.py); bench/adamw_cpu.py.
 """
 import ctypes
 import mmap

@@ -31,7 +31,7 @@ bf16 = torch.autocast(bf16) around blocks and head, the residual (x, dy) fp32: t
 Handed in (defaults here): the layer (model; tiling.Tiled), the boundary activations' store
 (OnDevice; activations.HostRing), the placement over processes (Whole; sharded.Shards), a guard,
 the update rule (optim.AdamW; lion.Lion), and each unit's home (Streamed, the paper's engine; in
-megatrain_min.homes: resident on the GPU, or streamed but updated there).
+megatrain_min.engine.homes: resident on the GPU, or streamed but updated there).
 """
 import math
 from collections import namedtuple
@@ -56,9 +56,9 @@ class Trainer:
                  grad_slabs=GRAD_SLABS, layer=model, activations=None, placement=None, guard=None,
                  lanes=None, homes=None, rule=None):
         """cfg: model.GPTConfig; weights: {key: tensor}, read unit by unit. Unchecked: the checked
-        front door is megatrain_min.checks.CheckedTrainer. mode "fast" streams a bf16 shadow, "lean"
+        front door is megatrain_min.engine.checks.CheckedTrainer. mode "fast" streams a bf16 shadow, "lean"
         the fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm.
-        homes: where each unit lives (megatrain_min.homes.Homes; None: every unit Streamed). rule:
+        homes: where each unit lives (megatrain_min.engine.homes.Homes; None: every unit Streamed). rule:
         the update rule (None: optim.AdamW(betas, eps))."""
         self.cfg = cfg
         self.M = micro_batches
@@ -399,7 +399,7 @@ class Streamed:
     """The home of a unit as the paper has it: its master and optimizer state in host memory, its
     weights streamed at each visit, its gradient copied to the host, its update run on the
     optimizer thread. For the embedding: its rows gathered on the host, dy copied to the host and
-    scattered into its gradient there. (megatrain_min.homes: units resident on the GPU, or
+    scattered into its gradient there. (megatrain_min.engine.homes: units resident on the GPU, or
     streamed but updated there; each answers the same questions.)"""
     on_gpu = ()      # none of its store's buffers live on the GPU
     crossing = ()    # none crosses the link but its gradient and what streams

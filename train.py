@@ -5,9 +5,9 @@ What it is
     The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset
     on the shipped Shakespeare bytes on whatever device there is, in a few minutes on a 2-core
     laptop, and prints a sample. The same script plans and trains 7B-120B presets on one GPU with
-    enough host RAM. With --nproc-per-node N (megatrain_min/launch.py: every input checked here
+    enough host RAM. With --nproc-per-node N (megatrain_min/run/launch.py: every input checked here
     first) or under torchrun it trains on N GPUs (or N CPU processes, gloo) and nodes:
-    megatrain_min/sharded.py, each rank holding 1/N of the host store. The global batch of a step is
+    megatrain_min/engine/sharded.py, each rank holding 1/N of the host store. The global batch of a step is
     the same whatever the world size; rank r computes its B/N sequences in --micro-batches
     micro-batches. Only rank 0 prints and writes config.json and metrics.jsonl; every rank writes
     its part of each checkpoint into --out, which every rank must see (one filesystem).
@@ -20,7 +20,7 @@ Try it
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
     python train.py --config 70b --plan --batch-size 4 --seq-len 4096  # the plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
-step). Exit codes (megatrain_min/exits.py; README: Troubleshooting): 0 done, or stopped by a signal
+step). Exit codes (megatrain_min/run/exits.py; README: Troubleshooting): 0 done, or stopped by a signal
 after a save; 2 bad input, refused with nothing lost; 3 diverged; 4 an output could not be written,
 earlier checkpoints whole; 5 another of N ranks failed; 130 Ctrl-C before the first step, or twice.
 """
@@ -36,16 +36,21 @@ import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import checkpoint, ckpt_read, cli, corpus, engine, hf, hf_load, launch, plan
-from megatrain_min import exits, rundir, sample, sharded
-from megatrain_min.checks import CheckedTrainer, check_config, check_device
+from megatrain_min import cli, engine, hf, plan
+from megatrain_min.checkpoints import checkpoint, ckpt_read
+from megatrain_min.data import corpus
+from megatrain_min.hf import load as hf_load
+from megatrain_min.run import launch
+from megatrain_min.engine import sharded
+from megatrain_min.run import exits, rundir, sample
+from megatrain_min.engine.checks import CheckedTrainer, check_config, check_device
 from megatrain_min.cli import DTYPE_NAMES, DTYPES
 from megatrain_min.plan import fit, hardware, report
-from megatrain_min.lazy_init import LazyInit
-from megatrain_min.reference import ReferenceTrainer
-from megatrain_min.exits import EXIT, fail
-from megatrain_min.schedule import lr_at
-from megatrain_min.tokenizer import HFTokenizer
+from megatrain_min.engine.lazy_init import LazyInit
+from megatrain_min.engine.reference import ReferenceTrainer
+from megatrain_min.run.exits import EXIT, fail
+from megatrain_min.run.schedule import lr_at
+from megatrain_min.data.tokenizer import HFTokenizer
 
 # --- flags ----------------------------------------------------------------------------------------
 cli.survive_closed_pipe()               # `python train.py --plan --json | head`: no traceback

@@ -13,7 +13,7 @@ Reports ms per unit, Gparam/s, GB/s at the counted bytes, and each variant's sha
 With CUDA, also what the host's DRAM gives when both copy engines stream at once (gpu_update.GpuUpdates moves a
 unit's master, m and v over PCIe both ways while the optimizer thread runs AdamW on the others): the lean AdamW
 alone and under pinned H2D + D2H copies of a unit's 12 B/param, and the copies alone and under the AdamW -- the
-models (megatrain_min/twin.py, plan/timing.py) assume neither slows the other beyond the measured 101 GB/s.
+models (megatrain_min/sim/twin.py, plan/timing.py) assume neither slows the other beyond the measured 101 GB/s.
 
     python bench/adamw_cpu.py                       # >= 4x the L3 in all, units of up to a 7B-width layer
     python bench/adamw_cpu.py --params 8e8 --unit 202383360   # 4 Llama-2-7B-width layers (gpu_run.sh: ~40 GB)

@@ -1,6 +1,6 @@
 """bench/checkpoint_io.py -- checkpoint save/load GB/s of a ~1B-parameter store against the raw disk.
 
-Saves and loads (megatrain_min/checkpoint.py) a host store shaped like Llama-3.2-1B with n of its 16 layers,
+Saves and loads (megatrain_min/checkpoints/checkpoint.py) a host store shaped like Llama-3.2-1B with n of its 16 layers,
 beside plain writes/reads of the same tensors to the same disk (a file per unit, each fsynced). Reads are cold:
 the files are dropped from the page cache first. Results and their dates: bench/NOTES.md.
 
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import model  # noqa: E402
-from megatrain_min import checkpoint, ckpt_read  # noqa: E402
+from megatrain_min.checkpoints import checkpoint, ckpt_read  # noqa: E402
 from optim import HostStore  # noqa: E402
 
 GB = 1e9

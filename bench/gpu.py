@@ -5,7 +5,7 @@ What it is
     sweep (d 2048 stack at 4/8/16/32 layers, checkpoints offloaded: peak GPU memory vs depth),
     peers (a 7B-wide layer x 8, same model, tokens and micro-batches: stream.Trainer vs "resident" = plain
     PyTorch with every weight on the GPU, fp32 params, bf16 autocast, fused AdamW, per-layer checkpointing;
-    "resident_no_ckpt" = megatrain_min.reference (keeps every activation, so it skips the recompute);
+    "resident_no_ckpt" = megatrain_min.engine.reference (keeps every activation, so it skips the recompute);
     "fsdp2_offload" = FSDP2 fully_shard + CPUOffloadPolicy, bf16 mixed precision, fused CPU AdamW (torch's default
     AdamW if the fused kernel fails on its sharded parameters: results say which)),
     wide (Llama-2-7B layers d 4096 / ff 11008 / 32 heads / V 32000 at the
@@ -46,8 +46,8 @@ import stream  # noqa: E402
 from megatrain_min import engine  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.plan import hardware  # noqa: E402
-from megatrain_min.reference import ReferenceTrainer  # noqa: E402
-from megatrain_min.checks import CheckedTrainer  # noqa: E402
+from megatrain_min.engine.reference import ReferenceTrainer  # noqa: E402
+from megatrain_min.engine.checks import CheckedTrainer  # noqa: E402
 from model import default_dtype  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -188,7 +188,7 @@ def time_steps(step, b, warmup, steps, drain=lambda: None, steady=None):
 
 def link_bytes(t, B, T):
     """(H2D, D2H) bytes trainer t moves per step of B x T tokens, from how it was built: each unit's home
-    (which of its buffers live on the GPU, which cross for its update: megatrain_min/homes.py), its store (what
+    (which of its buffers live on the GPU, which cross for its update: megatrain_min/engine/homes.py), its store (what
     streams into a slot, the rule's state), where the boundary activations live. Per unit, each way:
       streamed     its weights at the streamed tensor's width -- 2 B/param (fast: the bf16 shadow) or 4
                    (lean: the fp32 master, cast on the GPU) -- once per visit: a layer twice (forward,
@@ -492,7 +492,7 @@ def peer_main(name, S, fused, path):
     cfg = dataclasses.replace(S["wide"], n_layer=S["peers_depth"])
     B, T, M = tokens_for(cfg, S)
     try:
-        if name == "resident_no_ckpt":  # megatrain_min.reference: keeps every activation, no recompute
+        if name == "resident_no_ckpt":  # megatrain_min.engine.reference: keeps every activation, no recompute
             step = ReferenceTrainer(cfg, SameLayers(cfg), device="cuda", dtype=torch.bfloat16, micro_batches=M).step
         else:
             step = (resident_ckpt_trainer if name == "resident" else fsdp2_trainer)(cfg, SameLayers(cfg), M, fused)

@@ -6,7 +6,7 @@
 #   BENCH_ARGS=--smoke ADAMW_ARGS="--smoke --unit 1e5" bash bench/gpu_run.sh --quick   # dry run, any machine
 #   BENCH_ARGS="--smoke --profile" ADAMW_ARGS=--smoke bash bench/gpu_run.sh             # the full one's (< 1 min)
 # --quick (240 s in all; QUICK_PARTS picks among "tests adamw bench"):
-#   tests  tests/test_gpu.py's exactness subset: async == synchronised bit for bit, fp32 == the reference (75 s cap)
+#   tests  tests/engine/test_gpu.py's exactness subset: async == synchronised bit for bit, fp32 == the reference (75 s cap)
 #   adamw  the host AdamW under both copy engines: bench/adamw_cpu.py --dma-only, 2 units of 7B width (40 s cap)
 #   bench  bench/gpu.py --quick in what is left: the pinned peaks, then the wide case (24 layers of 7B width, 2 of
 #          26 units resident) at 16,384 and 12,288 tokens, clip 1 and 0, lean then fast, the plan's GPU-updated
@@ -51,10 +51,10 @@ if [ "${1:-}" = "--quick" ]; then
   PARTS="${QUICK_PARTS:-tests adamw bench}"
   tests=0 adamw=0 bench=0
   if [[ " $PARTS " == *" tests "* ]]; then
-    timeout 75 python -m pytest -q tests/test_gpu.py -s -k "async_equals_synchronised or fp32_equals_reference" \
+    timeout 75 python -m pytest -q tests/engine/test_gpu.py -s -k "async_equals_synchronised or fp32_equals_reference" \
       2>&1 | tee "$OUT/test_gpu.log"
     tests=${PIPESTATUS[0]}                                  # (5: none selected -- a renamed test; fails)
-    echo "tests/test_gpu.py (exactness) exit status: $tests" | tee -a "$OUT/test_gpu.log"
+    echo "tests/engine/test_gpu.py (exactness) exit status: $tests" | tee -a "$OUT/test_gpu.log"
   fi
   if [[ " $PARTS " == *" adamw "* ]]; then
     # shellcheck disable=SC2086  # ADAMW_ARGS, BENCH_ARGS: lists of flags
@@ -74,9 +74,9 @@ if [ "${1:-}" = "--quick" ]; then
   exit
 fi
 
-timeout 150 python -m pytest -q tests/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.log"
+timeout 150 python -m pytest -q tests/engine/test_gpu.py -s 2>&1 | tee "$OUT/test_gpu.log"
 tests=${PIPESTATUS[0]}
-echo "tests/test_gpu.py exit status: $tests" | tee -a "$OUT/test_gpu.log"
+echo "tests/engine/test_gpu.py exit status: $tests" | tee -a "$OUT/test_gpu.log"
 
 ADAMW_ARGS="${ADAMW_ARGS:---params 8e8 --unit 202383360}"   # 4 Llama-2-7B-width layers: ~40 GB of host RAM
 # shellcheck disable=SC2086  # ADAMW_ARGS, BENCH_ARGS: lists of flags

@@ -1,4 +1,4 @@
-"""bench/hf_load_memory.py -- host memory that megatrain_min.hf_load.load_hf needs beyond the host store.
+"""bench/hf_load_memory.py -- host memory that megatrain_min.hf.load.load_hf needs beyond the host store.
 
 Writes a freshly initialised Llama-3.2-1B-shaped bf16 checkpoint with save_hf, loads it into a host store, and
 prints the peak RSS above the store. Results and their dates: bench/NOTES.md.
@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatrain_min.hf import save_hf  # noqa: E402
-from megatrain_min.hf_load import load_hf  # noqa: E402
-from megatrain_min.checks import CheckedTrainer  # noqa: E402
-from megatrain_min.lazy_init import LazyInit  # noqa: E402
+from megatrain_min.hf.load import load_hf  # noqa: E402
+from megatrain_min.engine.checks import CheckedTrainer  # noqa: E402
+from megatrain_min.engine.lazy_init import LazyInit  # noqa: E402
 from model import NORM, PRESETS, units  # noqa: E402
 
 

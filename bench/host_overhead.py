@@ -73,11 +73,11 @@ class OpCount:
 def calibrate(rounds, steps, device="cpu"):
     """Host seconds per step = c_py x (ops issued from Python) + c_autograd x (ops autograd's engine runs) + c0,
     least squares over deep tiny models (compute ~ 0) at several depths and micro-batch counts; and the one cost
-    per op (c_op, with c0) that plan.hardware.HOST_OP_S holds. The ops are counted on the CPU by megatrain_min.record's
+    per op (c_op, with c0) that plan.hardware.HOST_OP_S holds. The ops are counted on the CPU by megatrain_min.sim.record's
     recorder (the same op stream runs on `device`); the time per step is taken on `device`."""
     import dataclasses
     import numpy as np
-    from megatrain_min import record
+    from megatrain_min.sim import record
     rows, times = [], []
     for L, M in ((16, 1), (32, 2), (64, 1), (64, 4), (32, 8)):
         cfg = dataclasses.replace(CFG, n_layer=L)

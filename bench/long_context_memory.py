@@ -44,7 +44,7 @@ def rss():
 
 def child(T, tile):
     """One step at (T, tile) in this process; prints one JSON line."""
-    from megatrain_min.checks import CheckedTrainer
+    from megatrain_min.engine.checks import CheckedTrainer
     cfg = model.GPTConfig(max_seq_len=T, **NARROW)
     t = CheckedTrainer(cfg, model.init_weights(cfg, 0), device="cpu", **engine.parts(tile_tokens=tile))
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""multi_gpu.py -- train.py on N GPUs (torchrun, megatrain_min/sharded.py) against train.py on one: same losses?
+"""multi_gpu.py -- train.py on N GPUs (torchrun, megatrain_min/engine/sharded.py) against train.py on one: same losses?
 how much faster? Writes OUT/multi_gpu.json after every case (a timeout keeps what was measured).
 
 What it measures

@@ -32,7 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from megatrain_min import encode  # noqa: E402
+from megatrain_min.data import encoding  # noqa: E402
 
 BASELINE = r"""
 import json, sys, time
@@ -141,11 +141,11 @@ def main():
         train_tokenizer(corpus, tmp / "tok", a.vocab)
         n_bytes = corpus.stat().st_size
         print(f"corpus {n_bytes / 1e9:.3f} GB, BPE vocab {a.vocab}, {cpus} usable cores, BATCH_BYTES "
-              f"{encode.BATCH_BYTES >> 20} MiB", flush=True)
+              f"{encoding.BATCH_BYTES >> 20} MiB", flush=True)
         base_s = ours_s = float("inf")
         for r in range(a.rounds):                 # interleaved; the best wall time of each, the largest RSS
             s, base_rss, out = child([sys.executable, "-c", BASELINE, str(corpus), str(tmp / "tok" / "tokenizer.json"),
-                                      str(encode.BATCH_BYTES), a.baseline], env)
+                                      str(encoding.BATCH_BYTES), a.baseline], env)
             base, base_s = json.loads(out), min(base_s, s)
             print(f"round {r + 1}: baseline {s:.1f} s", end="", flush=True)
             s, ours_rss, _ = child([sys.executable, "-m", "megatrain_min.prepare", str(corpus), "--out",

@@ -40,7 +40,7 @@ What it writes (OUT.json: ~90 kB for a step of 24 layers)
 What it is not
     Not a general profiler reader: it knows stream.Trainer's schedule without gradient clipping (updates as
     gradients land) and stops, saying what it did not find, on anything else.
-Run by tests/test_trace_extract.py on a synthetic trace of the same shape; its output for the first GPU run is
+Run by tests/sim/test_trace_extract.py on a synthetic trace of the same shape; its output for the first GPU run is
 bench/results/2026-11-27-nvidia-h200/trace_extract.json, read by tutorials/11_a_real_gpu_step.py.
 """
 import argparse

@@ -6,7 +6,7 @@
     python bench/twin_vs_plan.py --quick-run OUT/quick   # bash bench/gpu_run.sh --quick's rows (~15 s a row)
 
 --measured DIR: DIR holds bench/gpu.py's results.json (the run of ../shared/gpu/2026-11-27-h200 is committed as
-bench/results/2026-11-27-nvidia-h200). The twin (the real engine replayed at full size, megatrain_min/twin.py) and
+bench/results/2026-11-27-nvidia-h200). The twin (the real engine replayed at full size, megatrain_min/sim/twin.py) and
 the planner (megatrain_min/plan/timing.py's analytic schedule) predict each measured stream case -- the wide case at
 its token counts, clipped and as planned, and the peers' stream runs -- on plan.hardware.HARDWARE["h200"] (made from
 that measurement; the host memory the run saw) with the engine as it was measured: in the first run no resident
@@ -35,7 +35,7 @@ import model  # noqa: E402
 import optim  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.plan import hardware, timing  # noqa: E402
-from megatrain_min import record, twin  # noqa: E402
+from megatrain_min.sim import record, twin  # noqa: E402
 
 ROWS = [(n, hw, mode, 0.0, 4) for n in ("100b", "120b") for hw in ("h200", "gh200") for mode in ("fast", "lean")] + \
        [(n, "h100", mode, clip, 4) for n in ("7b", "14b") for mode in ("fast", "lean") for clip in (0.0, 1.0)]

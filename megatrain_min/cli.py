@@ -22,13 +22,11 @@ import os
 import sys
 import warnings
 
-import torch
-
 import model
 import optim
 import stream
-from megatrain_min.checks import HyperParameterError, check_hyper, check_split
-from megatrain_min.lion import Lion
+from megatrain_min.engine import DTYPE_NAMES, DTYPES, RULES   # (the flags' names of them)
+from megatrain_min.engine.checks import HyperParameterError, check_hyper, check_split
 
 # Every default, one home. The library's are the engine's own (what a bare stream.Trainer(cfg,
 # weights) does): optim's LR, BETAS, EPS, WEIGHT_DECAY, stream's MICRO_BATCHES and GRAD_CLIP, the
@@ -47,11 +45,6 @@ DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mod
                 keep=2, optimizer="adamw")
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
-# --dtype, --residual-dtype, --save-hf-dtype
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# --optimizer: the update rules (optim.py's, megatrain_min/lion.py's), each with its defaults
-RULES = {"adamw": optim.AdamW, "lion": Lion}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # The largest values a flag can take: beyond them it is a typo, and the planner's searches and
 # schedule replay would run for a long time on numbers no machine has.
 MOST = dict(batch_size=1 << 24, seq_len=1 << 30, micro_batches=1 << 24, gpus=1 << 10, nodes=1 << 14,

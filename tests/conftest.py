@@ -29,7 +29,7 @@ def engine(cfg, weights, offload_activations=False, skip_nonfinite=False, tile_t
     guard.Guard, tiling.Tiled, homes.Homes): checks.CheckedTrainer, every argument checked, or stream.Trainer
     itself (checked=False)."""
     import stream
-    from megatrain_min import checks
+    from megatrain_min.engine import checks
     from megatrain_min.engine import parts
     cls = checks.CheckedTrainer if checked else stream.Trainer
     handed = parts(offload_activations, skip_nonfinite, tile_tokens, resident_units, gpu_updated_units)
@@ -44,7 +44,7 @@ def homed(t, kind):
 
 class ReferenceLion(torch.optim.Optimizer):
     """Lion written from its paper (Chen et al. 2023, Algorithm 2), plain PyTorch, one parameter at a time: the
-    oracle of megatrain_min/lion.py. For each parameter p with gradient g and moment m (zeros at first):
+    oracle of megatrain_min/engine/lion.py. For each parameter p with gradient g and moment m (zeros at first):
         c = beta1 * m + (1 - beta1) * g;  p = p - lr * (sign(c) + weight_decay * p);  m = beta2 * m + (1 - beta2) * g"""
 
     def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
@@ -207,7 +207,9 @@ ZYGOTE = r"""
 import json, os, resource, runpy, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
 import numpy, torch, tqdm, model, optim, stream  # noqa: the imports train.py would pay for on every run
-from megatrain_min import checkpoint, data, engine, hf, plan, reference  # noqa
+from megatrain_min import data, engine, hf, plan  # noqa
+from megatrain_min.checkpoints import checkpoint  # noqa
+from megatrain_min.engine import reference  # noqa
 import torch._dynamo, torch._subclasses.fake_tensor  # noqa: the planner's FakeTensorMode imports them (~1.7 s)
 import jinja2, safetensors, tokenizers  # noqa: fine-tuning data and exports
 for line in sys.stdin:
@@ -328,7 +330,7 @@ def cli():
 def multi_gpu_smoke(tmp_path_factory):
     """bench/multi_gpu.py --smoke, run once: its directory. Its exact case's runs -- python train.py and torchrun
     with 2 gloo ranks, the same flags, checkpoints every 4 steps -- are read by tests/test_bench.py (the harness)
-    and tests/test_sharded.py (train.py under torchrun); nothing writes into them."""
+    and tests/engine/test_sharded.py (train.py under torchrun); nothing writes into them."""
     out = tmp_path_factory.mktemp("multi_gpu")
     r = train_py("--smoke", "--out", out, script="bench/multi_gpu.py")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import model
 import stream
-from megatrain_min.sharded import TIMEOUT, ShardedTrainer
+from megatrain_min.engine.sharded import TIMEOUT, ShardedTrainer
 
 
 def _rank_main(rank, world, tmp, fn, args):

@@ -25,7 +25,7 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
         else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from megatrain_min.reference import ReferenceTrainer  # noqa: E402
+from megatrain_min.engine.reference import ReferenceTrainer  # noqa: E402
 from optim import clip_coef  # noqa: E402
 from stream import Trainer  # noqa: E402
 
@@ -176,9 +176,9 @@ print(f"layer-by-layer vs whole-model autograd: max rel gradient diff {worst:.1e
 # all in a per-unit fp32 store `t.opt.grad[u]`. The clip factor is applied inside torch's fused
 # AdamW kernel, which writes the clipped gradient back into that store: after one step it holds our
 # gradients times `clip_coef(norm, max_norm)`, and `t.grad_norm` is the global norm before clipping.
-# And step for step the engine matches `megatrain_min.reference.ReferenceTrainer` -- whole model,
-# one graph,
-# `torch.optim.AdamW` -- which is the project's central test (`tests/test_stream.py`).
+# And step for step the engine matches `megatrain_min.engine.reference.ReferenceTrainer` -- whole
+# model, one graph, `torch.optim.AdamW` -- which is the project's central test
+# (`tests/core/test_stream.py`).
 
 # %%
 t = Trainer(cfg, weights, device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0)

@@ -34,7 +34,7 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
         else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from megatrain_min.reference import ReferenceTrainer  # noqa: E402
+from megatrain_min.engine.reference import ReferenceTrainer  # noqa: E402
 from optim import AdamW, HostStore, page_locked  # noqa: E402
 from stream import Trainer  # noqa: E402
 
@@ -274,7 +274,7 @@ print(f"fused HostStore is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py c
 # ## 6. A third update rule, in one place
 #
 # The store does not know AdamW: it runs the **update rule** it is handed (`optim.AdamW` by
-# default; `megatrain_min/lion.py` is a second one). A rule is two things: the names of its
+# default; `megatrain_min/engine/lion.py` is a second one). A rule is two things: the names of its
 # per-parameter state (`state`, fp32, allocated by the store, saved by checkpoints, counted by the
 # planner) and `update(p, g, state, step, lr, weight_decay, grad_scale, found_inf)`, which updates
 # one region of a unit's flat buffers in place. SGD with momentum (decoupled decay, as AdamW's):
@@ -284,7 +284,8 @@ print(f"fused HostStore is {speedup:.1f}x the scratch loop (bench/adamw_cpu.py c
 # ```
 #
 # Handed to the engine it trains a model exactly as `torch.optim.SGD(momentum=mu)` does in plain
-# PyTorch (`megatrain_min.reference.ReferenceTrainer(optimizer=...)`, the whole model in memory).
+# PyTorch (`megatrain_min.engine.reference.ReferenceTrainer(optimizer=...)`, the whole model in
+# memory).
 
 # %%
 class SGDMomentum:

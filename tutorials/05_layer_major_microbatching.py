@@ -169,15 +169,14 @@ for B in (1, 2, 4, 8, 16):
           f"{p['tokens_per_s']:>9,.0f} {p['mfu']:>5.0%}  {p['bottleneck']:<12} {u['h2d']:>9.0%} "
           f"{u['compute']:>7.0%} {u['d2h']:>3.0%} {u['cpu_adam']:>4.0%}")
 
-# %% [markdown]
-# Below ~12k tokens the step time hardly moves (the CPU optimizer and the copies set it), so
-# throughput grows with the batch; past the threshold the GPU is the bottleneck and tokens/s
+# %% [markdown] Below ~12k tokens the step time hardly moves (the CPU optimizer and the copies set
+# it), so throughput grows with the batch; past the threshold the GPU is the bottleneck and tokens/s
 # flattens at the compute roofline. Why ~30% and not 60% (the assumed share of peak)? The engine
 # computes 8 P T per layer (the recompute is a second forward), the model FLOPs count 6 P T: 0.6 x
 # 6/8 = 45%; then attention, and the ops without FLOPs that HBM bandwidth bounds -- norms,
 # autocast's casts, RoPE in fp32, residual adds, the fp32 gradient accumulation: the planner
-# measures their bytes on model.py's own functions (megatrain_min/cost.py), and for 7B at 16k tokens
-# they add a third to the matmuls' time.
+# measures their bytes on model.py's own functions (megatrain_min/plan/cost.py), and for 7B at 16k
+# tokens they add a third to the matmuls' time.
 #
 # ![tokens/s against tokens per step](figures/throughput.png)
 #

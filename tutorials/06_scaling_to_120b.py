@@ -30,7 +30,7 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
         else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from megatrain_min import cost  # noqa: E402
+from megatrain_min.plan import cost  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.plan import fit, hardware, memory, report  # noqa: E402
 from stream import Trainer  # noqa: E402

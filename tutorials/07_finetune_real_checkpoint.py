@@ -4,7 +4,7 @@
 # **What you will learn**
 #
 # * that a Hugging Face Llama checkpoint *is* the project's weights dict: `model.py` names every
-#   tensor like transformers does, so `megatrain_min.hf_load.load_hf` is a rename-free, lazy copy
+#   tensor like transformers does, so `megatrain_min.hf.load.load_hf` is a rename-free, lazy copy
 #   into the host store;
 # * how supervised fine-tuning data is built: chat or prompt/completion lines in a `.jsonl` file,
 #   one example per row, conversations rendered in the model's *own* chat template (the jinja
@@ -37,11 +37,12 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
         else Path.cwd().resolve().parent)                                 # run from tutorials/
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
-from megatrain_min import chat, data  # noqa: E402
+from megatrain_min import data  # noqa: E402
+from megatrain_min.data import chat  # noqa: E402
 from megatrain_min.hf import save_hf  # noqa: E402
-from megatrain_min.hf_load import load_hf  # noqa: E402
-from megatrain_min.tokenizer import HFTokenizer  # noqa: E402
-from megatrain_min.schedule import lr_at  # noqa: E402
+from megatrain_min.hf.load import load_hf  # noqa: E402
+from megatrain_min.data.tokenizer import HFTokenizer  # noqa: E402
+from megatrain_min.run.schedule import lr_at  # noqa: E402
 from stream import Trainer  # noqa: E402
 
 try:
@@ -145,15 +146,15 @@ print(f"model.forward vs transformers on the base checkpoint: max rel diff {diff
 # %% [markdown]
 # ## 4. Tokenize the data with the model's tokenizer
 #
-# `HFTokenizer(dir)` (megatrain_min/tokenizer.py) reads `tokenizer.json` (the `tokenizers` package,
-# no transformers at run time), finds bos/eos and the chat template. `data.chat_tokens(tokenizer,
-# messages)` renders a conversation with that template (jinja2, as transformers'
-# `apply_chat_template` does: the same ids, token for token) and marks the tokens to learn: each
-# assistant answer and the end-of-turn marker after it (`<|im_end|>`, so the model learns to stop),
-# not the newline the template adds after it, not the prompt.
-# `load_sft_jsonl` does this for every line and shifts by one: `y[i]` is the target after `x[i]`.
-# A prompt/completion line is used verbatim: `<s>` + prompt + completion + `</s>`. Print one example
-# of each: `.` is a target without loss, its text otherwise.
+# `HFTokenizer(dir)` (megatrain_min/data/tokenizer.py) reads `tokenizer.json` (the `tokenizers`
+# package, no transformers at run time), finds bos/eos and the chat template.
+# `data.chat_tokens(tokenizer, messages)` renders a conversation with that template (jinja2, as
+# transformers' `apply_chat_template` does: the same ids, token for token) and marks the tokens to
+# learn: each assistant answer and the end-of-turn marker after it (`<|im_end|>`, so the model
+# learns to stop), not the newline the template adds after it, not the prompt. `load_sft_jsonl` does
+# this for every line and shifts by one: `y[i]` is the target after `x[i]`. A prompt/completion line
+# is used verbatim: `<s>` + prompt + completion + `</s>`. Print one example of each: `.` is a target
+# without loss, its text otherwise.
 
 # %%
 tokenizer = HFTokenizer(base)
@@ -171,8 +172,8 @@ batches = data.SFTBatches(examples, batch_size=8, seq_len=SEQ, seed=0, pad_id=to
 # ## 5. Fine-tune with the streaming engine
 #
 # The same `stream.Trainer` as in lessons 2-5: weights in the host store, one layer at a time, here
-# on the CPU, with the warmup + cosine schedule of `megatrain_min.schedule.lr_at`. The loss is the
-# mean over the answer tokens only. A fixed evaluation batch of all 20 examples shows what was
+# on the CPU, with the warmup + cosine schedule of `megatrain_min.run.schedule.lr_at`. The loss is
+# the mean over the answer tokens only. A fixed evaluation batch of all 20 examples shows what was
 # learned (the model is memorising 10 facts: enough to see the machinery work, not a generalisation
 # result).
 

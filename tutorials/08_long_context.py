@@ -32,7 +32,7 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min import tiling  # noqa: E402
+from megatrain_min.engine import tiling  # noqa: E402
 from megatrain_min.plan import fit, memory, report  # noqa: E402
 
 GB = 1e9
@@ -91,11 +91,10 @@ with torch.no_grad():
 print(f"MLP whole vs in tiles of 256: max |diff| = {(whole - tiled).abs().max():.1e}; equal to "
       f"model.mlp: {same_as_model}")
 
-# %% [markdown]
-# `tiling.Tiled(tile_tokens)` does this for the whole layer: its `block` and `block_grad` are what
-# the engine is handed for long sequences (`stream.Trainer(layer=Tiled(n))`;
-# `megatrain_min/tiling.py`). The layer is written in model.py as two token-local parts around the
-# one global operation:
+# %% [markdown] `tiling.Tiled(tile_tokens)` does this for the whole layer: its `block` and
+# `block_grad` are what the engine is handed for long sequences (`stream.Trainer(layer=Tiled(n))`;
+# `megatrain_min/engine/tiling.py`). The layer is written in model.py as two token-local parts
+# around the one global operation:
 #
 #     A  (per tile)  norm -> q, k, v projections -> RoPE              model.attn_in
 #        (whole T)   causal SDPA on q, k, v of all T tokens           model.attention

@@ -5,10 +5,11 @@
 #
 # * **ZeRO-3 over the host store**: each of N ranks owns 1/N of every unit's fp32 master, Adam m and
 #   v (and shadow and gradient) in its own host RAM; a layer visit gathers the unit from the shards
-#   and scatters its gradient back (`megatrain_min/sharded.py`, a subclass of `stream.Trainer`);
+#   and scatters its gradient back (`megatrain_min/engine/sharded.py`, a subclass of
+#   `stream.Trainer`);
 # * one layer visit on 2 ranks written with plain `torch.distributed` calls
-#   (`all_gather_into_tensor`, `reduce_scatter_tensor`), then done by `megatrain_min/sharded.py`:
-#   the same bits;
+#   (`all_gather_into_tensor`, `reduce_scatter_tensor`), then done by
+#   `megatrain_min/engine/sharded.py`: the same bits;
 # * why N ranks train **exactly** what one process trains on the same global batch, and where the
 #   last rounding difference comes from;
 # * **what crosses which wire**, counted byte by byte on a real 2-rank run and checked against the
@@ -44,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import optim  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
-from megatrain_min import ckpt_read, sharded  # noqa: E402
+from megatrain_min.checkpoints import ckpt_read  # noqa: E402
+from megatrain_min.engine import sharded  # noqa: E402
 
 # %% [markdown]
 # ## 1. Who owns what
@@ -89,9 +91,9 @@ for lay in model.units(CFG):
 # has run can hang it). Each holds shard r of layer 0's flat fp32 master and computes its half of a
 # batch: the table above in plain `torch.distributed` calls. On this CPU "H2D" and "D2H" are copies
 # between buffers; the collectives are the real ones. Then the same visit through
-# `megatrain_min/sharded.py`'s own data movement, on a `ShardedTrainer` of the same two ranks:
-# `load_unit` (H2D of the shard, all_gather into a weight slot), the same `block_grad` into its grad
-# slot, `grad_to_host` (reduce_scatter, D2H into the store), the store's AdamW.
+# `megatrain_min/engine/sharded.py`'s own data movement, on a `ShardedTrainer` of the same two
+# ranks: `load_unit` (H2D of the shard, all_gather into a weight slot), the same `block_grad` into
+# its grad slot, `grad_to_host` (reduce_scatter, D2H into the store), the store's AdamW.
 
 # %%
 def visit(rank, world, init, out):
@@ -131,7 +133,7 @@ def visit(rank, world, init, out):
         wire = {"gathered": weights.nbytes * (world - 1) // world,    # what each rank received
                 "scattered": gslot.nbytes * (world - 1) // world}     # and sent
 
-        # ---- megatrain_min/sharded.py
+        # ---- megatrain_min/engine/sharded.py
         t = sharded.ShardedTrainer(CFG, w, device="cpu", grad_clip=1.0)   # a gradient per unit
         t.load_unit(1, 0)                                             # into weight slot 0
         t.gslot[0].zero_()

@@ -38,7 +38,7 @@ import model  # noqa: E402
 import stream  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
 from megatrain_min.plan import hardware  # noqa: E402
-from megatrain_min import race, record, twin  # noqa: E402
+from megatrain_min.sim import race, record, twin  # noqa: E402
 
 # %% [markdown]
 # ## 1. Happens-before by hand: three ops, two lanes
@@ -95,8 +95,8 @@ by_hand = {name: races_by_hand(log) for name, log in (("ordered", LOG), ("forget
 print("by hand:", by_hand)
 
 # %% [markdown]
-# The real checker (`megatrain_min/race.py`) answers the same question with vector clocks, as
-# PyTorch's CUDA sanitizer does, over the stream of ops and edges that `megatrain_min/record.py`
+# The real checker (`megatrain_min/sim/race.py`) answers the same question with vector clocks, as
+# PyTorch's CUDA sanitizer does, over the stream of ops and edges that `megatrain_min/sim/record.py`
 # records from the engine. Handed the same seven entries as that stream's objects, it must give the
 # same verdicts:
 
@@ -137,7 +137,7 @@ print("race.py:", by_race_py)
 # ## 2. Checked lanes: the real engine, every op on a stream
 #
 # `stream.Trainer` asks its hardware for lanes (`stream.Lanes`: three streams, the host's waits, the
-# optimizer thread). `megatrain_min.record` hands it another backend with the same methods: each
+# optimizer thread). `megatrain_min.sim.record` hands it another backend with the same methods: each
 # lane has an identity, a TorchDispatchMode attributes every aten op to a lane (or to the main /
 # optimizer thread) with the bytes it reads and writes, and every record, wait, host wait, future
 # and gradient-slab hand-off is an edge.
@@ -186,7 +186,7 @@ print("\n".join(broken.summary().splitlines()[:9]))
 # them -- on a GPU the copy of layer i+2 could overwrite the weights layer i is still computing
 # with. Each report names the buffer, both ops, both lanes and both source lines. The test suite
 # deletes every event wait of `stream.py` in turn and asserts the checker catches each
-# (`tests/test_sim.py`): none is redundant, none can go missing unnoticed.
+# (`tests/sim/test_sim.py`): none is redundant, none can go missing unnoticed.
 #
 # ## 4. The twin: a Llama-2-7B step on an H100
 #

@@ -250,7 +250,7 @@ print(f"a layer's backward grows with the tokens, its update does not: they brea
 # bf16 peak: the forward, backward and head above), the measured links and AdamW's 101 GB/s. On
 # it, `bench/twin_vs_plan.py --measured` replays this very step
 # with the engine as it was measured -- no resident units, the shadow written in a second pass --
-# through both models: the twin (the real engine's op stream, `megatrain_min/twin.py`) and the
+# through both models: the twin (the real engine's op stream, `megatrain_min/sim/twin.py`) and the
 # planner (an analytic schedule, `megatrain_min/plan/timing.py`); both land within 5% of the
 # measured step (`bench/results/2026-11-27-nvidia-h200/twin_vs_plan.md`). The planner is instant, so
 # this lesson asks it what the engine as it is now would do on the same GPU and host -- predictions,
@@ -303,24 +303,23 @@ def twin_says(x):
 
 said, gpu_only = twin_says(X)
 
-# %% [markdown]
-# The engine now runs the landed update the next forward needs first (`optim.Worker`), not the
-# oldest: the thread's backlog at the end of the backward is then the units needed last, and the
-# next forward starts on the ones needed first; the plan keeps a gradient slab for each unit of that
-# backlog, so the backward no longer waits for slabs either.
-# Resident units take the units the next forward needs first off the host entirely, so the step
-# boundary waits for nothing and the host has the whole backward for what is left; lean mode cuts
-# the host's bytes from 34 to 28 per parameter (measured on that host: 50 instead of 60 ms per
-# layer). One host pass -- the shadow written from cache -- saved nothing there: 59.8 against 60.3
-# ms per layer (`bench/results/2026-11-27-nvidia-h200-2/adamw_cpu.json`): the fp32 -> bf16 copy
-# costs the same from cache, so the models count it as before. At this run's 16,384 tokens the
-# host still sets the pace unless most units are resident; with twice the tokens (or everything
-# resident, as a 5.1B model can be on an H200) the GPU computes the whole step. A streamed unit
-# can also be updated on the GPU (`megatrain_min/gpu_update.py`): its gradient stays there, its
-# master, m and v cross the link for the update and back -- 24 B/param of DMA instead of 28 of the
-# host's AdamW -- while the host updates the others; the plan picks how many (here few: without
-# clipping the host keeps up nearly; with clipping, where every update follows the backward, about
-# half of them, bench/NOTES.md).
+# %% [markdown] The engine now runs the landed update the next forward needs first (`optim.Worker`),
+# not the oldest: the thread's backlog at the end of the backward is then the units needed last, and
+# the next forward starts on the ones needed first; the plan keeps a gradient slab for each unit of
+# that backlog, so the backward no longer waits for slabs either. Resident units take the units the
+# next forward needs first off the host entirely, so the step boundary waits for nothing and the
+# host has the whole backward for what is left; lean mode cuts the host's bytes from 34 to 28 per
+# parameter (measured on that host: 50 instead of 60 ms per layer). One host pass -- the shadow
+# written from cache -- saved nothing there: 59.8 against 60.3 ms per layer
+# (`bench/results/2026-11-27-nvidia-h200-2/adamw_cpu.json`): the fp32 -> bf16 copy costs the same
+# from cache, so the models count it as before. At this run's 16,384 tokens the host still sets the
+# pace unless most units are resident; with twice the tokens (or everything resident, as a 5.1B
+# model can be on an H200) the GPU computes the whole step. A streamed unit can also be updated on
+# the GPU (`megatrain_min/engine/gpu_update.py`): its gradient stays there, its master, m and v
+# cross the link for the update and back -- 24 B/param of DMA instead of 28 of the host's AdamW --
+# while the host updates the others; the plan picks how many (here few: without clipping the host
+# keeps up nearly; with clipping, where every update follows the backward, about half of them,
+# bench/NOTES.md).
 #
 # %% [markdown]
 # ## Check

@@ -144,11 +144,11 @@ def measured_step(x):
 def twin_step(x):
     """The same step as the twin predicts it on this run's profile (plan.hardware.HARDWARE["h200"],
     made from it), the engine as measured (nothing resident, the shadow in a second pass): the real
-    engine's op stream at full size replayed (megatrain_min/twin.py; ~20 s), as
+    engine's op stream at full size replayed (megatrain_min/sim/twin.py; ~20 s), as
     [(lane, start, end, kind)]."""
     import optim
     import torch
-    from megatrain_min import record, twin
+    from megatrain_min.sim import record, twin
     c = x["config"]
     cfg = model.GPTConfig(n_layer=c["layers"], vocab_size=32000, n_head=32, n_kv_head=32,
                           d_model=4096,

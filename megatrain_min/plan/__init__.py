@@ -15,7 +15,7 @@ What it is
                     transfers
     Around the plan: fit.py (check: a plan that does not fit as one line, with the nearest setting
     that fits; max_context), report.py (the plan as a table, as JSON, as train.py's one line), and
-    the command line (__main__.py). megatrain_min/engine.py turns a plan into the engine's
+    the command line (__main__.py). megatrain_min/engine/__init__.py turns a plan into the engine's
     arguments.
 What it is not
     Not a profiler: bandwidths and the achievable fraction of peak are the assumptions in HARDWARE
@@ -32,7 +32,7 @@ Try it
     python -m megatrain_min.plan --config 70b --hardware h100 --gpus 8 --nodes 2 --host-mem 2000 \\
         --batch-size 64 --seq-len 4096
     python train.py --config 7b --plan --hardware gh200 --seq-len 524288 --batch-size 1   # 512k
-    python -m pytest tests/test_plan.py
+    python -m pytest tests/plan/test_plan.py
 """
 import dataclasses
 import functools
@@ -40,7 +40,8 @@ import warnings
 
 import model
 import stream
-from megatrain_min import checks, cli, gpu_update
+from megatrain_min import cli
+from megatrain_min.engine import checks, gpu_update
 from megatrain_min.cli import DEFAULTS, DTYPE_NAMES
 from megatrain_min.plan import hardware, memory, timing
 from megatrain_min.plan.hardware import GB, model_tflops
@@ -75,20 +76,21 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     bytes page-locked (optim.page_locked): what a copy engine reads or writes, never Adam's m and v.
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice
     (memory.tile_for). device: with hardware "local", the device the run trains on (its free memory;
-    None: optim.resolve_device's choice). gpus, nodes: megatrain_min/sharded.py on gpus per node x
-    nodes ranks (N), batch_size the global batch: each rank computes batch_size / N sequences in
-    micro_batches and holds 1/N of the host store; host memory is then per node, GPU memory per GPU.
-    Each visit adds an all_gather of the unit (compute dtype) and a reduce_scatter of its fp32
+    None: optim.resolve_device's choice). gpus, nodes: megatrain_min/engine/sharded.py on gpus per
+    node x nodes ranks (N), batch_size the global batch: each rank computes batch_size / N sequences
+    in micro_batches and holds 1/N of the host store; host memory is then per node, GPU memory per
+    GPU. Each visit adds an all_gather of the unit (compute dtype) and a reduce_scatter of its fp32
     gradient, (N-1)/N of it per GPU, on a comm lane of their own: NVLink (nvlink_gbs, bus bandwidth)
     within a node, InfiniBand per GPU (ib_gbs) as soon as the ring crosses nodes. The node's AdamW
     threads share its DRAM bandwidth. Not modelled: the all_reduce of the loss and norm (a few
     bytes), collective latency. resident_units: how many units, in the order the forward needs them,
     stay whole on the GPU (16 B/param there, none on the host, AdamW on the GPU); None: as many as
     fit in the memory the step leaves (one rank). gpu_updated_units: how many of the other streamed
-    units are updated on the GPU (megatrain_min/gpu_update.py: their gradient there, 4 B/param;
-    master, m, v cross both ways); None: the count that makes the simulated step fastest, within
-    the memory left (gpu_updates). mode "auto": the plan picks (auto_mode). optimizer: the update
-    rule (cli.RULES): its state is 4 B/param per name on the host, its update's DRAM traffic 8.
+    units are updated on the GPU (megatrain_min/engine/gpu_update.py: their gradient there, 4
+    B/param; master, m, v cross both ways); None: the count that makes the simulated step fastest,
+    within the memory left (gpu_updates). mode "auto": the plan picks (auto_mode). optimizer: the
+    update rule (cli.RULES): its state is 4 B/param per name on the host, its update's DRAM traffic
+    8.
     """
     if mode == "auto":
         return auto_mode(cfg, **{k: v for k, v in locals().items() if k not in ("cfg", "mode")})

@@ -19,7 +19,7 @@ Try it
 import math
 
 import model
-from megatrain_min.checks import splits
+from megatrain_min.engine.checks import splits
 from megatrain_min.plan import PlanError, replan
 from megatrain_min.plan.hardware import GB, host_available_bytes
 from megatrain_min.plan.memory import HOST_USABLE, TILE_TOKENS, size

@@ -5,20 +5,19 @@ What it is
     planner's choice unless asked), gpu (the weight and gradient slots, the step's working set, the
     boundary activations on the device or through a ring to the host, the units kept resident), host
     (the store: fp32 master, the rule's state, the bf16 shadow, the fp32 gradient store or slabs;
-    pinned
-    buffers; the runtime) and what of it is page-locked. Below them, what one step holds on the
-    device: block_activation_bytes (one layer's backward, untiled or in tiles:
-    megatrain_min/tiling.py), attention_bytes (the whole sequence's attention at the peak of the
-    tiled backward), step_device_bytes (everything beside the slots and the boundary activations)
-    and offload_needed (the rule that sends the boundary activations to host memory). Estimates from
-    the ops, checked against autograd in tests/test_plan.py; flash / efficient SDPA kernels assumed
-    (no T x T scores).
+    pinned buffers; the runtime) and what of it is page-locked. Below them, what one step holds on
+    the device: block_activation_bytes (one layer's backward, untiled or in tiles:
+    megatrain_min/engine/tiling.py), attention_bytes (the whole sequence's attention at the peak of
+    the tiled backward), step_device_bytes (everything beside the slots and the boundary
+    activations) and offload_needed (the rule that sends the boundary activations to host memory).
+    Estimates from the ops, checked against autograd in tests/plan/test_plan.py; flash / efficient
+    SDPA kernels assumed (no T x T scores).
 What it is not
-    Not an allocator trace: stream.py and optim.py allocate; tests/test_plan.py holds these counts
-    to the bytes they allocate.
+    Not an allocator trace: stream.py and optim.py allocate; tests/plan/test_plan.py holds these
+    counts to the bytes they allocate.
 """
-from megatrain_min import gpu_update
-from megatrain_min.activations import RING
+from megatrain_min.engine import gpu_update
+from megatrain_min.engine.activations import RING
 from megatrain_min.cli import DTYPES
 from megatrain_min.plan.hardware import GB
 
@@ -31,9 +30,9 @@ CUDA_CONTEXT = 2 * 10**9   # GPU: CUDA context, cuBLAS workspaces, caching-alloc
 # token-local activations is ~2 GB (~140 GB untiled at 512k tokens).
 TILE_HEADROOM = 0.9
 TILE_TOKENS = 8192
-# Resident units (megatrain_min/resident.py): the plan fills the GPU memory the step leaves, up to
-# RESIDENT_HEADROOM of it, with whole units in the order the forward needs them (resident_bytes:
-# fp32 master, the rule's state, gradient; 16 B/param with AdamW).
+# Resident units (megatrain_min/engine/resident.py): the plan fills the GPU memory the step leaves,
+# up to RESIDENT_HEADROOM of it, with whole units in the order the forward needs them
+# (resident_bytes: fp32 master, the rule's state, gradient; 16 B/param with AdamW).
 RESIDENT_HEADROOM = 0.9
 
 

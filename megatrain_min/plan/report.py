@@ -56,7 +56,8 @@ def format_plan(p):
             f"{'offloaded' if p['offload_activations'] else 'on the device'}, layer {tiling(p)}"]
     if many:
         one = p["nodes"] == 1
-        rows.append(f"sharded (megatrain_min/sharded.py): {p['nodes']} node(s) x {p['gpus']} GPUs "
+        rows.append(f"sharded (megatrain_min/engine/sharded.py): {p['nodes']} node(s) x "
+                    f"{p['gpus']} GPUs "
                     f"= {p['world']} ranks, each {p['batch_size'] // p['world']} sequences and "
                     f"1/{p['world']} of the host store; collectives over "
                     f"{'NVLink' if one else 'InfiniBand'} at "

@@ -13,7 +13,7 @@ What it is not
 import dataclasses
 
 import model
-from megatrain_min import checks
+from megatrain_min.engine import checks
 from megatrain_min.cli import DTYPES, RULES
 
 

@@ -13,8 +13,8 @@ What it is
     which each transfer hides behind compute (T >= F_eff * bytes_per_param / (2 * BW):
     docs/design.md, section 'The arithmetic').
 What it is not
-    Not the twin: megatrain_min/twin.py replays the real engine's op stream; this is the same
-    schedule written by hand, and tests/test_twin.py holds the two to 10% of each other. Not
+    Not the twin: megatrain_min/sim/twin.py replays the real engine's op stream; this is the same
+    schedule written by hand, and tests/sim/test_twin.py holds the two to 10% of each other. Not
     modelled: DRAM contention between DMA and AdamW, launch gaps, the data loader.
 """
 import math
@@ -22,12 +22,12 @@ from types import SimpleNamespace
 
 import optim
 import stream
-from megatrain_min import cost
+from megatrain_min.plan import cost
 from megatrain_min.cli import DTYPES
 from megatrain_min.plan.hardware import GB, GPU_ADAM_FRAC, HOST_OP_S
 
 # The engine's own ops around the model's (copies, zeroing, the step's input), counted with
-# megatrain_min/record.py: per layer visit, per step, per unit update (optimizer thread).
+# megatrain_min/sim/record.py: per layer visit, per step, per unit update (optimizer thread).
 ENGINE_OPS = dict(visit=5, step=41, update=11)
 # optim.Worker's order: of the landed tasks, the one the next forward needs first. False: first
 # come, first served (the engine of the H200 runs before bench/gpu.py's meta said "update_order")
