@@ -33,6 +33,11 @@
 # To commit: copy "$OUT/bench" (--quick: "$OUT/quick"), "$OUT/host_op.json", "$OUT/adamw_cpu.json", "$OUT/test_gpu.log"
 # (and "$OUT/multi/multi_gpu.json") to bench/results/<date>-<device>[-quick]/ (trace.json.gz is large: keep it out).
 set -u
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  ""|--quick) ;;
+  *) echo "error: bench/gpu_run.sh takes --quick or nothing (the full run), got $1; see --help" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out-gpu}"
 mkdir -p "$OUT"

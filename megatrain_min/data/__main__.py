@@ -6,6 +6,9 @@ import sys
 
 from megatrain_min.data import DEFAULT_DATA, Batches, decode, load_tokens, split
 
+if sys.argv[1:] in (["-h"], ["--help"]):
+    print("usage: python -m megatrain_min.data\n\n" + __doc__)
+    sys.exit(0)
 if sys.argv[1:]:   # `python -m megatrain_min.data prepare IN --out OUT`: the command moved
     given = shlex.join(sys.argv[2:]) if sys.argv[1] == "prepare" else "INPUT... --out DIR"
     print("error: python -m megatrain_min.data takes no arguments (it prints the shipped corpus "

@@ -1,5 +1,6 @@
-"""megatrain_min/plan -- will it fit, and how fast will it go? The memory and throughput plan of a
-run.
+"""plan/ -- will it fit, and how fast will it go? The memory and throughput plan of a run: this
+file (plan()), setting.py, hardware.py, memory.py, timing.py, fit.py, report.py, cost.py (what an
+aten op reads, writes, computes), __main__.py (`python -m megatrain_min.plan`).
 
 What it is
     plan(cfg, hardware, batch_size, ...) works from the config's arithmetic alone (model.units()

@@ -239,6 +239,45 @@ def test_import_graph_is_acyclic():
     assert found is None, "import cycle: " + " -> ".join(found)
 
 
+def package_graph():
+    """{package of megatrain_min (or top-level module): the others it imports}: the module graph folded by
+    megatrain_min's first level (engine.homes -> engine), the core left out (it sits above them all)."""
+    folded = {}
+    for module, deps in graph().items():
+        if module in CORE or module == "megatrain_min":
+            continue
+        top = module.split(".")[0]
+        folded.setdefault(top, set()).update(d.split(".")[0] for d in deps if d not in CORE and d != "megatrain_min")
+        folded[top].discard(top)
+    return folded
+
+
+def test_the_packages_import_one_way():
+    """The folders are the architecture: between megatrain_min's packages (engine, data, checkpoints, hf, run, plan,
+    sim) and its top-level modules (cli, the command names) imports go one way -- no cycle in the package graph."""
+    g = package_graph()
+    assert {"engine", "data", "checkpoints", "hf", "run", "plan", "sim", "cli"} <= set(g), sorted(g)
+    assert "run" in g["hf"] or "hf" in g["run"]      # the fold sees edges between packages
+    found = cycle(g)
+    assert found is None, "import cycle between packages: " + " -> ".join(found)
+
+
+TOP_ENTRIES = 11   # ls megatrain_min: ~10, each a package or a module named for one concept
+
+
+def test_the_folder_is_the_table():
+    """megatrain_min/ holds a few entries, each a package or a module named for one concept; each package opens
+    with a docstring that says what it holds and what it does not (docs/design.md's layout is this tree)."""
+    entries = sorted(p for p in (ROOT / "megatrain_min").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= TOP_ENTRIES, [p.name for p in entries]
+    for p in entries:
+        if p.is_dir():
+            doc = ast.get_docstring(ast.parse((p / "__init__.py").read_text())) or ""
+            assert doc.startswith(f"{p.name}/") and ("Not here" in doc or "What it is not" in doc), p.name
+        else:
+            assert p.suffix == ".py" and ast.get_docstring(ast.parse(p.read_text())), p.name
+
+
 def private(name):
     return name.startswith("_") and not name.startswith("__")
 
