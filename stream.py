@@ -99,6 +99,7 @@ class Trainer:
             homes=self.home, on_device=self.zeros)
         with torch.no_grad(), self.comp():    # (a unit kept on the GPU: on the lane that made it)
             self.placement.fill(self.opt, self.units, weights)   # the model, into the store
+        self.grad_norm = None      # clipping: the last step's global gradient norm
         self.updates = {}          # unit -> the Future of its update in flight
         self.sq_norms = {}         # clipping: unit -> the Future of its squared gradient norm
         self.failed = []           # the optimizer thread's errors, raised on the main thread

@@ -167,7 +167,7 @@ print(clean.summary())
 class ForgetfulLanes(record.SimLanes):
     def __init__(self, rec):
         super().__init__(rec)
-        self.h2d.wait = lambda event: None           # the h2d stream waits for nothing
+        self.h2d.wait_event = lambda event: None     # the h2d stream waits for nothing
 
 
 class ForgetfulTrainer(stream.Trainer):

@@ -364,7 +364,7 @@ def test_a_rank_that_exits_any_way_destroys_its_process_group_first(tmp_path):
         port = s.getsockname()[1]
     code = ("import atexit, sys\n"
             "import torch.distributed as dist\n"
-            "from megatrain_min import sharded\n"
+            "from megatrain_min.engine import sharded\n"
             "atexit.register(lambda: print('group at exit:', dist.is_initialized()))\n"
             "sharded.init_from_env('cpu')\n"
             "dist.all_reduce(__import__('torch').ones(3))\n"

@@ -565,7 +565,7 @@ def test_readme_and_train_py_name_the_same_exit_codes():
     doc = (ROOT / "train.py").read_text().split('"""')[1].split("Exit codes")[1]
     used = {2}                                          # fail(msg) defaults to 2
     mods = ("rundir", "stops", "exits", "launch")
-    for path in (ROOT / "train.py", *(ROOT / "megatrain_min" / f"{m}.py" for m in mods)):
+    for path in (ROOT / "train.py", *(ROOT / "megatrain_min" / "run" / f"{m}.py" for m in mods)):
         for call in ast.walk(ast.parse(path.read_text())):   # every fail(msg, N), sys.exit(N), SystemExit(N)
             if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) in (
                     "fail", "exit", "_exit", "SystemExit"):
