@@ -183,9 +183,6 @@ class Layout:
         """{weights-dict key: view of flat}."""
         return {e.key: e.view(flat) for e in self.entries}
 
-    def keys(self):
-        return [e.key for e in self.entries]
-
     def table(self):
         rows = [f"{self.name}: {self.numel:,} elements, decayed [0, {self.n_decay:,})"]
         for e in self.entries:
@@ -302,7 +299,8 @@ def project(h, w, name, n_heads, hd):
 
 
 # A layer: part A (norm, q/k/v, RoPE: token-local), attention over the whole sequence, part C
-# (o_proj + residual, norm, MLP + residual: token-local). megatrain_min/engine/tiling.py tiles A and C.
+# (o_proj + residual, norm, MLP + residual: token-local). megatrain_min/engine/tiling.py tiles A
+# and C.
 def attn_in(cfg, x, w, cos, sin):
     """Part A. x: (B, t, d) the layer input; cos, sin: (t, hd). Returns q (B, t, nh, hd), k and v
     (B, t, nkv, hd), in the dtype SDPA computes in."""
@@ -454,7 +452,8 @@ def init_unit(cfg, layout, gen):
 
 def init_weights(cfg, seed=0):
     """{key: fp32 CPU tensor}, keyed like a Hugging Face checkpoint: the interchange format
-    (megatrain_min/engine/lazy_init.py makes the same tensors a unit at a time, as the engine reads)."""
+    (megatrain_min/engine/lazy_init.py makes the same tensors a unit at a time, as the engine
+    reads)."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for u in units(as_config(cfg)):

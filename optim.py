@@ -9,8 +9,8 @@ What it is
     which of its buffers live on the GPU and which cross the link; the store allocates accordingly.
     step(u) runs the rule on one unit, a region at a time ([matrices | vectors]: decayed or not),
     in tiles, on Worker, the optimizer thread, while the GPU works on.
-    The rule is handed in: AdamW here (torch's fused kernel); megatrain_min/engine/lion.py is a second one.
-    A rule names its per-parameter state and updates one region's flat buffers in place.
+    The rule is handed in: AdamW here (torch's fused kernel); megatrain_min/engine/lion.py is a
+    second one. A rule names its per-parameter state and updates one region's flat buffers in place.
 The shadow is never stale
     Every write of a master rewrites its shadow: step() (each tile's shadow from the cache),
     refresh_shadow() after any other write (filling the store, loading a checkpoint), and

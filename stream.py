@@ -11,7 +11,8 @@ One step, layer-major (every micro-batch passes through a layer during ONE visit
   backward  for layer i = L-1..0: recompute block(x[j]) with grad, autograd.grad w.r.t. (input,
             weights), fp32 gradient accumulated in a grad slot, then D2H to the host store
   update    the optimizer thread runs the update rule (AdamW) on the units whose gradients landed,
-            first the one the next forward needs first (clipping: once the global norm is known)
+            first the one the next forward needs first (clipping: once the global norm is known);
+            a unit whose home keeps it on the GPU is updated there instead, issued on the H2D lane
 
 The lanes for L=3, a column per layer visit (0/1/2 = layers, H = head, ' = backward, (A)/(B) =
 weight slot, X>A = copy unit X into slot A, gX = unit X's fp32 gradient to the host):
@@ -56,10 +57,12 @@ class Trainer:
                  grad_slabs=GRAD_SLABS, layer=model, activations=None, placement=None, guard=None,
                  lanes=None, homes=None, rule=None):
         """cfg: model.GPTConfig; weights: {key: tensor}, read unit by unit. Unchecked: the checked
-        front door is megatrain_min.engine.checks.CheckedTrainer. mode "fast" streams a bf16 shadow, "lean"
-        the fp32 master (12 B/param on the host). grad_clip: the updates wait for the global norm.
-        homes: where each unit lives (megatrain_min.engine.homes.Homes; None: every unit Streamed). rule:
-        the update rule (None: optim.AdamW(betas, eps))."""
+        front door is megatrain_min.engine.checks.CheckedTrainer. mode "fast" streams a bf16
+        shadow, "lean" (or any fp32 run) the fp32 master: AdamW's master, m, v are 12 B/param on
+        the host, the gradients (slabs, or a store when clipping) and fast's shadow come on top.
+        grad_clip: the updates wait for the global norm. homes: where each unit lives
+        (megatrain_min.engine.homes.Homes; None: every unit Streamed). rule: the update rule (None:
+        optim.AdamW(betas, eps))."""
         self.cfg = cfg
         self.M = micro_batches
         self.lr = lr
@@ -318,7 +321,8 @@ class Trainer:
             self._hand_off(u, landed)
 
     def grad_to_host(self, u, gs, ready):
-        """D2H of u's gradient from gslot[gs] (done at `ready`) into opt.grad[u]: its event."""
+        """D2H of u's gradient from gslot[gs] (done at `ready`) into opt.grad[u], on the d2h lane
+        (a device-to-device copy for a unit whose gradient its home keeps on the GPU): its event."""
         with self.d2h():
             self.d2h.wait_event(ready)
             self.opt.grad[u].copy_(self.gslot[gs][:self.units[u].numel], non_blocking=True)

@@ -2,15 +2,11 @@
 -> loop -> checkpoints -> export and sample.
 
 What it is
-    The one command people run. `python train.py` with no flags trains the ~1M-parameter toy preset
-    on the shipped Shakespeare bytes on whatever device there is, in a few minutes on a 2-core
-    laptop, and prints a sample. The same script plans and trains 7B-120B presets on one GPU with
-    enough host RAM. With --nproc-per-node N (megatrain_min/run/launch.py: every input checked here
-    first) or under torchrun it trains on N GPUs (or N CPU processes, gloo) and nodes:
-    megatrain_min/engine/sharded.py, each rank holding 1/N of the host store. The global batch of a step is
-    the same whatever the world size; rank r computes its B/N sequences in --micro-batches
-    micro-batches. Only rank 0 prints and writes config.json and metrics.jsonl; every rank writes
-    its part of each checkpoint into --out, which every rank must see (one filesystem).
+    The one command people run. `python train.py` trains the ~1M-parameter toy preset on the
+    shipped Shakespeare bytes on whatever device there is (a few minutes on a 2-core laptop) and
+    prints a sample; the same script plans and trains 7B-120B presets on one GPU with enough host
+    RAM, and with --nproc-per-node N or under torchrun on N GPUs (megatrain_min/engine/sharded.py:
+    each rank holds 1/N of the host store and computes B/N sequences of the same global batch).
 What it is not
     No tensor or pipeline parallelism, no config files: a preset from model.PRESETS plus flags
     (megatrain_min/cli.py holds them and their defaults; `python train.py --help` lists them).
@@ -20,37 +16,31 @@ Try it
     python train.py --engine reference               # the plain PyTorch oracle: same losses on CPU
     python train.py --config 70b --plan --batch-size 4 --seq-len 4096  # the plan, nothing allocated
 Every run writes OUT/config.json (the resolved settings) and OUT/metrics.jsonl (one object per
-step). Exit codes (megatrain_min/run/exits.py; README: Troubleshooting): 0 done, or stopped by a signal
-after a save; 2 bad input, refused with nothing lost; 3 diverged; 4 an output could not be written,
-earlier checkpoints whole; 5 another of N ranks failed; 130 Ctrl-C before the first step, or twice.
+step); rank 0 alone prints and writes them; every rank writes its part of each checkpoint (one
+filesystem). Exit codes (megatrain_min/run/exits.py): 0 done or stopped after a save, 2 bad input,
+3 diverged, 4 an output not written, 5 a rank lost, 130 Ctrl-C before the first step, or twice.
 """
 import argparse
-import dataclasses
 import json
 import signal
 import sys
 import time
-from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import model
-from megatrain_min import cli, engine, hf, plan
+from megatrain_min import cli, engine, plan
 from megatrain_min.checkpoints import checkpoint, ckpt_read
-from megatrain_min.data import corpus
-from megatrain_min.hf import load as hf_load
-from megatrain_min.run import launch
-from megatrain_min.engine import sharded
-from megatrain_min.run import exits, rundir, sample
-from megatrain_min.engine.checks import CheckedTrainer, check_config, check_device
 from megatrain_min.cli import DTYPE_NAMES, DTYPES
-from megatrain_min.plan import fit, hardware, report
+from megatrain_min.data import corpus
+from megatrain_min.engine import sharded
+from megatrain_min.engine.checks import CheckedTrainer, check_device
 from megatrain_min.engine.lazy_init import LazyInit
 from megatrain_min.engine.reference import ReferenceTrainer
+from megatrain_min.plan import fit, hardware, report
+from megatrain_min.run import exits, inputs, launch, rundir, sample
 from megatrain_min.run.exits import EXIT, fail
 from megatrain_min.run.schedule import lr_at
-from megatrain_min.data.tokenizer import HFTokenizer
 
 # --- flags ----------------------------------------------------------------------------------------
 cli.survive_closed_pipe()               # `python train.py --plan --json | head`: no traceback
@@ -77,24 +67,10 @@ except cli.FlagError as e:
     fail(str(e))
 
 # --- the model: a preset or --init-from -----------------------------------------------------------
-init_dir, init_weights, tokenizer = Path(args.init_from) if args.init_from else None, None, None
-args.config = args.config or (init_dir.name if init_dir else cli.DEFAULTS["config"])
-if init_dir is None and args.config not in model.PRESETS:
-    fail(f"unknown preset --config {args.config!r}; choose one of: {', '.join(model.PRESETS)}")
-try:
-    base = None                                             # the preset
-    if init_dir is not None and (init_dir / "meta.json").is_file():     # one of our checkpoints
-        if args.engine != "stream":
-            fail("--init-from a checkpoint needs --engine stream")
-        meta = ckpt_read.read_meta(init_dir)
-        base = ckpt_read.config_of(init_dir, meta)   # a field it lacks: the default
-    elif init_dir is not None:                                          # a transformers directory
-        base, init_weights = hf_load.load_hf(init_dir)
-    if init_dir is not None and (init_dir / "tokenizer.json").is_file():
-        tokenizer = HFTokenizer(init_dir)       # our checkpoints carry their model's tokenizer
-    cfg = check_config(cli.config_of(args, base))
-except (ValueError, TypeError) as e:  # HFError, CheckpointError, a config field GPTConfig lacks
-    fail(f"--init-from {init_dir}: {e}" if isinstance(e, TypeError) else str(e))
+try:   # one of our checkpoints: its config now, its weights once the engine exists (run.load)
+    cfg, init_dir, init_weights, tokenizer = inputs.model_from(args)
+except ValueError as e:  # HFError, CheckpointError, a config field GPTConfig lacks
+    fail(str(e))
 plan_only = args.plan or args.json or args.max_context
 here = not plan_only or args.hardware == "local"   # planning for other hardware needs no GPU here
 try:  # torchrun: this rank's GPU, made current before anything touches CUDA (else GPU 0)
@@ -107,19 +83,10 @@ except ValueError as e:
 dtype = DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
 why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
                                       "default on CPU: bf16 matmuls are slow there")
-if args.seq_len > cfg.max_seq_len and plan_only:  # planning is arithmetic: any length
-    cfg = dataclasses.replace(cfg, max_seq_len=args.seq_len)
-    if not args.json:
-        print(f"note: --seq-len {args.seq_len} is above {args.config}'s max_seq_len; training at "
-              f"it needs --max-seq-len {args.seq_len}")
-if args.seq_len > cfg.max_seq_len:
-    fail(f"--seq-len {args.seq_len} is above the {args.config} preset's max_seq_len "
-         f"{cfg.max_seq_len}; use --seq-len {cfg.max_seq_len} or less, or allow it with "
-         f"--max-seq-len {args.seq_len}")
 try:
-    model.check_seq_len(cfg, args.seq_len)   # a sliding window: only T <= window is exact
+    cfg = inputs.seq_len_checked(args, cfg, plan_only)   # planning: any length; training: checked
 except ValueError as e:
-    fail(f"--seq-len {args.seq_len}: {e}")
+    fail(str(e))
 tokens_per_step, n_params = args.batch_size * args.seq_len, model.n_params(cfg)
 
 # --- plan: will it fit, how fast ------------------------------------------------------------------
@@ -129,10 +96,7 @@ try:
         ranks = dict(gpus=GPUS, nodes=WORLD // GPUS) if WORLD > 1 else {}   # torchrun: the run's
         pl = plan.from_flags(args, cfg, name=args.config, device=device, **ranks,
                              dtype=args.dtype or (DTYPE_NAMES[dtype] if local else None))
-        longest, pl = fit.longest_context(pl) if args.max_context else (None, pl)
-        print(report.plan_json(pl) if args.json else report.format_plan(pl))
-        if args.max_context and not args.json:
-            print(report.describe_max_context(pl, longest, cfg.max_seq_len))
+        report.show(pl, args.json, args.max_context, cfg.max_seq_len)
         sys.exit(0)
     pl = plan.from_flags(args, cfg, "local", name=args.config, device=device, real=True,
                          gpus=GPUS, nodes=WORLD // GPUS, dtype=DTYPE_NAMES[dtype])
@@ -210,15 +174,7 @@ peak = peak and peak * WORLD                             # every rank's GPU (the
 guard, t_start = trainer.guard, time.time()
 bar = tqdm(range(run.start_step, args.steps), desc="train", dynamic_ncols=True,
            disable=True if RANK else None, initial=run.start_step, total=args.steps)
-prof = None
-if args.profile:  # skip step 1 (allocations, warm-up), record the next three, every thread's ops
-    tp = torch.profiler
-    cuda = [tp.ProfilerActivity.CUDA] if device.type == "cuda" else []
-    prof = tp.profile(activities=[tp.ProfilerActivity.CPU] + cuda,
-                      schedule=tp.schedule(wait=1, warmup=0, active=3, repeat=1),
-                      experimental_config=tp._ExperimentalConfig(profile_all_threads=True),
-                      on_trace_ready=lambda p_: p_.export_chrome_trace(str(run.out / "trace.json")))
-    prof.start()
+prof = run.profiler(device) if args.profile else None   # steps 2-4: trace.json
 for step in bar:
     lr = lr_at(step, args.lr, args.steps, warmup=args.warmup)
     trainer.set_lr(lr)
@@ -235,14 +191,11 @@ for step in bar:
         rec["mfu"] = rec["model_tflops"] / peak
     if moved is not None:   # torchrun: what rank 0 moved over PCIe (h2d, d2h) and between the GPUs
         rec["traffic"] = dict(trainer.traffic - moved)
-    skipped = guard is not None and (guard.skipped or guard.units)
+    skipped, why = guard.report(step + 1, loss) if guard is not None else (None, None)
     run.skips = run.skips + 1 if skipped else 0
     if skipped:
-        rec["skipped"] = True if guard.skipped else list(guard.units)
-        tqdm.write(f"step {step + 1}: non-finite loss or gradient norm (loss {loss}): step "
-                   f"skipped, weights untouched" if guard.skipped else
-                   f"step {step + 1}: non-finite gradient in {', '.join(guard.units)}: those units "
-                   f"kept their weights, the others were updated")
+        rec["skipped"] = skipped
+        tqdm.write(why)
     if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
         run.val_loss = rec["val_loss"] = evaluate()
         tqdm.write(f"step {step + 1}: train loss {loss:.4f}  val loss {run.val_loss:.4f}")
@@ -274,27 +227,9 @@ print(f"done: {args.steps} steps in {took:.0f}s, final val loss {run.val_loss:.4
 
 # --- export and sample ----------------------------------------------------------------------------
 if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 alone, to write
-    if WORLD > 1:
-        final = trainer.weights(to=0)
-    elif args.engine == "stream":
-        final = hf.MasterWeights(trainer)   # a tensor at a time: no second copy of the model
-    else:
-        final = trainer.weights()
-    try:
-        if RANK == 0:
-            hf.save_hf(cfg, final, run.hf_dir, dtype=DTYPES[args.save_hf_dtype],
-                       tokenizer_from=init_dir, replaces=run.hf_state)   # what it held then
-    except hf_load.HFError as e:  # the directory changed during the run
-        fail(f"--save-hf: {e}; the run's checkpoint is {ckpt_read.latest(run.out) or 'none'}")
-    except OSError as e:
-        fail(f"--save-hf {run.hf_dir}: could not write the export ({e.strerror}); nothing there "
-             f"was replaced, the run's checkpoint is {ckpt_read.latest(run.out) or 'none'}",
-             EXIT["write_failed"])
-    print(f"saved a Hugging Face checkpoint to {run.hf_dir} ({args.save_hf_dtype})")
+    run.export_hf(trainer, cfg, tokenizer_from=init_dir)
 if args.sample_tokens and n_params < 2e9 and source.prompt and source.decode:
     final = trainer.weights(to=0) if WORLD > 1 else trainer.weights()  # torchrun: a collective
-    ids = sample.generate(cfg, final, source.prompt, args.sample_tokens if RANK == 0 else 0,
-                          window=args.seq_len, seed=args.seed, stop=source.stop)
-    rule = "-" * 40
-    print(f"{rule} {source.what} (temperature {sample.TEMPERATURE})\n{source.decode(ids)}\n{rule}")
+    sample.show(cfg, final, source, args.sample_tokens if RANK == 0 else 0, window=args.seq_len,
+                seed=args.seed)
 sharded.leave()   # N ranks: the process group, destroyed while Python is whole

@@ -104,7 +104,7 @@ class SameLayers(Mapping):
 
     def __init__(self, cfg, seed=0):
         us, gen = model.units(cfg), torch.Generator().manual_seed(seed)
-        self.keys_ = [k for u in us for k in u.keys()]
+        self.keys_ = [e.key for u in us for e in u.entries]
         self.w = {k: v for u in (us[0], us[1], us[-1]) for k, v in model.init_unit(cfg, u, gen).items()}
 
     def __getitem__(self, key):
@@ -261,7 +261,7 @@ def compute_only(cfg, B, T, M, reps=3):
 def measure_compute(cfg, B, T, M, reps):
     dev, dt = DEV, DTYPE
     us, w0 = model.units(cfg), same_layers(cfg)
-    flat = lambda u: torch.cat([w0[k].flatten() for k in u.keys()]).to(dev, dt)  # noqa: E731
+    flat = lambda u: torch.cat([w0[e.key].flatten() for e in u.entries]).to(dev, dt)  # noqa: E731
     lay, head = us[1], us[-1]
     w = {k: v.requires_grad_() for k, v in lay.views(flat(lay)).items()}
     wh = {k: v.requires_grad_() for k, v in head.views(flat(head)).items()}

@@ -32,7 +32,7 @@ What it writes (OUT.json: ~90 kB for a step of 24 layers)
       h2d, d2h  one interval per copy (dy's M chunks merged): unit, what (weights, rows, targets, grad, dy), bytes
       main      the host threads that issue (main + autograd): kind gather / forward / head / backward / prepare
                 (the next step's targets and first copy) while issuing, wait (on: slab -- a free gradient slab,
-                optim.HostAdamW.lend; update -- a unit's update before its copy, stream.Trainer._ready; host --
+                optim.HostStore.lend; update -- a unit's update before its copy, stream.Trainer._await_update; host --
                 neither, e.g. a pause of the thread) for gaps of 1 ms (MAIN_GAP) or more
       adamw     per unit: wait (for its gradient's D2H), scatter (the embedding's zero_ + index_add_), adamw (the
                 _fused_adamw_ calls; busy = their seconds), shadow_copy (the compute-dtype copy the next forward

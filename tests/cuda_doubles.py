@@ -25,7 +25,7 @@ What each double refuses (as torch 2.11 with CUDA does; the source read is named
   'aten::record_stream' with arguments from the 'CPU' backend");
 - an event recorded on a stream of another device than its first record's (CUDAEvent.h: "Event device 0 does
   not match recording stream's device 1.");
-- torch._fused_adamw_ (optim.HostAdamW.step) with operands on two devices: on a GPU, the generated CUDA wrapper
+- torch._fused_adamw_ (optim.HostStore.step) with operands on two devices: on a GPU, the generated CUDA wrapper
   checks every positional tensor (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps: a step
   count on the CPU included) against the first one's device (torchgen's gen_device_check over
   flat_positional; c10/core/impl adaption.cpp's "Expected all tensors to be on the same device, but got ...");
@@ -34,7 +34,7 @@ What each double refuses (as torch 2.11 with CUDA does; the source read is named
   address there is an illegal memory access, a sticky error every later CUDA call raises. The double refuses
   both at the call. On the host, GPU operands would be read by the CPU kernel at device addresses (a crash);
   a GPU step count is read with .item() there (a sync, accepted);
-- torch.dot (optim.HostAdamW.grad_sq) of tensors on two devices: the generated wrapper's check (dot is no
+- torch.dot (optim.HostStore.grad_sq) of tensors on two devices: the generated wrapper's check (dot is no
   TensorIterator op: a CPU scalar is no exception);
 - cudaHostRegister of a range that overlaps a registered one (cudaErrorHostMemoryAlreadyRegistered, 712), of 0
   bytes or with unknown flags (cudaErrorInvalidValue, 1), with arguments that are not unsigned integers

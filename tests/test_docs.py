@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import train_py
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "tutorials").glob("*.md")),
          *sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))]
@@ -152,10 +154,13 @@ def test_every_documented_command_runs_under_its_name(command):
     its code moved to -- `python -m megatrain_min.prepare` and `.chat` are the names the commands keep
     (megatrain_min/prepare.py, megatrain_min/chat.py)."""
     import subprocess
-    import sys
     argv = command.split()
-    argv[0] = "bash" if argv[0] == "bash" else sys.executable
-    r = subprocess.run([*argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if argv[0] == "bash":
+        r = subprocess.run([*argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    elif argv[1] == "-m":      # a fresh process forked from one with torch imported (conftest.train_py)
+        r = train_py(*argv[3:], "--help", module=argv[2], timeout=120)
+    else:
+        r = train_py(*argv[2:], "--help", script=argv[1], timeout=120)
     assert r.returncode == 0, f"{command} --help: exit {r.returncode}\n{r.stderr[-1000:]}"
     if "model.py" not in command:          # model.py takes no flags: it prints the presets
         assert "usage" in r.stdout.lower() or "the command a gpu session runs" in r.stdout.lower(), r.stdout[:500]

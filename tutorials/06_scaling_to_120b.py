@@ -253,7 +253,7 @@ print(f"120b lean + clipping: {clip['host_bytes'] / 1e12:.2f} TB "
 #
 # A plan is only useful if it counts what the engine allocates. On a toy model, build the real
 # `stream.Trainer` for each mode, with and without clipping (bf16 compute on the CPU gives fast mode
-# its shadow), and ask its store what it holds (`HostAdamW.nbytes()`). Without clipping the engine
+# its shadow), and ask its store what it holds (`HostStore.nbytes()`). Without clipping the engine
 # keeps no per-unit gradient; it allocates unit-sized gradient slabs instead -- as many as the plan
 # says hide a gradient's trip to the optimizer (train.py passes p["grad_slabs"]), which the plan
 # lists apart.

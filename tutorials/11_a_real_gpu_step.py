@@ -93,7 +93,7 @@ print(f"  {'':8} 0 s{'':>88}{STEP:.2f} s")
 # * before its first op: the host gathers the embedding rows (`index_select`) and copies them in;
 # * after its last op: the **tail** -- the optimizer thread still updating the last units;
 # * between ops, when the next op had not been launched yet (`launched` after the previous op's
-#   end): the host was behind -- waiting for a **free gradient slab** (`optim.HostAdamW.lend`:
+#   end): the host was behind -- waiting for a **free gradient slab** (`optim.HostStore.lend`:
 #   three slabs, each given back only when its unit's update is done) when the main lane waits `on`
 #   a slab then, else plain launch overhead;
 # * between ops already launched (and inside an interval): the GPU's own gaps between kernels --

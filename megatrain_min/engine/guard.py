@@ -59,3 +59,15 @@ class Guard:
         """The names of this step's units whose gradient was not finite (reads the device flags:
         after Trainer.wait)."""
         return self.host_units + [name for name, flag in self.flags if flag.item()]
+
+    def report(self, step, loss):
+        """What step `step` skipped, for metrics.jsonl (True: all of it; else the units' names),
+        and the line that says so; (None, None) when it skipped nothing."""
+        if self.skipped:
+            return True, (f"step {step}: non-finite loss or gradient norm (loss {loss}): step "
+                          f"skipped, weights untouched")
+        units = self.units
+        if units:
+            return units, (f"step {step}: non-finite gradient in {', '.join(units)}: those units "
+                           f"kept their weights, the others were updated")
+        return None, None

@@ -21,7 +21,7 @@ import json
 import model
 from megatrain_min import cli
 from megatrain_min.plan import LEAN_FASTER, replan
-from megatrain_min.plan.fit import suggest
+from megatrain_min.plan.fit import longest_context, suggest
 from megatrain_min.plan.hardware import GB
 from megatrain_min.plan.memory import HOST_USABLE, count, size
 
@@ -181,6 +181,15 @@ def describe_run(p, world=1, gpus=1):
             f"{p['resident_units']} units resident {where}, {p['gpu_updated_units']} "
             f"updated there; predicted {p['tokens_per_s']:,.0f} "
             f"tokens/s, bound by {p['bottleneck']} (--plan for the breakdown)")
+
+
+def show(p, as_json, max_context, max_seq_len):
+    """What train.py --plan, --json and --max-context print: plan p (with --max-context, the plan
+    at the longest --seq-len that fits), as text or as JSON."""
+    longest, p = longest_context(p) if max_context else (None, p)
+    print(plan_json(p) if as_json else format_plan(p))
+    if max_context and not as_json:
+        print(describe_max_context(p, longest, max_seq_len))
 
 
 def describe_max_context(p, longest, max_seq_len):

@@ -181,14 +181,15 @@ def simulate(L, t, numel, rate, defer_updates, tied, offload, slabs=stream.GRAD_
     FIFO) and cpu_adam (the optimizer thread, in optim.Worker's order: work(); need_first None:
     NEED_FIRST) -- and the host thread that issues the work. A task
     starts when its lane is free, its inputs are ready and the host has issued it; the host issues
-    in program order and blocks where the engine blocks: a unit's update before its copy (_ready), a
-    free gradient slab before each gradient's D2H (without deferral), the loss after the head (the
-    guard), the squared norms (deferred) and the loss at the end of the step. Units: "embed", 0 ..
-    L-1, "head". t: seconds of the per-step tasks; numel[kind] * rate[what]: seconds to load, drain
-    ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane, all in program order.
-    Returns the steady-state step time (between the starts of the last two steps' first layer), the
-    busy seconds per step of each lane, and each lane's seconds on the critical path of the last
-    step (walked back from its end through the task each task waited for): the bottleneck. sharded:
+    in program order and blocks where the engine blocks: a unit's update before its copy
+    (_await_update), a free gradient slab before each gradient's D2H (without deferral), the loss
+    after the head (the guard), the squared norms (deferred) and the loss at the end of the step.
+    Units: "embed", 0 .. L-1, "head". t: seconds of the per-step tasks; numel[kind] * rate[what]:
+    seconds to load, drain ("grad"), "norm" or "adam" a unit. overlap=False (a CPU run): one lane,
+    all in program order. Returns the steady-state step time (between the starts of the last two
+    steps' first layer), the busy seconds per step of each lane, and each lane's seconds on the
+    critical path of the last step (walked back from its end through the task each task waited
+    for): the bottleneck. sharded:
     a fifth lane, comm (sharded.py): a unit's all_gather after its shard's H2D, its gradient's
     reduce_scatter before the D2H of the shard, the rows' reduce_scatter and dy's all_gather -- one
     collective at a time. resident: the units kept on the GPU -- cast into their slot and updated

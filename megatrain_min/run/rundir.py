@@ -16,8 +16,10 @@ What it is
                   is cut to the checkpoint's step by a new file renamed over it; then one flushed
                   line per step (log)
       save()      a checkpoint (megatrain_min/checkpoints/checkpoint.py), its failures turned into
-      exit codes stops       a stops.Stops: SIGTERM, SIGHUP, the first Ctrl-C: finish the step,
-      save, exit 0
+                  exit codes
+      stops       a stops.Stops: SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0
+      profiler()  --profile: a torch.profiler trace of steps 2-4 into trace.json
+      export_hf() --save-hf: the final weights as a transformers directory
     Every refusal goes through exits.fail: one line, an exit code of exits.EXIT (0 done or stopped
     after a save, 2 bad input, 3 diverged, 4 an output not written, 5 a rank lost, 130 interrupted;
     README: Troubleshooting).
@@ -28,6 +30,8 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+
+import torch
 
 from megatrain_min import cli, hf
 from megatrain_min.checkpoints import checkpoint, ckpt_read
@@ -360,6 +364,42 @@ class Run:
     def close(self):
         if self.metrics is not None:
             self.metrics.close()
+
+    # ----------------------------------------------------------------- while training and after it
+    def profiler(self, device):
+        """--profile: torch.profiler, started, over steps 2-4 (step 1 allocates and warms up) and
+        every thread's ops (the optimizer thread's too); the trace lands in trace.json."""
+        tp = torch.profiler
+        cuda = [tp.ProfilerActivity.CUDA] if device.type == "cuda" else []
+        trace = str(self.out / "trace.json")
+        prof = tp.profile(activities=[tp.ProfilerActivity.CPU] + cuda,
+                          schedule=tp.schedule(wait=1, warmup=0, active=3, repeat=1),
+                          experimental_config=tp._ExperimentalConfig(profile_all_threads=True),
+                          on_trace_ready=lambda p: p.export_chrome_trace(trace))
+        prof.start()
+        return prof
+
+    def export_hf(self, trainer, cfg, tokenizer_from):
+        """--save-hf: the final weights as a transformers directory, written by rank 0 (torchrun:
+        every rank calls it, the weights gather there). The directory changed during the run: exit
+        2; it could not be written: exit 4; either way nothing there was replaced."""
+        if self.world > 1:
+            final = trainer.weights(to=0)
+        elif self.a.engine == "stream":
+            final = hf.MasterWeights(trainer)   # a tensor at a time: no second copy of the model
+        else:
+            final = trainer.weights()
+        try:
+            if self.rank == 0:
+                hf.save_hf(cfg, final, self.hf_dir, dtype=cli.DTYPES[self.a.save_hf_dtype],
+                           tokenizer_from=tokenizer_from, replaces=self.hf_state)   # as checked
+        except hf_load.HFError as e:
+            fail(f"--save-hf: {e}; the run's checkpoint is {ckpt_read.latest(self.out) or 'none'}")
+        except OSError as e:
+            fail(f"--save-hf {self.hf_dir}: could not write the export ({e.strerror}); nothing "
+                 f"there was replaced, the run's checkpoint is "
+                 f"{ckpt_read.latest(self.out) or 'none'}", EXIT["write_failed"])
+        print(f"saved a Hugging Face checkpoint to {self.hf_dir} ({self.a.save_hf_dtype})")
 
     def data_failed(self, e):
         """A data file found damaged while training (truncated, bit rot): one line, exit 2."""

@@ -3,9 +3,9 @@
 What it is
     generate(cfg, weights, ids, n): n tokens after the context ids, each drawn from the softmax of
     the last position's logits at a temperature, with a seeded generator (the same run prints the
-    same text). The context the model sees is the last `window` tokens: the trained --seq-len (RoPE
-    positions past it were never seen, and the text degenerates there), at most 1024 (a plain
-    forward per token, no KV cache).
+    same text); show() prints them as train.py does. The context the model sees is the last
+    `window` tokens: the trained --seq-len (RoPE positions past it were never seen, and the text
+    degenerates there), at most 1024 (a plain forward per token, no KV cache).
 What it is not
     Not an inference engine: no KV cache, no batching, no top-k or top-p; the whole model on the
     CPU.
@@ -32,3 +32,10 @@ def generate(cfg, weights, ids, n, window=MAX_WINDOW, temperature=TEMPERATURE, s
             if out[-1] == stop:
                 break
     return out
+
+
+def show(cfg, weights, source, n, window, seed):
+    """Print n tokens sampled after the data source's prompt, decoded, between two rules."""
+    ids = generate(cfg, weights, source.prompt, n, window=window, seed=seed, stop=source.stop)
+    rule = "-" * 40
+    print(f"{rule} {source.what} (temperature {TEMPERATURE})\n{source.decode(ids)}\n{rule}")

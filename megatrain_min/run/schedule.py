@@ -6,7 +6,7 @@ What it is
     0), as nanoGPT and most LLM recipes schedule it; the engine takes it through Trainer.set_lr
     before each step.
 What it is not
-    Not a torch.optim.lr_scheduler: the engine's optimizer is optim.HostAdamW, which takes the rate
+    Not a torch.optim.lr_scheduler: the engine's optimizer is optim.HostStore, which takes the rate
     per call.
 Tested in tests/core/test_optim.py (the schedule's values at its corners).
 """

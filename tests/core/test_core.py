@@ -13,7 +13,9 @@ import pytest
 
 from conftest import ROOT
 
-BUDGET = {"model.py": 380, "stream.py": 450, "optim.py": 160, "train.py": 300}   # physical lines
+# Physical lines: each core file's length when its budget was last set (2026-11-28: 466, 565, 287, 235) plus 10%
+# or more, room for a reader's experiment (a new activation, a gate, an update rule, a schedule: docs/design.md).
+BUDGET = {"model.py": 515, "stream.py": 625, "optim.py": 320, "train.py": 260}
 COLUMNS = 100
 CORE = {name[:-3] for name in BUDGET}
 LIBRARY = sorted((ROOT / "megatrain_min").rglob("*.py"))       # the periphery, its packages (plan/) too
@@ -80,7 +82,10 @@ def wide(path):
 @pytest.mark.parametrize("name", sorted(BUDGET))
 def test_core_file_within_its_budget(name):
     lines = (ROOT / name).read_text().splitlines()
-    assert len(lines) <= BUDGET[name], f"{name}: {len(lines)} lines, budget {BUDGET[name]}"
+    assert len(lines) <= BUDGET[name], (
+        f"{name}: {len(lines)} lines, budget {BUDGET[name]}. The budget keeps the core readable in one sitting "
+        f"(docs/design.md, 'Line budgets'). Your own fork: raise BUDGET in tests/core/test_core.py. The project: "
+        f"move the feature into megatrain_min/ and hand it to the core -- never pack lines to fit.")
     assert not wide(ROOT / name), f"{name}: lines wider than {COLUMNS} columns (line, width): {wide(ROOT / name)}"
 
 
@@ -296,11 +301,13 @@ def private_names(tree):
     return names
 
 
-def reaches(path, trees):
+def reaches(path, trees, defined=None):
     """Where file `path` uses another module's underscored name: `x._name` on anything but self / cls where
-    _name is defined by another of our modules (and not by this one), or `from ours import _name`."""
-    mine = private_names(trees[path])
-    theirs = set().union(*(private_names(t) for p, t in trees.items() if p != path)) - mine
+    _name is defined by another of our modules (and not by this one), or `from ours import _name`. defined:
+    {path: private_names of its tree}, made once for many calls."""
+    defined = defined or {p: private_names(t) for p, t in trees.items()}
+    mine = defined[path]
+    theirs = set().union(*(names for p, names in defined.items() if p != path)) - mine
     found = []
     for node in ast.walk(trees[path]):
         if isinstance(node, ast.ImportFrom) and imported(node) - {None} and any(private(a.name) for a in node.names):
@@ -316,7 +323,8 @@ def test_no_module_reaches_into_another_modules_private_names():
     only."""
     files = LIBRARY + [ROOT / f"{name}.py" for name in sorted(CORE)]
     trees = {p: ast.parse(p.read_text()) for p in files}
-    found = [f for p in files for f in reaches(p, trees)]
+    defined = {p: private_names(t) for p, t in trees.items()}
+    found = [f for p in files for f in reaches(p, trees, defined)]
     assert not found, found
     # the rule can fail: a file that calls another module's private method is caught
     probe = ROOT / "probe.py"
