@@ -137,12 +137,13 @@ if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RA
           + run.stops.describe(n_params))
 weights = init_weights if init_weights is not None else LazyInit(cfg, seed=args.seed)  # per unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
+betas = dict(betas=tuple(args.betas)) if args.betas else {}   # none: the update rule's own
 try:  # a tensor of --init-from that is not finite, say: one line naming it
     if args.engine == "stream":  # under torchrun rank r of N holds its shard of every unit
         Engine = sharded.ShardedTrainer if WORLD > 1 else CheckedTrainer   # stream.Trainer, checked
-        trainer = Engine(cfg, weights, device=device, **hyper, **engine.arguments(pl))
+        trainer = Engine(cfg, weights, device=device, **hyper, **engine.arguments(pl, args.betas))
     else:
-        trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper,
+        trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper, **betas,
                                    grad_clip=args.grad_clip, micro_batches=args.micro_batches)
 except (ValueError, TypeError) as e:
     fail(f"{init_dir or 'weights'}: {e}")

@@ -42,7 +42,7 @@ DEFAULTS = dict(LIBRARY, **RECIPE, config="toy", batch_size=32, seq_len=128, mod
                 dtype=None,
                 residual_dtype="fp32", offload_activations="auto", chunk_tokens=0, tile_tokens=None,
                 resident_units=None, gpu_updated_units=None, hardware="local", gpus=1, nodes=1,
-                keep=2, optimizer="adamw")
+                keep=2, optimizer="adamw", betas=None)   # betas None: the update rule's own
 SHAPE = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 OFFLOAD = {"auto": None, "on": True, "off": False}
 # The largest values a flag can take: beyond them it is a typo, and the planner's searches and
@@ -148,8 +148,8 @@ def add_step(p):
     p.add_argument("--optimizer", default=DEFAULTS["optimizer"], choices=list(RULES),
                    help="the update rule. adamw; lion: one moment instead of two, 4 B/param less "
                         "host memory -- its paper advises an lr 3-10x below AdamW's and a weight "
-                        "decay 3-10x above (e.g. --lr 3e-4 --weight-decay 1.0 for the toy) "
-                        "(default: %(default)s)")
+                        "decay 3-10x above: the toy trains with --lr 1e-3 --weight-decay 0.3 "
+                        "--betas 0.9 0.95 (README) (default: %(default)s)")
     p.add_argument("--mode", default=DEFAULTS["mode"], choices=["auto", "fast", "lean"],
                    help="host memory mode. fast: stream a bf16 shadow; lean: stream fp32, 12 "
                         "B/param; auto: the plan picks -- lean where it is >= 2%% faster or the "
@@ -208,6 +208,9 @@ def add_run(p):
     a("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate: warmup, then cosine to "
                                                        "lr/10 (default: %(default)s)")
     a("--warmup", type=int, default=30, help="linear warmup steps (default: %(default)s)")
+    a("--betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), default=DEFAULTS["betas"],
+      help="the update rule's betas (default: its own -- AdamW 0.9 0.95, Lion its paper's 0.9 "
+           "0.99)")
     a("--weight-decay", type=float, default=DEFAULTS["weight_decay"],
       help="weight decay (decoupled, as AdamW's) on tensors with >= 2 dims "
            "(default: %(default)s)")
@@ -277,7 +280,11 @@ def check(a, world=1):
             raise FlagError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(a, flag)}")
     hyper = dict(grad_clip=a.grad_clip, micro_batches=a.micro_batches)
     try:   # the one home of what a hyper-parameter may be (the engines check the same)
-        check_hyper(**hyper, **(dict(lr=a.lr, weight_decay=a.weight_decay) if run else {}))
+        if run:
+            hyper.update(lr=a.lr, weight_decay=a.weight_decay)
+        if run and a.betas is not None:
+            hyper.update(betas=a.betas)
+        check_hyper(**hyper)
     except HyperParameterError as e:
         raise FlagError(f"--{e.name.replace('_', '-')}: {e}") from None
     for flag, most in MOST.items():     # first: a typo in one of them is not the batch's fault

@@ -52,13 +52,14 @@ def parts(offload=False, guarded=False, tile_tokens=0, resident_units=0, gpu_upd
                 homes=Homes(resident_units, gpu_updated_units) if kept else None)
 
 
-def arguments(p):
+def arguments(p, betas=None):
     """stream.Trainer's keyword arguments for plan p (megatrain_min.plan.plan): everything but the
-    optimizer's hyper-parameters. Without deferred updates the slabs are the plan's; with them the
-    engine keeps a gradient store and its slab count is unused (stream.GRAD_SLABS)."""
+    optimizer's hyper-parameters; its update rule takes betas (None: the rule's own). Without
+    deferred updates the slabs are the plan's; with them the engine keeps a gradient store and its
+    slab count is unused (stream.GRAD_SLABS)."""
     return dict(dtype=DTYPES[p["dtype"]], residual_dtype=DTYPES[p["residual_dtype"]],
                 mode=p["mode"], micro_batches=p["micro_batches"], grad_clip=p["grad_clip"],
                 chunk_tokens=p["chunk_tokens"], grad_slabs=p["grad_slabs"] or stream.GRAD_SLABS,
-                rule=RULES[p["optimizer"]](),
+                rule=RULES[p["optimizer"]](*([tuple(betas)] if betas else [])),
                 **parts(p["offload_activations"], p["skip_nonfinite"], p["tile_tokens"],
                         p["resident_units"], p["gpu_updated_units"]))

@@ -42,7 +42,7 @@ from megatrain_min.run import stops
 from megatrain_min.run.exits import EXIT, fail, state
 
 SAME_RUN = ("batch_size", "seq_len", "micro_batches", "lr", "warmup", "weight_decay", "grad_clip",
-            "seed", "data", "init_from", "chat_format", "optimizer")
+            "seed", "data", "init_from", "chat_format", "optimizer", "betas")
 NAME_MAX, PATH_MAX = 255, 4096   # bytes of one path component, of a whole path (Linux)
 
 

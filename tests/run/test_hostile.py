@@ -297,6 +297,7 @@ CLI = {
     "weight-decay-nan": lambda t, w: (["--weight-decay", "nan"], 2, ["weight_decay"], []),
     "weight-decay-negative": lambda t, w: (["--weight-decay", "-0.5"], 2, ["weight_decay"], []),
     "grad-clip-nan": lambda t, w: (["--grad-clip", "nan"], 2, ["grad_clip"], []),
+    "betas-of-one": lambda t, w: (["--optimizer", "lion", "--betas", "0.9", "1"], 2, ["--betas", "[0, 1)"], []),
     "grad-clip-inf": lambda t, w: (["--grad-clip", "inf"], 2, ["grad_clip"], []),
     "n-head-zero": lambda t, w: (["--n-head", "0"], 2, ["n_head"], []),
     "d-model-zero": lambda t, w: (["--d-model", "0"], 2, ["d_model"], []),

@@ -297,3 +297,20 @@ def test_sample_context_is_cropped_to_the_trained_seq_len(tmp_path):
     assert r.returncode == 0, r.stderr
     lo, hi, calls = map(int, r.stdout.strip().splitlines()[-1].split()[1:])
     assert calls == n and lo == 1 and hi == seq_len, r.stdout[-500:]
+
+
+def test_lion_with_its_betas_trains_saves_and_resumes_as_the_same_run(tmp_path):
+    """--optimizer lion --betas: the checkpoint holds the master and Lion's one moment, config.json the betas; a
+    resume with other betas is refused naming --betas (exit 2), the same ones continue."""
+    out = tmp_path / "o"
+    r = run(*FAST[:1], "2", *FAST[2:], "--optimizer", "lion", "--lr", "1e-3", "--weight-decay", "0.3",
+            "--betas", "0.8", "0.9", "--out", out)
+    assert r.returncode == 0, r.stderr
+    meta = ckpt_read.read_meta(ckpt_read.latest(out))
+    assert meta["states"] == ["master", "m"] and meta["meta"]["args"]["betas"] == [0.8, 0.9], meta
+    assert json.loads((out / "config.json").read_text())["args"]["betas"] == [0.8, 0.9]
+    common = ["--optimizer", "lion", "--lr", "1e-3", "--weight-decay", "0.3", "--resume", out, "--out", out]
+    r = run(*FAST[:1], "3", *FAST[2:], *common, "--betas", "0.9", "0.99")
+    assert r.returncode == 2 and "betas" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = run(*FAST[:1], "3", *FAST[2:], *common, "--betas", "0.8", "0.9")
+    assert r.returncode == 0 and [m["step"] for m in metrics(out)] == [1, 2, 3], r.stderr
