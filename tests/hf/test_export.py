@@ -9,14 +9,12 @@ HFTokenizer of the checkpoint. Refusals run the command as a subprocess: exit 2,
 """
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import model
-from conftest import ROOT, engine, make_bpe_tokenizer, random_batch
+from conftest import ROOT, engine, make_bpe_tokenizer, random_batch, train_py
 import ranks
 from megatrain_min import data
 from megatrain_min.checkpoints import checkpoint, ckpt_read
@@ -63,8 +61,9 @@ def trained(llama_dir, tmp_path_factory):
 
 
 def hf_export(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "megatrain_min.hf", "export", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    """`python -m megatrain_min.hf export *args` in a fresh process (forked from conftest's runner: torch and
+    transformers imported once)."""
+    return train_py("export", *args, module="megatrain_min.hf", cwd=cwd, timeout=120)
 
 
 def chat_ids(d, messages, **kw):
