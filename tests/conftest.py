@@ -224,6 +224,10 @@ for line in sys.stdin:
             os.chdir(req["cwd"])
             for fd, path in ((0, os.devnull), (1, req["stdout"]), (2, req["stderr"])):
                 os.dup2(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), fd)
+            if req["closed_stdout"]:                      # `| head -c 0`: a pipe whose reader has left
+                read, write = os.pipe()
+                os.close(read)
+                os.dup2(write, 1)
             if req["fsize"] is not None:                  # `ulimit -f`: a write past it fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
             if req["memory"] is not None:                 # `ulimit -v`: this many bytes more than it maps now
@@ -283,13 +287,13 @@ class TrainCLI:
         return json.loads(self.proc.stdout.readline())
 
     def start(self, *args, cwd=ROOT, fsize=None, modes=False, timeout=300, script="train.py", module=None, env=None,
-              memory=None):
+              memory=None, closed_stdout=False):
         self.n += 1
         out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
         argv = [str(a) for a in args]
         pid = self._ask(dict(argv=argv, cwd=str(cwd), stdout=str(out), stderr=str(err), fsize=fsize, modes=modes,
                              timeout=timeout, script=str(script), module=module, env=env or {},
-                             memory=memory))["pid"]
+                             memory=memory, closed_stdout=closed_stdout))["pid"]
         return SimpleNamespace(pid=pid, argv=[module or str(script), *argv], out=out, err=err)
 
     def wait(self, run):
