@@ -14,7 +14,8 @@ What it is
 The shadow is never stale
     Every write of a master rewrites its shadow: step() (each tile's shadow from the cache),
     refresh_shadow() after any other write (filling the store, loading a checkpoint), and
-    gpu_update.py's copy back. Nothing else writes a master: Trainer.weights() hands out copies.
+    gpu_update.py's copy back. Nothing else writes a master: Trainer.weights() hands out copies,
+    and code that writes master[u] itself (a checkpoint's load) calls refresh_shadow(u) after it.
 What it is not
     A torch.optim.Optimizer ([matrices | vectors]: two regions, two calls). Imports nothing of ours.
 Reference
