@@ -30,6 +30,15 @@ def model_from(args):
     if init_dir is None and args.config not in model.PRESETS:
         raise ValueError(f"unknown preset --config {args.config!r}; choose one of: "
                          f"{', '.join(model.PRESETS)}")
+    try:
+        return read_model(args, init_dir)
+    except TypeError as e:   # a config field GPTConfig lacks, in a checkpoint or a config.json
+        raise ValueError(f"--init-from {init_dir}: {e}") from None
+
+
+def read_model(args, init_dir):
+    """model_from's result once the name is known: the preset's config with the flags' changes, or
+    the config (and a transformers directory's weights) read from --init-from."""
     base = None                                                 # the preset
     init_weights = None
     tokenizer = None
@@ -42,10 +51,7 @@ def model_from(args):
         base, init_weights = hf_load.load_hf(init_dir)
     if init_dir is not None and (init_dir / "tokenizer.json").is_file():
         tokenizer = HFTokenizer(init_dir)    # our checkpoints carry their model's tokenizer
-    try:
-        cfg = check_config(cli.config_of(args, base))
-    except TypeError as e:   # a config field GPTConfig lacks
-        raise ValueError(f"--init-from {init_dir}: {e}") from None
+    cfg = check_config(cli.config_of(args, base))
     return cfg, init_dir, init_weights, tokenizer
 
 
