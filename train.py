@@ -65,6 +65,7 @@ try:
     cli.check(args, WORLD)
 except cli.FlagError as e:
     fail(str(e))
+args.betas = cli.betas_of(args.optimizer, args.betas)   # as trained: none given, the rule's own
 
 # --- the model: a preset or --init-from -----------------------------------------------------------
 try:   # one of our checkpoints: its config now, its weights once the engine exists (run.load)
@@ -137,14 +138,14 @@ if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RA
           + run.stops.describe(n_params))
 weights = init_weights if init_weights is not None else LazyInit(cfg, seed=args.seed)  # per unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
-betas = dict(betas=tuple(args.betas)) if args.betas else {}   # none: the update rule's own
 try:  # a tensor of --init-from that is not finite, say: one line naming it
     if args.engine == "stream":  # under torchrun rank r of N holds its shard of every unit
         Engine = sharded.ShardedTrainer if WORLD > 1 else CheckedTrainer   # stream.Trainer, checked
         trainer = Engine(cfg, weights, device=device, **hyper, **engine.arguments(pl, args.betas))
     else:
-        trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper, **betas,
-                                   grad_clip=args.grad_clip, micro_batches=args.micro_batches)
+        trainer = ReferenceTrainer(cfg, weights, device=device, dtype=dtype, **hyper,
+                                   betas=tuple(args.betas), grad_clip=args.grad_clip,
+                                   micro_batches=args.micro_batches)
 except (ValueError, TypeError) as e:
     fail(f"{init_dir or 'weights'}: {e}")
 del weights  # the engine holds its own copy (the host store)
@@ -192,11 +193,11 @@ for step in bar:
         rec["mfu"] = rec["model_tflops"] / peak
     if moved is not None:   # torchrun: what rank 0 moved over PCIe (h2d, d2h) and between the GPUs
         rec["traffic"] = dict(trainer.traffic - moved)
-    skipped, why = guard.report(step + 1, loss) if guard is not None else (None, None)
+    skipped, said = guard.report(step + 1, loss) if guard is not None else (None, None)
     run.skips = run.skips + 1 if skipped else 0
     if skipped:
         rec["skipped"] = skipped
-        tqdm.write(why)
+        tqdm.write(said)
     if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
         run.val_loss = rec["val_loss"] = evaluate()
         tqdm.write(f"step {step + 1}: train loss {loss:.4f}  val loss {run.val_loss:.4f}")

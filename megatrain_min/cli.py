@@ -263,6 +263,11 @@ def add_run(p):
            "it answers (default: a newline; fine-tuning: the first held-out conversation's prompt)")
 
 
+def betas_of(optimizer, betas=None):
+    """The betas an --optimizer trains with: --betas as a list, or (None) the update rule's own."""
+    return list(betas) if betas else list(RULES[optimizer]().betas)
+
+
 def check(a, world=1):
     """FlagError naming the first flag that cannot be right, whatever the model: counts that must be
     positive or >= 0, hyper-parameters (checks.check_hyper), hardware numbers that must be finite

@@ -2,7 +2,8 @@
 (tutorials/*.md and the lessons' markdown cells) resolves to a file of the repository, and an #anchor into a
 .md file names one of its headings (GitHub's slug rules); every repository path and every
 tests/test_x.py::test_name that they quote in backticks exists. The architecture page is docs/design.md: no
-file cites the design notes by another name. Fast, no torch needed."""
+file cites the design notes by another name. And every command they name answers --help under that name (slow:
+each runs, forked from the runner conftest keeps)."""
 import re
 from pathlib import Path
 

@@ -61,7 +61,15 @@ def settings_then(args):
     """The SAME_RUN settings a checkpoint was made with (args: its meta's flags). A flag its meta
     does not hold -- added since -- had its default (cli.DEFAULTS), or, with no default there, is
     "(not recorded)": a refusal names the flag, never a KeyError."""
-    return {k: args.get(k, cli.DEFAULTS.get(k, "(not recorded)")) for k in SAME_RUN}
+    then = {k: args.get(k, cli.DEFAULTS.get(k, "(not recorded)")) for k in SAME_RUN}
+    if then["betas"] is None:   # made before --betas was recorded: its update rule's own
+        then["betas"] = cli.betas_of(then["optimizer"])
+    return then
+
+
+def as_typed(value):
+    """A flag's value as it is typed: a list space-separated ("0.9 0.95")."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
 
 
 def check_path(path, flag):
@@ -200,7 +208,7 @@ class Run:
             then = settings_then(ck["args"])
             changed = [k for k in SAME_RUN if not same(k, then[k], vars(a)[k], was is not None)]
             if changed:    # before the model's check: a missing --init-from makes another model
-                flags = ', '.join(f"--{k.replace('_', '-')} {then[k]}" for k in changed)
+                flags = ', '.join(f"--{k.replace('_', '-')} {as_typed(then[k])}" for k in changed)
                 fail(f"--resume: {path.name} was made with other settings ({flags}); pass the same "
                      "flags to continue bit-exactly")
             ckpt_read.check_model(path, doc, cfg)
