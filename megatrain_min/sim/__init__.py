@@ -1,7 +1,8 @@
 """sim/ -- proving the GPU schedule on the CPU: record.py (the engine on checked lanes, every op and
-ordering point recorded), race.py (the race checker), twin.py (the timeline twin) and this file,
-their command line (`python -m megatrain_min.sim check|timeline`; __main__.py). Not here: what an
-op costs (plan/cost.py), the planner's analytic model (plan/).
+ordering point recorded), fake.py (the engine at full size on fake tensors), race.py (the race
+checker), twin.py (the timeline twin) and this file, their command line (`python -m
+megatrain_min.sim check|timeline`; __main__.py). Not here: what an op costs (plan/cost.py), the
+planner's analytic model (plan/).
 
 What it is
     The command line of megatrain_min/sim/record.py (the engine on checked lanes) and its two

@@ -25,12 +25,10 @@ Reference
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -38,12 +36,9 @@ import model
 import stream
 from megatrain_min import engine
 from megatrain_min.plan import cost
+from megatrain_min.sim.fake import NOT_ANSWERED, ZeroWeights, answer
 
 aten = torch.ops.aten
-DEVICE = torch.ops.prim.device.default
-# fake tensors hold no data: these ops, in place, have nothing to compute and make no tensor; what
-# each returns (its self, or nothing) is answered here (FakeTensorMode's dispatch: ~0.1 ms an op)
-IN_PLACE = {aten.copy_.default: lambda args: args[0], aten._fused_adamw_.default: lambda args: None}
 # CUDA streams (default: the legacy default stream; comm: the collectives of sharded.py)
 LANES = ("h2d", "compute", "d2h", "comm", "default")
 THREADS = ("main", "worker")                       # host threads
@@ -304,20 +299,19 @@ class Recorder(TorchDispatchMode):
         return f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} ({f.f_code.co_name})"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """func run (under fake=True: by the fake tensors, but for what they answer without
-        work), then noted as an op of the lane or thread that issued it."""
-        if func is DEVICE and isinstance(args[0], FakeTensor):   # a metadata query: no work
-            return args[0].fake_device
+        """func run (fake=True: by the fake tensors, or answered by fake.answer), then noted as
+        an op of the lane or thread that issued it."""
+        out = answer(func, args) if self.fake else NOT_ANSWERED
+        if func.namespace == "prim" and out is not NOT_ANSWERED:
+            return out                                  # a metadata query: no op
         kwargs = kwargs or {}
         self.in_autograd = autograd_frame(sys._getframe(1))
         pinned = bool(kwargs.get("pin_memory"))
         if pinned:
             kwargs = dict(kwargs, pin_memory=False)
-        if self.fake and func in IN_PLACE and all_fake(args):
-            out = IN_PLACE[func](args)
-        elif self.fake and func is aten._local_scalar_dense.default:
+        if self.fake and func is aten._local_scalar_dense.default:
             out = {torch.bool: True}.get(args[0].dtype, 1)
-        else:
+        elif out is NOT_ANSWERED:
             out = func(*args, **kwargs)
         # prim.device &c.: metadata queries fake tensors dispatch, no work
         if func.namespace != "prim":
@@ -418,30 +412,6 @@ def buffer_names(t):
         for name, buf in getattr(handed, "buffers", dict)().items():
             walk(name, buf)
     return names
-
-
-class ZeroWeights(Mapping):
-    """weights for the twin: every key reads as zeros of its shape (under FakeTensorMode: nothing
-    allocated)."""
-
-    def __init__(self, cfg):
-        self.shapes = {e.key: e.shape for u in model.units(cfg) for e in u.entries}
-
-    def __getitem__(self, key):
-        return torch.zeros(self.shapes[key])
-
-    def __iter__(self):
-        return iter(self.shapes)
-
-    def __len__(self):
-        return len(self.shapes)
-
-
-def all_fake(args):
-    """Every tensor among args (and in their lists) is a fake tensor."""
-    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-               if isinstance(t, torch.Tensor)]
-    return all(isinstance(t, FakeTensor) for t in tensors)
 
 
 def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False,

@@ -208,3 +208,33 @@ def test_need_first_order_in_twin_and_planner():
         assert 0.9 <= r["step_time_s"] / p["step_time_s"] <= 1.1
     assert steps[False][2] == steps[False][3] < steps[True][2]   # first come, first served: more slabs save nothing
     assert steps[True][0] < 0.95 * steps[False][0] and steps[True][1] < 0.95 * steps[False][1]
+
+
+class Ops:
+    """A consumer of the recorder's stream that keeps each op's thread or lane, name, bytes and FLOPs."""
+    def __init__(self):
+        self.seen = []
+
+    def op(self, op):
+        self.seen.append((op.actor, op.name, op.nbytes, op.flops))
+
+    def __getattr__(self, name):          # every other event of the stream: not kept
+        return lambda *a, **k: None
+
+
+def test_ops_answered_on_fake_tensors_leave_the_stream_and_the_twin_unchanged(monkeypatch):
+    """fake.answer spares FakeTensorMode's dispatch for a device query and the in-place copy_ and _fused_adamw_:
+    the recorded ops (names, bytes, FLOPs, in order) and the twin's result are those of dispatching every op."""
+    from megatrain_min.sim import fake
+    cfg = dataclasses.replace(model.PRESETS["7b"], n_layer=2)
+    got = {}
+    for name in ("answered", "dispatched"):
+        if name == "dispatched":
+            monkeypatch.setattr(record, "answer", lambda func, args: fake.NOT_ANSWERED)
+        ops, tw = Ops(), twin.Twin(hardware.HARDWARE["h100"])
+        record.run(cfg, [ops, tw], 3, fake=True, sources=False, costs=True, batch=(1, 512), dtype=torch.bfloat16,
+                   mode="fast")
+        got[name] = ops.seen, tw.result_of(cfg, 512)
+    assert any(n == "aten._fused_adamw_.default" for _, n, _, _ in got["answered"][0])
+    assert got["answered"][0] == got["dispatched"][0]
+    assert got["answered"][1] == got["dispatched"][1]
