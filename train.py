@@ -31,14 +31,15 @@ from tqdm import tqdm
 import model
 from megatrain_min import cli, engine, plan
 from megatrain_min.checkpoints import checkpoint, ckpt_read
-from megatrain_min.cli import DTYPE_NAMES, DTYPES
+from megatrain_min.cli import DTYPE_NAMES
 from megatrain_min.data import corpus
 from megatrain_min.engine import sharded
 from megatrain_min.engine.checks import CheckedTrainer, check_device
 from megatrain_min.engine.lazy_init import LazyInit
 from megatrain_min.engine.reference import ReferenceTrainer
-from megatrain_min.plan import fit, hardware, report
+from megatrain_min.plan import fit, report
 from megatrain_min.run import exits, inputs, launch, rundir, sample
+from megatrain_min.run.meter import Meter
 from megatrain_min.run.exits import EXIT, fail
 from megatrain_min.run.schedule import lr_at
 
@@ -81,9 +82,7 @@ try:  # torchrun: this rank's GPU, made current before anything touches CUDA (el
         device = sharded.rank_device(args.device) if WORLD > 1 else check_device(args.device, here)
 except ValueError as e:
     fail(str(e) if LAUNCH else f"--device: {e}")
-dtype = DTYPES[args.dtype] if args.dtype else model.default_dtype(device.type)
-why = "asked for" if args.dtype else ("default on CUDA" if device.type == "cuda" else
-                                      "default on CPU: bf16 matmuls are slow there")
+dtype, why = inputs.compute_dtype(args.dtype, device)
 try:
     cfg = inputs.seq_len_checked(args, cfg, plan_only)   # planning: any length; training: checked
 except ValueError as e:
@@ -171,9 +170,8 @@ run.stops.catch()    # SIGTERM, SIGHUP, a first Ctrl-C: finish the step, save, e
 run.record({"args": vars(args), "model": cfg.to_dict(), "params": n_params, "device": str(device),
             "dtype": str(dtype), "mode": pl["mode"], "world_size": WORLD,   # config.json, metrics
             "resident_units": pl["resident_units"], "gpu_updated_units": pl["gpu_updated_units"]})
-peak = hardware.peak_tflops(pl["hardware"], pl["dtype"])  # MFU against a known peak: a profiled GPU
-peak = peak and peak * WORLD                             # every rank's GPU (the tokens are global)
-guard, t_start = trainer.guard, time.time()
+meter = Meter(cfg, pl, tokens_per_step, trainer, WORLD)   # tokens/s, TFLOP/s, MFU, traffic
+guard = trainer.guard
 bar = tqdm(range(run.start_step, args.steps), desc="train", dynamic_ncols=True,
            disable=True if RANK else None, initial=run.start_step, total=args.steps)
 prof = run.profiler(device) if args.profile else None   # steps 2-4: trace.json
@@ -181,35 +179,20 @@ for step in bar:
     lr = lr_at(step, args.lr, args.steps, warmup=args.warmup)
     trainer.set_lr(lr)
     x, y = source.train.next()
-    moved = trainer.traffic.copy() if WORLD > 1 else None   # bytes moved per wire (sharded.py)
-    t0 = time.time()
+    meter.start()
     loss = trainer.step(x, y)
     if guard is not None and not trainer.defer_updates:
         trainer.wait()  # updates run as gradients land: a unit's verdict is known once done
-    dt = time.time() - t0
-    rec = {"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
-           "model_tflops": hardware.model_tflops(cfg, tokens_per_step, dt)}  # 6 N per token
-    if peak:
-        rec["mfu"] = rec["model_tflops"] / peak
-    if moved is not None:   # torchrun: what rank 0 moved over PCIe (h2d, d2h) and between the GPUs
-        rec["traffic"] = dict(trainer.traffic - moved)
-    skipped, said = guard.report(step + 1, loss) if guard is not None else (None, None)
-    run.skips = run.skips + 1 if skipped else 0
-    if skipped:
-        rec["skipped"] = skipped
-        tqdm.write(said)
+    rec = meter.record(step + 1, loss, lr)
+    run.count_skip(rec, guard, loss)   # a skipped step: in rec, said, counted
     if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
         run.val_loss = rec["val_loss"] = evaluate()
         tqdm.write(f"step {step + 1}: train loss {loss:.4f}  val loss {run.val_loss:.4f}")
     run.log(rec)
-    shown = dict(tflops=f"{rec['model_tflops']:.1f}", mfu=f"{rec['mfu']:.0%}") if peak else {}
-    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", **shown)
+    bar.set_postfix(meter.postfix(rec))
     if prof is not None:
         prof.step()
-    if run.skips >= args.max_skips:
-        fail(f"{run.skips} consecutive steps had a non-finite loss or gradient; stopping. Last "
-             f"good checkpoint: {ckpt_read.latest(run.out) or 'none'}. Try a lower --lr or "
-             f"--grad-clip 1.0.", EXIT["diverged"])
+    run.stop_if_diverged()   # --max-skips steps skipped in a row: exit 3
     stop = run.stops.agree(trainer)   # a signal may reach the ranks in different steps: all agree
     if stop or step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0:
         path = save(step + 1)
@@ -218,12 +201,9 @@ for step in bar:
             sharded.leave()                      # every rank is here: the group goes cleanly
             sys.exit(EXIT["done"])
 bar.close()
-if prof is not None:
-    prof.stop()
-    print(f"profile: {run.out / 'trace.json'} (open in https://ui.perfetto.dev)")
-run.close()
+run.close()   # --profile: the trace written
 last = ckpt_read.latest(run.out) if args.engine == "stream" else "none (reference engine)"
-took = time.time() - t_start
+took = time.time() - meter.started
 print(f"done: {args.steps} steps in {took:.0f}s, final val loss {run.val_loss:.4f} (nats/token), "
       f"checkpoint {last}")
 

@@ -6,7 +6,8 @@ What it is
     config now, its weights when the run loads them) or a transformers directory (--init-from: its
     config and its weights) -- and the tokenizer a directory brings. seq_len_checked(args, cfg,
     plan_only): the config a --seq-len trains or plans at. Both raise ValueError with one line
-    saying what is wrong and what to do; train.py prints it and exits 2.
+    saying what is wrong and what to do; train.py prints it and exits 2. compute_dtype(name,
+    device): the compute dtype --dtype asks for (none: the device's default), and why.
 What it is not
     Not the flags themselves (cli.py) nor the device (engine/checks.py, run/launch.py).
 """
@@ -72,3 +73,13 @@ def seq_len_checked(args, cfg, plan_only):
     except ValueError as e:
         raise ValueError(f"--seq-len {args.seq_len}: {e}") from None
     return cfg
+
+
+def compute_dtype(name, device):
+    """(dtype, why): --dtype's (cli.DTYPES), or the device's default (model.default_dtype), and the
+    reason train.py prints beside it."""
+    if name:
+        return cli.DTYPES[name], "asked for"
+    if device.type == "cuda":
+        return model.default_dtype("cuda"), "default on CUDA"
+    return model.default_dtype(device.type), "default on CPU: bf16 matmuls are slow there"

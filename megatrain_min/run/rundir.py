@@ -18,7 +18,9 @@ What it is
       save()      a checkpoint (megatrain_min/checkpoints/checkpoint.py), its failures turned into
                   exit codes
       stops       a stops.Stops: SIGTERM, SIGHUP, the first Ctrl-C: finish the step, save, exit 0
-      profiler()  --profile: a torch.profiler trace of steps 2-4 into trace.json
+      count_skip(), stop_if_diverged()
+                  a step the guard skipped, recorded and said; --max-skips in a row: exit 3
+      profiler()  --profile: a torch.profiler trace of steps 2-4 into trace.json (close() ends it)
       export_hf() --save-hf: the final weights as a transformers directory
     Every refusal goes through exits.fail: one line, an exit code of exits.EXIT (0 done or stopped
     after a save, 2 bad input, 3 diverged, 4 an output not written, 5 a rank lost, 130 interrupted;
@@ -32,6 +34,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from megatrain_min import cli, hf
 from megatrain_min.checkpoints import checkpoint, ckpt_read
@@ -123,6 +126,7 @@ class Run:
         self.stops = stops.Stops(self.out, rank, world, gpus)   # signals: save, then exit
         self.fingerprint, self.hf_state = None, None  # of the data; of what --save-hf would replace
         self.lock = None                              # the run lock's open file (claim)
+        self.prof = None                              # --profile: the profiler (profiler)
 
     # ----------------------------------------------------------------- before anything is allocated
     def check(self, cfg, n_params, init_dir, source):
@@ -369,9 +373,29 @@ class Run:
         self.stops.timed(time.time() - t0, path.name)
         return path
 
+    def count_skip(self, rec, guard, loss):
+        """The guard's verdict on step rec["step"] (guard.report): a skip goes into rec and is said
+        on its own line; the steps skipped in a row are counted (checkpoints keep the count)."""
+        skipped, said = guard.report(rec["step"], loss) if guard is not None else (None, None)
+        self.skips = self.skips + 1 if skipped else 0
+        if skipped:
+            rec["skipped"] = skipped
+            tqdm.write(said)
+
+    def stop_if_diverged(self):
+        """--max-skips steps skipped in a row: exit 3, naming the last good checkpoint."""
+        if self.skips >= self.a.max_skips:
+            fail(f"{self.skips} consecutive steps had a non-finite loss or gradient; stopping. Last"
+                 f" good checkpoint: {ckpt_read.latest(self.out) or 'none'}. Try a lower --lr or "
+                 f"--grad-clip 1.0.", EXIT["diverged"])
+
     def close(self):
+        """metrics.jsonl closed; --profile: the profiler stopped, its trace written and named."""
         if self.metrics is not None:
             self.metrics.close()
+        if self.prof is not None:
+            self.prof.stop()
+            print(f"profile: {self.out / 'trace.json'} (open in https://ui.perfetto.dev)")
 
     # ----------------------------------------------------------------- while training and after it
     def profiler(self, device):
@@ -385,6 +409,7 @@ class Run:
                           experimental_config=tp._ExperimentalConfig(profile_all_threads=True),
                           on_trace_ready=lambda p: p.export_chrome_trace(trace))
         prof.start()
+        self.prof = prof
         return prof
 
     def export_hf(self, trainer, cfg, tokenizer_from):
