@@ -17,6 +17,7 @@ Try it: python model.py      # the presets with parameter counts, the toy layer'
 """
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -282,12 +283,10 @@ def check_seq_len(cfg, T):
                          f"{W}; use sequences of at most {W} tokens")
 
 
-def gelu_tanh(x):
-    return F.gelu(x, approximate="tanh")
-
-
 # The MLP's activations by their Hugging Face names (config.json's hidden_act): the one list.
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh}
+ACTIVATIONS = {"silu": F.silu,
+               "gelu": F.gelu,
+               "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def project(h, w, name, n_heads, hd):

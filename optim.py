@@ -4,7 +4,8 @@ What it is
     HostStore keeps, for every unit (the embedding, each layer, the head), flat buffers: the fp32
     master, the rule's state (AdamW: m and v, fp32), the fp32 gradient (per unit, or slabs lent to
     one unit at a time), and with bf16 compute a bf16 shadow of the master, which is what crosses
-    the link. What a copy engine reads or writes is page-locked (page_locked). A unit's home (the
+    the link. What a copy engine reads or writes is page-locked (pinned_zeros; exact-size:
+    megatrain_min/engine/pinned.py, handed in through stream.Lanes(pinned=)). A unit's home (the
     object the engine keeps for it: stream.Streamed, megatrain_min's resident and gpu_update) says
     which of its buffers live on the GPU and which cross the link; the store allocates accordingly.
     step(u) runs the rule on one unit, a region at a time ([matrices | vectors]: decayed or not),
@@ -21,15 +22,10 @@ What it is not
 Reference
     torch.optim.AdamW(fused=True), its kernel: equal (tests/core/test_optim.py); bench/adamw_cpu.py.
 """
-import ctypes
-import mmap
 import os
 import queue
-import warnings
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 # the library's defaults (one home)
@@ -182,43 +178,10 @@ class HostStore:
         return sq if self.where[u]["grad"] == "gpu" else float(sq)
 
 
-def page_locked(n, dtype=torch.float32):
-    """n zeros of dtype page-locked with CUDA (DMA copies), its own pages cudaHostRegister'ed: its
-    size, where pin_memory=True rounds each block up to a power of two (a 7b store: 1.31x)."""
-    size = max(1, -(-n * dtype.itemsize // mmap.PAGESIZE)) * mmap.PAGESIZE
-    # numpy owns the memory and frees it; mem: its page-aligned part, no page shared with another
-    raw = np.zeros(size + mmap.PAGESIZE, dtype=np.uint8)
-    mem = raw[-raw.ctypes.data % mmap.PAGESIZE:][:size]
-    err = int(torch.cuda.cudart().cudaHostRegister(mem.ctypes.data, size, 0))
-    if err:
-        cuda_last_error()   # cleared: the next kernel launch on this thread is not blamed for it
-        raise MemoryError(f"CUDA could not page-lock {size / 1e9:.2f} GB of host memory (cudaError"
-                          f" {err}); free host memory, raise `ulimit -l`, or plan a smaller run")
-    # numpy runs the finalizers before it frees the memory: unregistered first
-    weakref.finalize(raw, unregister, mem.ctypes.data).atexit = False
-    return torch.from_numpy(mem).view(dtype)[:n]
-
-
-def unregister(ptr):
-    """cudaHostUnregister of page_locked's pages (a finalizer: a failure is warned, not raised)."""
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err:
-        cuda_last_error()
-        warnings.warn(f"cudaHostUnregister failed (cudaError {err}); the pages stay locked")
-
-
-def cuda_last_error():
-    """CUDA's cudaGetLastError(): the error this thread's last failed runtime call left, cleared.
-    torch's binding of the runtime (torch.cuda.cudart) has none in torch 2.11-2.13: the runtime
-    torch loaded is asked by its soname (0: it could not be found)."""
-    runtime = torch.cuda.cudart()
-    if not hasattr(runtime, "cudaGetLastError"):
-        major = (torch.version.cuda or "").split(".")[0]   # the CUDA torch was built for
-        try:
-            runtime = ctypes.CDLL(f"libcudart.so.{major}")
-        except OSError:
-            return 0
-    return int(runtime.cudaGetLastError())
+def pinned_zeros(n, dtype=torch.float32):
+    """n zeros in page-locked host memory (DMA copies), from torch's pinned allocator, which rounds
+    each block up to a power of two (megatrain_min.engine.pinned.page_locked: exactly n)."""
+    return torch.zeros(n, dtype=dtype, pin_memory=True)
 
 
 def resolve_device(device=None):

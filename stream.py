@@ -544,10 +544,11 @@ class Lanes:
     """The hardware as the engine sees it (record.SimLanes: the same, every ordering recorded)."""
     pool = None   # where the gradient slabs wait: optim's queue (record.SimLanes: a recorded one)
 
-    def __init__(self, device, procs=1, lane=Lane):
+    def __init__(self, device, procs=1, lane=Lane, pinned=None):
+        """pinned(n, dtype): page-locked zeros for the copies' host buffers (optim.pinned_zeros)."""
         self.device = device = optim.resolve_device(device)
         self.cuda = device.type == "cuda"
-        self.pinned = optim.page_locked if self.cuda else None   # host buffers the copies use
+        self.pinned = (pinned or optim.pinned_zeros) if self.cuda else None
         on = device if self.cuda else None
         self.h2d = lane(on, "h2d")
         self.comp = lane(on, "compute")

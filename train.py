@@ -68,12 +68,13 @@ except cli.FlagError as e:
     fail(str(e))
 args.betas = cli.betas_of(args.optimizer, args.betas)   # as trained: none given, the rule's own
 
-# --- the model: a preset or --init-from -----------------------------------------------------------
+# --- the model: a preset or --init-from, at --seq-len ---------------------------------------------
+plan_only = args.plan or args.json or args.max_context
 try:   # one of our checkpoints: its config now, its weights once the engine exists (run.load)
     cfg, init_dir, init_weights, tokenizer = inputs.model_from(args)
-except ValueError as e:  # HFError, CheckpointError, a config field GPTConfig lacks
+    cfg = inputs.seq_len_checked(args, cfg, plan_only)   # planning: any length; training: checked
+except ValueError as e:  # HFError, CheckpointError, a config field GPTConfig lacks, --seq-len
     fail(str(e))
-plan_only = args.plan or args.json or args.max_context
 here = not plan_only or args.hardware == "local"   # planning for other hardware needs no GPU here
 try:  # torchrun: this rank's GPU, made current before anything touches CUDA (else GPU 0)
     if LAUNCH:   # the N ranks to come: a GPU each
@@ -83,10 +84,6 @@ try:  # torchrun: this rank's GPU, made current before anything touches CUDA (el
 except ValueError as e:
     fail(str(e) if LAUNCH else f"--device: {e}")
 dtype, why = inputs.compute_dtype(args.dtype, device)
-try:
-    cfg = inputs.seq_len_checked(args, cfg, plan_only)   # planning: any length; training: checked
-except ValueError as e:
-    fail(str(e))
 tokens_per_step, n_params = args.batch_size * args.seq_len, model.n_params(cfg)
 
 # --- plan: will it fit, how fast ------------------------------------------------------------------
@@ -132,9 +129,7 @@ if WORLD > 1:  # join the other ranks: NCCL, each rank on its GPU (cuda:LOCAL_RA
         device = sharded.init_from_env(args.device)
     except ValueError as e:   # the other ranks never came
         fail(str(e))
-    print(f"torchrun: {WORLD} ranks, each holding 1/{WORLD} of the host store and computing "
-          f"{args.batch_size // WORLD} of the {args.batch_size} sequences of a step; "
-          + run.stops.describe(n_params))
+    print(run.stops.describe(n_params, args.batch_size))   # the ranks, a checkpoint, a stop
 weights = init_weights if init_weights is not None else LazyInit(cfg, seed=args.seed)  # per unit
 hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
 try:  # a tensor of --init-from that is not finite, say: one line naming it
@@ -210,8 +205,6 @@ print(f"done: {args.steps} steps in {took:.0f}s, final val loss {run.val_loss:.4
 # --- export and sample ----------------------------------------------------------------------------
 if run.hf_dir is not None:  # torchrun: a collective; the model lands on rank 0 alone, to write
     run.export_hf(trainer, cfg, tokenizer_from=init_dir)
-if args.sample_tokens and n_params < 2e9 and source.prompt and source.decode:
-    final = trainer.weights(to=0) if WORLD > 1 else trainer.weights()  # torchrun: a collective
-    sample.show(cfg, final, source, args.sample_tokens if RANK == 0 else 0, window=args.seq_len,
-                seed=args.seed)
+sample.closing(cfg, trainer, source, args.sample_tokens, window=args.seq_len, seed=args.seed,
+               rank=RANK, world=WORLD)   # torchrun: a collective, rank 0 prints
 sharded.leave()   # N ranks: the process group, destroyed while Python is whole

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optim  # noqa: E402
+from megatrain_min.engine.pinned import page_locked  # noqa: E402
 from optim import HostStore  # noqa: E402
 
 LAYER_7B = 202_383_360   # parameters of one Llama-2-7B-width layer (d 4096, ff 11008): the wide case's unit
@@ -159,7 +160,7 @@ def contention(adamw, adamw_alone_s, unit, adamw_bytes, rounds):
     stream a unit's master, m, v (12 B/param, page-locked) to and from the GPU, and of the copies alone and while
     the AdamW runs (as many trips each way as last about as long as the AdamW alone)."""
     n = 3 * unit                                               # a unit's master, m, v: fp32
-    host_in, host_out = optim.page_locked(n), optim.page_locked(n)
+    host_in, host_out = page_locked(n), page_locked(n)
     dev_in, dev_out = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
     lanes = [(torch.cuda.Stream(), dev_in, host_in), (torch.cuda.Stream(), host_out, dev_out)]   # H2D, D2H
 

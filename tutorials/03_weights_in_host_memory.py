@@ -35,7 +35,8 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 from megatrain_min.engine.reference import ReferenceTrainer  # noqa: E402
-from optim import AdamW, HostStore, page_locked  # noqa: E402
+from megatrain_min.engine.pinned import page_locked  # noqa: E402
+from optim import AdamW, HostStore  # noqa: E402
 from stream import Trainer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -49,10 +50,11 @@ torch.manual_seed(0)
 # a pinned bounce buffer, synchronously. Memory allocated with `pin_memory=True` is page-locked up
 # front: the copy goes straight from it, at full PCIe speed, and `non_blocking=True` really is
 # asynchronous. That is why `optim.HostStore` page-locks every buffer a copy engine reads or writes
-# (the gradients and the streamed shadow; never Adam's m and v) when CUDA is present:
-# `pinned=optim.page_locked`. page_locked registers ordinary host pages with CUDA
-# (`cudaHostRegister`), exactly as many as the buffer needs: torch's pinned allocator rounds every
-# block up to a power of two (+31% on a 7b store).
+# (the gradients and the streamed shadow; never Adam's m and v) when CUDA is present: the engine
+# hands it `pinned=`, torch's pinned allocator (`optim.pinned_zeros`) unless it is given another.
+# train.py's engine is given `megatrain_min.engine.pinned.page_locked`, used here too: it registers
+# ordinary host pages with CUDA (`cudaHostRegister`), exactly as many as the buffer needs, where
+# torch's pinned allocator rounds every block up to a power of two (+31% on a 7b store).
 #
 # Without CUDA there is no pinned allocator (`torch.empty(n, pin_memory=True)` raises), and there is
 # nothing to copy to: the same code runs with ordinary memory.

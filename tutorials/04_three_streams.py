@@ -33,7 +33,8 @@ ROOT = (Path(__file__).resolve().parents[1] if "__file__" in globals()   # a scr
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
-from optim import AdamW, HostStore, page_locked  # noqa: E402
+from megatrain_min.engine.pinned import page_locked  # noqa: E402
+from optim import AdamW, HostStore  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

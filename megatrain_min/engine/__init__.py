@@ -4,10 +4,10 @@ The package
     homes.py (where each unit lives: Homes), resident.py (a unit kept on the GPU), gpu_update.py (a
     streamed unit updated there), activations.py (the boundary activations in host memory:
     HostRing), tiling.py (a layer a tile of tokens at a time), sharded.py (N ranks), guard.py
-    (non-finite steps skipped), lion.py (the Lion update rule), checks.py (every input check;
-    CheckedTrainer), reference.py (the plain PyTorch oracle), lazy_init.py (initial weights a unit
-    at a time). Not here: the engine itself (stream.py), the store and AdamW (optim.py), the flags
-    (cli.py), the plan (plan/).
+    (non-finite steps skipped), lion.py (the Lion update rule), pinned.py (page-locked host memory
+    of exactly the size asked), checks.py (every input check; CheckedTrainer), reference.py (the
+    plain PyTorch oracle), lazy_init.py (initial weights a unit at a time). Not here: the engine
+    itself (stream.py), the store and AdamW (optim.py), the flags (cli.py), the plan (plan/).
 This file
     parts(offload, guarded, tile_tokens, resident_units, gpu_updated_units): the objects that plain
     settings mean -- where the boundary activations live (activations.HostRing, or None:

@@ -25,6 +25,7 @@ import torch
 import model
 import optim
 import stream
+from megatrain_min.engine.pinned import page_locked
 
 
 def real(v):
@@ -330,7 +331,10 @@ class Checked:
         check_config(cfg)
         check_hyper(**{k: kw[k] for k in HYPER if k in kw})
         check_options(tied=cfg.tie_embeddings, **kw)
-        super().__init__(cfg, Weights(cfg, weights), device=check_device(device), **kw)
+        dev = check_device(device)
+        if kw.get("lanes") is None:   # the host buffers page-locked exactly (pinned.py)
+            kw["lanes"] = stream.Lanes(dev, pinned=page_locked)
+        super().__init__(cfg, Weights(cfg, weights), device=dev, **kw)
 
     def step(self, tokens, targets):
         self.check_batch(tokens, targets)

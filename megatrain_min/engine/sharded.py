@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 import stream
-from megatrain_min.engine import checks
+from megatrain_min.engine import checks, pinned
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits this long for a dead rank raises
 RENDEZVOUS = datetime.timedelta(minutes=2)  # ranks that have not all joined by then never will
@@ -103,7 +103,7 @@ class ShardedLanes(stream.Lanes):
     (torchrun's LOCAL_WORLD_SIZE), which share its cores among their optimizer threads."""
 
     def __init__(self, device, procs=1, lane=stream.Lane):
-        super().__init__(device, procs, lane)
+        super().__init__(device, procs, lane, pinned=pinned.page_locked)
         self.comm = lane(self.device if self.cuda else None, "comm")
 
 

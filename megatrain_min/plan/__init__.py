@@ -74,7 +74,8 @@ def plan(cfg, hardware="local", batch_size=DEFAULTS["batch_size"], seq_len=None,
     (p["offload_activations"]). residual_dtype: "fp32" (autocast's arithmetic) or "bf16".
     skip_nonfinite: train.py's guard; without deferral it costs a host wait for the loss after the
     head and one more read of each gradient, never a gradient store. p["pinned_bytes"]: the host
-    bytes page-locked (optim.page_locked): what a copy engine reads or writes, never Adam's m and v.
+    bytes page-locked (exactly: engine/pinned.py): what a copy engine reads or writes, never Adam's
+    m and v.
     tile_tokens: model.block's sequence tile (0 = untiled); None: the planner's choice
     (memory.tile_for). device: with hardware "local", the device the run trains on (its free memory;
     None: optim.resolve_device's choice). gpus, nodes: megatrain_min/engine/sharded.py on gpus per

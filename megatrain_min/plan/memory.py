@@ -181,9 +181,9 @@ def gpu_updatable(s, resident, gpu_bytes):
 def host(s, resident, slabs, offloaded, gpu_bytes, on_gpu=frozenset()):
     """The host's bytes by component, of one node (its gpus ranks, each with 1/N of the store:
     optim.HostStore and stream.py's pinned buffers): (host, the per-parameter store's bytes, the
-    bytes page-locked -- optim.page_locked, what a copy engine reads or writes: not the rule's
-    state, nor the fp32 master when a bf16 shadow is what crosses -- but of a unit updated on the
-    GPU (on_gpu) master and state cross, and its gradient stays there)."""
+    bytes page-locked -- engine/pinned.py's page_locked, what a copy engine reads or writes: not
+    the rule's state, nor the fp32 master when a bf16 shadow is what crosses -- but of a unit
+    updated on the GPU (on_gpu) master and state cross, and its gradient stays there)."""
     cfg, gpus = s.cfg, s.gpus
 
     def per_unit(bytes_per_param):   # of every unit the host keeps (not the resident ones)

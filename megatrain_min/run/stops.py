@@ -107,9 +107,9 @@ class Stops:
                 "(or train.py --nproc-per-node)"
                 if took > wait / 2 else ""))
 
-    def describe(self, n_params):
-        """The line torchrun's rank 0 prints: what a checkpoint writes per node, and the SIGTERM
-        window."""
+    def describe(self, n_params, batch_size):
+        """The line torchrun's rank 0 prints: the ranks and their share of a step's batch_size
+        sequences, what a checkpoint writes per node, and the SIGTERM window."""
         stop = ("A SIGTERM or Ctrl-C to train.py stops the ranks with a save; a second "
                 "Ctrl-C at once, unsaved"
                 if os.environ.get(LAUNCHED_ENV) else
@@ -117,4 +117,6 @@ class Stops:
                 f"{shutdown_s()} s later ({SHUTDOWN_ENV} or --shutdown-timeout): the first save "
                 "says how long one takes")
         per_node = 12 * n_params / max(1, self.world // self.gpus) / 1e9
-        return f"a checkpoint writes {per_node:.1f} GB per node. {stop}"
+        ranks = (f"torchrun: {self.world} ranks, each holding 1/{self.world} of the host store and "
+                 f"computing {batch_size // self.world} of the {batch_size} sequences of a step")
+        return f"{ranks}; a checkpoint writes {per_node:.1f} GB per node. {stop}"

@@ -13,9 +13,10 @@ import pytest
 
 from conftest import ROOT
 
-# Physical lines: each core file's length when its budget was last set (2026-11-28: 468, 569, 288, 237) plus 10%
-# or more, room for a reader's experiment (a new activation, a gate, an update rule, a schedule: docs/design.md).
-BUDGET = {"model.py": 515, "stream.py": 630, "optim.py": 320, "train.py": 265}
+# Physical lines: each core file's length when its budget was last set (2026-11-28: 467, 570, 251, 210; together
+# 1,498, at most 1,500) plus 10%, room for a reader's experiment (a new activation, a gate, an update rule, a
+# schedule: docs/design.md).
+BUDGET = {"model.py": 514, "stream.py": 627, "optim.py": 277, "train.py": 231}
 COLUMNS = 100
 CORE = {name[:-3] for name in BUDGET}
 LIBRARY = sorted((ROOT / "megatrain_min").rglob("*.py"))       # the periphery, its packages (plan/) too

@@ -1,5 +1,4 @@
 """optim.HostStore with the AdamW rule against torch.optim.AdamW(fused=True) with the same two parameter groups."""
-import gc
 import threading
 import mmap
 
@@ -134,52 +133,6 @@ def test_tiles_change_nothing(monkeypatch):
         runs.append([opt.master[0], opt.state["m"][0], opt.state["v"][0], opt.shadow[0]])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert torch.equal(runs[0][3], runs[0][0].to(torch.bfloat16))
-
-
-def test_page_locked_is_exact_and_unregistered_when_freed(monkeypatch):
-    """optim.page_locked: n zeros on pages of their own, registered with CUDA (cudaHostRegister) for exactly their
-    size rounded up to a page -- not torch's power-of-two pinned blocks -- and unregistered just before they are
-    freed. CUDA's runtime is the double of tests/cuda_doubles.py, which refuses overlapping registrations and
-    unregistering what is not registered, as CUDA does; a refusal is a one-line MemoryError."""
-    gpu = cuda_doubles.install(monkeypatch)
-    P = mmap.PAGESIZE
-    a, b = optim.page_locked(3 * P // 4 + 1, torch.float32), optim.page_locked(10, torch.bfloat16)
-    assert a.shape == (3 * P // 4 + 1,) and a.dtype == torch.float32 and b.shape == (10,) and b.dtype == torch.bfloat16
-    assert not a.any() and not b.any()                                   # zeros
-    assert sorted(gpu.cudart.registered.items()) == sorted([(a.data_ptr(), 4 * P), (b.data_ptr(), P)])
-    assert a.data_ptr() % P == 0 and b.data_ptr() % P == 0             # page-aligned: no page shared
-    big = optim.page_locked(5 * 2**20 + 3)                               # 20 MB: not rounded up to 32 MB
-    assert gpu.cudart.registered[big.data_ptr()] == -(-(5 * 2**20 + 3) * 4 // P) * P
-    view = a[5:]                                                         # a view keeps the pages registered
-    del a
-    gc.collect()
-    assert len(gpu.cudart.registered) == 3
-    del view, b, big
-    gc.collect()
-    assert gpu.cudart.registered == {} and ("unregister" in {c[0] for c in gpu.cudart.calls})
-    monkeypatch.setattr(gpu.cudart, "cudaHostRegister", lambda ptr, size, flags: 2)   # cudaErrorMemoryAllocation
-    with pytest.raises(MemoryError, match=r"could not page-lock 0.00 GB of host memory \(cudaError 2\)"):
-        optim.page_locked(100)
-
-
-def test_a_failed_page_lock_leaves_no_error_for_the_next_kernel(monkeypatch):
-    """A cudaHostRegister that fails leaves its error as the thread's last error (CUDA's runtime), which the next
-    kernel launch on the thread would raise as its own (C10_CUDA_KERNEL_LAUNCH_CHECK): page_locked clears it
-    (cudaGetLastError, libcudart's own: torch binds none) before its one-line MemoryError. A cudaHostUnregister
-    that fails is warned and cleared too."""
-    gpu = cuda_doubles.install(monkeypatch)
-    real = gpu.cudart.cudaHostRegister
-    monkeypatch.setattr(gpu.cudart, "cudaHostRegister", lambda ptr, size, flags: gpu.cudart.failed(2))   # OOM
-    with pytest.raises(MemoryError, match="cudaError 2"):
-        optim.page_locked(100)
-    monkeypatch.setattr(gpu.cudart, "cudaHostRegister", real)
-    with gpu.placing():
-        p, g, m, v = (torch.zeros(8, device="cuda") for _ in range(4))
-        step = torch.zeros((), device="cuda")
-        optim.AdamW().update(p, g, {"m": m, "v": v}, step + 1, lr=1e-3, weight_decay=0.0)   # no stale error
-    with pytest.warns(UserWarning, match="cudaHostUnregister failed"):
-        optim.unregister(12345)                                  # never registered: cudaError 713
-    assert gpu.cudart.runtime.cudaGetLastError() == 0            # cleared there too
 
 
 def test_the_cuda_doubles_refuse_what_cuda_refuses(monkeypatch):
