@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
+from megatrain_min.engine.pinned import page_locked  # noqa: E402
 
 BEFORE = "427dd33"
 CFG = model.GPTConfig(vocab_size=256, n_layer=64, n_head=2, n_kv_head=2, d_model=16, d_ff=32, max_seq_len=64)
@@ -43,7 +44,9 @@ def engine_at(commit):
 
 
 def per_visit_us(trainer_cls, M, steps, cfg=CFG, device="cpu"):
-    t = trainer_cls(cfg, model.init_weights(cfg, 0), device=device, micro_batches=M, grad_clip=0.0)
+    # on CUDA the host buffers train.py's engine has (exact-size page-locked: engine/pinned.py)
+    lanes = dict(lanes=stream.Lanes(device, pinned=page_locked)) if device == "cuda" else {}
+    t = trainer_cls(cfg, model.init_weights(cfg, 0), device=device, micro_batches=M, grad_clip=0.0, **lanes)
     tok = torch.randint(0, cfg.vocab_size, (M, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         t.step(tok, tok.roll(-1, 1))

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import model  # noqa: E402
 import stream  # noqa: E402
 from megatrain_min import plan as planner  # noqa: E402
+from megatrain_min.engine.checks import CheckedTrainer  # noqa: E402
 from megatrain_min.plan import hardware  # noqa: E402
 from megatrain_min.sim import race, record, twin  # noqa: E402
 
@@ -309,7 +310,8 @@ n_streams = None
 if torch.cuda.is_available():
     gcfg = dataclasses.replace(model.PRESETS["toy"], n_layer=6, d_model=1024, n_head=8, n_kv_head=8,
                                d_ff=2816)
-    gt = stream.Trainer(gcfg, model.init_weights(gcfg, 0), device="cuda", micro_batches=2)
+    # the engine as train.py builds it (CheckedTrainer: its host buffers page-locked exactly)
+    gt = CheckedTrainer(gcfg, model.init_weights(gcfg, 0), device="cuda", micro_batches=2)
     gen = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, 256, (8, 512), generator=gen),
              torch.randint(0, 256, (8, 512), generator=gen))

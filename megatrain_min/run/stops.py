@@ -12,7 +12,8 @@ What it is
                     stop, and save, together.
       timed(took, name)  under torchrun, the first save says how long it took: a stop on SIGTERM
                     must save within torchrun's --shutdown-timeout (shutdown_s()).
-      describe(n_params)  rank 0's line: what a checkpoint writes per node, and the SIGTERM window.
+      describe(n_params, batch_size)  rank 0's line: the ranks and their share of a step, what a
+                    checkpoint writes per node, and the SIGTERM window.
 What it is not
     Not the launcher's side -- passing a signal on to every rank, naming a frozen one: launch.py.
     Signal handlers run on the main thread only (Python's rule), between two bytecodes: a stop is

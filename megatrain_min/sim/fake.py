@@ -4,10 +4,12 @@ What it is
     record.run(fake=True) runs stream.Trainer under torch's FakeTensorMode, which allocates
     nothing: the twin replays a 120B model's step recorded in seconds. ZeroWeights reads every
     weight as zeros of its shape. answer() returns what an op returns when a fake tensor has no
-    work for it, so that the recorder need not send it through FakeTensorMode's dispatch (~0.1 ms
-    an op; a host update issues thousands: each tile of optim.TILE elements is a few ops).
+    work for it and no check to make (a device query; AdamW's fused kernel), so that the recorder
+    need not send it through FakeTensorMode's dispatch (~0.1 ms an op; a host update issues
+    thousands: each tile of optim.TILE elements is a few ops).
 What it is not
-    Not a check of the ops it answers: a fake tensor holds no data, and these make no tensor.
+    Not a check of the ops it answers: a fake tensor holds no data, these make no tensor, and a
+    dispatched one would check nothing more.
 """
 from collections.abc import Mapping
 
@@ -16,9 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import model
 
-aten = torch.ops.aten
-# in place on their first argument, no data to compute on a fake: what each returns
-IN_PLACE = {aten.copy_.default: lambda args: args[0], aten._fused_adamw_.default: lambda args: None}
+# in place on its arguments, nothing to compute on fakes, and nothing a fake would check: AdamW's
+# fused kernel (a fake accepts mismatched shapes, dtypes and list lengths whether dispatched or not;
+# copy_ is dispatched: a fake checks that its shapes broadcast). What each returns.
+IN_PLACE = {torch.ops.aten._fused_adamw_.default: lambda args: None}
 NOT_ANSWERED = object()
 
 

@@ -20,6 +20,7 @@ import model
 from conftest import SPECIAL, engine, losses_agree, random_batch, update_rel
 from megatrain_min import data, plan
 from megatrain_min.engine.checks import CheckedTrainer
+from megatrain_min.engine.pinned import page_locked
 from megatrain_min.engine.reference import ReferenceTrainer
 from stream import Lane, Lanes
 
@@ -49,7 +50,7 @@ def test_async_equals_synchronised_bit_for_bit(clip, offload, resident, gpu_upda
     out = []
     for sync in (False, True):
         gen = torch.Generator().manual_seed(0)
-        lanes = Lanes(torch.device("cuda"), lane=SyncLane if sync else Lane)
+        lanes = Lanes(torch.device("cuda"), lane=SyncLane if sync else Lane, pinned=page_locked)   # train.py's
         t = engine(cfg, w0, device="cuda", dtype=torch.bfloat16, grad_clip=clip, micro_batches=4,
                    offload_activations=offload, lanes=lanes, resident_units=resident,
                    gpu_updated_units=gpu_updated, **HP)

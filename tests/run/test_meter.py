@@ -11,8 +11,9 @@ from megatrain_min.run.meter import Meter
 
 
 def clock(monkeypatch, *times):
+    """meter.py's clock (its module's `time`, no other caller's) reads `times`, one per call."""
     ticks = iter(times)
-    monkeypatch.setattr(meter.time, "time", lambda: next(ticks))
+    monkeypatch.setattr(meter, "time", types.SimpleNamespace(time=lambda: next(ticks)))
 
 
 def test_a_step_on_a_profiled_gpu_has_its_mfu_against_every_ranks_peak_and_the_bytes_it_moved(monkeypatch):

@@ -8,6 +8,7 @@
   ring replaced by a fresh buffer per activation (record_stream'ed, an engine without the ring), it grows.
 - The CLI: --json fields, --trace writes a Perfetto trace.
 """
+import collections
 import dataclasses
 import json
 import types
@@ -223,18 +224,31 @@ class Ops:
 
 
 def test_ops_answered_on_fake_tensors_leave_the_stream_and_the_twin_unchanged(monkeypatch):
-    """fake.answer spares FakeTensorMode's dispatch for a device query and the in-place copy_ and _fused_adamw_:
-    the recorded ops (names, bytes, FLOPs, in order) and the twin's result are those of dispatching every op."""
+    """fake.answer spares FakeTensorMode's dispatch for device queries and AdamW's fused kernel, and answers them
+    all in a twin's recording: the recorded ops (names, bytes, FLOPs, in order) and the twin's result are those of
+    dispatching every op. What it answers could hide no error a fake would raise: copy_, which a fake checks, is
+    dispatched (a copy between shapes that do not broadcast still raises)."""
     from megatrain_min.sim import fake
     cfg = dataclasses.replace(model.PRESETS["7b"], n_layer=2)
-    got = {}
+    got, answered = {}, collections.Counter()
+
+    def counted(func, args):
+        out = fake.answer(func, args)
+        if out is not fake.NOT_ANSWERED:
+            answered[str(func)] += 1
+        return out
+
     for name in ("answered", "dispatched"):
-        if name == "dispatched":
-            monkeypatch.setattr(record, "answer", lambda func, args: fake.NOT_ANSWERED)
+        monkeypatch.setattr(record, "answer", counted if name == "answered" else lambda f, a: fake.NOT_ANSWERED)
         ops, tw = Ops(), twin.Twin(hardware.HARDWARE["h100"])
         record.run(cfg, [ops, tw], 3, fake=True, sources=False, costs=True, batch=(1, 512), dtype=torch.bfloat16,
                    mode="fast")
         got[name] = ops.seen, tw.result_of(cfg, 512)
-    assert any(n == "aten._fused_adamw_.default" for _, n, _, _ in got["answered"][0])
+    adamw = sum(n == "aten._fused_adamw_.default" for _, n, _, _ in got["answered"][0])
+    assert answered["aten._fused_adamw_.default"] == adamw > 0 and answered["prim.device.default"] > 1000
+    assert set(answered) == {"aten._fused_adamw_.default", "prim.device.default"}
     assert got["answered"][0] == got["dispatched"][0]
     assert got["answered"][1] == got["dispatched"][1]
+    with torch._subclasses.fake_tensor.FakeTensorMode(), record.Recorder([], fake=True):
+        with pytest.raises(RuntimeError, match="must match"):
+            torch.zeros(3).copy_(torch.zeros(4))
