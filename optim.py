@@ -62,7 +62,7 @@ class HostStore:
         the master (None: the master is streamed). grad_store: an fp32 gradient per unit; else
         grad[u] is None but while one of `slabs` slabs (waiting in `pool`) is lent to it.
         pinned(n, dtype): page-locked zeros, for what a copy engine reads or writes. homes: per
-        unit, its home: on_gpu, the names of the buffers it keeps on the GPU (made by
+        unit, its home: kept_on_device, the names of the buffers it keeps on the GPU (made by
         on_device(n, dtype)), and crossing, those the link copies besides the gradient and what
         streams. None: every unit streamed and updated on the host (stream.Streamed)."""
         self.sizes = list(sizes)
@@ -73,7 +73,7 @@ class HostStore:
 
         def place(u, what):   # where unit u's buffer `what` lives: "gpu", "pinned" or "host"
             home = homes[u] if homes is not None else None
-            if home is not None and what in home.on_gpu:
+            if home is not None and what in home.kept_on_device:
                 return "gpu"
             crossing = {"grad", streamed, *(home.crossing if home is not None else ())}
             return "pinned" if pinned is not None and what in crossing else "host"

@@ -406,7 +406,7 @@ class Streamed:
     optimizer thread. For the embedding: its rows gathered on the host, dy copied to the host and
     scattered into its gradient there. (megatrain_min.engine.homes: units resident on the GPU, or
     streamed but updated there; each answers the same questions.)"""
-    on_gpu = ()      # none of its store's buffers live on the GPU
+    kept_on_device = ()   # none of its store's buffers live on the GPU
     crossing = ()    # none crosses the link but its gradient and what streams
 
     def __init__(self, trainer):

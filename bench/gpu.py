@@ -205,16 +205,16 @@ def link_bytes(t, B, T):
     h2d = d2h = 0
     for u, lay in enumerate(t.units):
         home = t.home[u]
-        if "master" not in home.on_gpu:                           # streamed into a slot at each visit
+        if "master" not in home.kept_on_device:                           # streamed into a slot at each visit
             h2d += visits.get(u, 0) * lay.numel * opt.streamed(u).element_size()
-        if u in visits and "grad" not in home.on_gpu:             # its fp32 gradient, to the host
+        if u in visits and "grad" not in home.kept_on_device:             # its fp32 gradient, to the host
             d2h += lay.numel * 4
         update = sum(x.nbytes for name, x in opt.tensors(u).items()      # master and state, crossing
                      if ("master" if name == "master" else "state") in home.crossing)
         shadow = opt.shadow[u].nbytes if "shadow" in home.crossing and opt.shadow[u] is not None else 0
         h2d, d2h = h2d + update, d2h + update + shadow
     ids = B * T * 8                                                # int64 token ids
-    resident_embed = "master" in t.home[t.embed].on_gpu
+    resident_embed = "master" in t.home[t.embed].kept_on_device
     h2d += ids + (ids if resident_embed else act)
     d2h += 0 if resident_embed else act
     if t.activations.offloaded:

@@ -44,7 +44,7 @@ def chosen(order, resident_units, embed, n):
 class GpuUpdated(stream.Streamed):
     """Streamed as any unit (source, the embedding's methods: never this home's); updated on the
     GPU. One per trainer: it holds the two scratches its units share."""
-    on_gpu = ("grad", "step")
+    kept_on_device = ("grad", "step")
     crossing = ("master", "state", "shadow")   # to the scratch and back, page-locked
 
     def __init__(self, trainer, units):

@@ -38,7 +38,8 @@ def run_on_h2d(t, fn, args, ready):
 
 
 class Resident:
-    on_gpu = ("master", "state", "grad", "step")   # the whole unit (no shadow: cast on the GPU)
+    # the whole unit (no shadow: its master is cast on the GPU)
+    kept_on_device = ("master", "state", "grad", "step")
     crossing = ()
 
     def __init__(self, trainer):
