@@ -407,7 +407,7 @@ class Streamed:
     scattered into its gradient there. (megatrain_min.engine.homes: units resident on the GPU, or
     streamed but updated there; each answers the same questions.)"""
     kept_on_device = ()   # none of its store's buffers live on the GPU
-    crossing = ()    # none crosses the link but its gradient and what streams
+    crossing = ()         # none crosses the link but its gradient and what streams
 
     def __init__(self, trainer):
         self.t = trainer

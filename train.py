@@ -39,8 +39,8 @@ from megatrain_min.engine.lazy_init import LazyInit
 from megatrain_min.engine.reference import ReferenceTrainer
 from megatrain_min.plan import fit, report
 from megatrain_min.run import exits, inputs, launch, rundir, sample
-from megatrain_min.run.meter import Meter
 from megatrain_min.run.exits import EXIT, fail
+from megatrain_min.run.meter import Meter
 from megatrain_min.run.schedule import lr_at
 
 # --- flags ----------------------------------------------------------------------------------------
