@@ -36,7 +36,7 @@ import model
 import stream
 from megatrain_min import engine
 from megatrain_min.plan import cost
-from megatrain_min.sim.fake import NOT_ANSWERED, ZeroWeights, answer
+from megatrain_min.sim.fake import NOT_ANSWERED, ZeroWeights, answer, tiles_of, whole_regions
 
 aten = torch.ops.aten
 # CUDA streams (default: the legacy default stream; comm: the collectives of sharded.py)
@@ -80,6 +80,7 @@ class Op:
     # run by autograd's engine inside torch.autograd.grad (else issued from Python)
     autograd: bool = False
     fresh: list = ()    # storages this op allocated
+    count: int = 1      # ops of the engine it stands for (fake.whole_regions: a region's tiles)
 
 
 class SimEvent:
@@ -192,6 +193,7 @@ class Recorder(TorchDispatchMode):
         self.live, self.n_sid, self.n_ev, self.n_task = {}, 0, 0, 0   # storage cdata -> Storage
         self.device = {}          # the device storages among them (the sweep looks for frees there)
         self.names, self.slab_names, self.trainer = {}, {}, None
+        self.tile = None          # fake.whole_regions: an op counts for its tiles of this many
         for c in consumers:
             if hasattr(c, "attach"):
                 c.attach(self)
@@ -363,6 +365,8 @@ class Recorder(TorchDispatchMode):
             op.nbytes = cost.traffic(func, old_reads, old_writes, fresh, kwargs)
             op.flops = cost.flops(func, args, kwargs, out)
             op.low_precision = any(t.dtype == torch.bfloat16 for t in old_reads + old_writes)
+        if self.tile is not None:
+            op.count = tiles_of(out, args, self.tile)
         self.emit("op", op=op)
 
 
@@ -416,12 +420,13 @@ def buffer_names(t):
 
 def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs=False,
         batch=BATCH, between=None, offload_activations=False, skip_nonfinite=False, tile_tokens=0,
-        resident_units=0, gpu_updated_units=0, **trainer_kw):
+        resident_units=0, gpu_updated_units=0, tiles=False, **trainer_kw):
     """Build trainer_cls (stream.Trainer) on SimLanes under a Recorder and run `steps` steps on
     random batches of batch=(B, T); between(trainer) runs after every step but the last (e.g. an
     evaluate()). Returns the trainer. offload_activations, skip_nonfinite, tile_tokens,
     resident_units, gpu_updated_units: the objects the engine is handed (engine.parts); dtype and
-    residual_dtype: torch dtypes; everything else as stream.Trainer takes it."""
+    residual_dtype: torch dtypes; everything else as stream.Trainer takes it. fake=True: the host
+    update recorded a region at a time (fake.whole_regions) unless tiles=True."""
     rec = Recorder(consumers, fake=fake, sources=sources, costs=costs)
     mode = torch._subclasses.fake_tensor.FakeTensorMode(
         allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -435,12 +440,14 @@ def run(cfg, consumers, steps, trainer_cls=None, fake=False, sources=True, costs
               **trainer_kw}
         t = (trainer_cls or stream.Trainer)(cfg, weights, device="cpu", lanes=SimLanes(rec), **kw)
         rec.trainer = t
-        for k in range(steps):
-            rec.step(k)
-            tok = torch.randint(0, cfg.vocab_size, (B, T), generator=None if fake else gen)
-            t.step(tok, tok.roll(-1, 1))
-            if between is not None and k + 1 < steps:
-                between(t, tok)
-        rec.step(steps)
-        t.weights()              # reads every master weight: after the updates in flight, or a race
+        regions = whole_regions(rec, t.opt) if fake and not tiles else contextlib.nullcontext()
+        with regions:
+            for k in range(steps):
+                rec.step(k)
+                tok = torch.randint(0, cfg.vocab_size, (B, T), generator=None if fake else gen)
+                t.step(tok, tok.roll(-1, 1))
+                if between is not None and k + 1 < steps:
+                    between(t, tok)
+            rec.step(steps)
+            t.weights()          # reads every master weight: after the updates in flight, or a race
     return t

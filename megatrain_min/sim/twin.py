@@ -16,7 +16,9 @@ What it is
                  the optimizer thread's AdamW too, its tasks run as optim.Worker picks them: of
                  those submitted and landed when it looks, the one the next forward needs first
                  (none landed: the oldest, once landed). A pick is made once no task still to be
-                 submitted could change it (the host is past it, or waits for the worker).
+                 submitted could change it (the host is past it, or waits for the worker). An op
+                 standing for several of the engine's (a host update recorded a region at a time,
+                 sim/fake.py's whole_regions: Op.count) is issued that many times.
     Memory: a device allocation is live from its issue until the GPU passes its free -- at once for
     its own lane, after the kept lanes' work issued before the free (record_stream), as the caching
     allocator does. Out: step time, tokens/s, model TFLOP/s, overlap (compute busy / step), busy
@@ -190,10 +192,12 @@ class Twin:
         if op.actor == "worker" and self.recording is not None:   # kept, run when the task is
             return self.recording.events.append((self.op, dict(op=op)))
         if op.actor == "worker":                      # the optimizer thread issues its own ops too
-            self.advance(actor, 0.0, self.issue + op.nbytes / self.host_bw, None, op.name)
+            self.advance(actor, 0.0, self.issue * op.count + op.nbytes / self.host_bw, None,
+                         op.name)
             return
         issued = self.advance("host", 0.0,
-                              self.issue + (op.nbytes / self.host_bw if actor == "host" else 0.0),
+                              self.issue * op.count
+                              + (op.nbytes / self.host_bw if actor == "host" else 0.0),
                               None, op.name)
         for st in op.fresh:
             if st.where == "device":

@@ -18,6 +18,7 @@ import torch
 
 import model
 from conftest import ROOT, train_py
+from megatrain_min import engine
 from megatrain_min import plan as planner
 from megatrain_min.plan import hardware, timing
 from megatrain_min.sim import record, twin
@@ -36,6 +37,7 @@ class FakeOp:
         self.actor, self.kind, self.name = actor, kind, f"{kind}"
         self.flops, self.nbytes, self.low_precision, self.blocking = seconds, 0, True, False
         self.writes, self.fresh = ([(None, 0, seconds)] if kind in ("h2d", "d2h") else []), []
+        self.count = 1    # one op of the engine
 
 
 def test_hand_computed_three_layer_forward():
@@ -252,3 +254,28 @@ def test_ops_answered_on_fake_tensors_leave_the_stream_and_the_twin_unchanged(mo
     with torch._subclasses.fake_tensor.FakeTensorMode(), record.Recorder([], fake=True):
         with pytest.raises(RuntimeError, match="must match"):
             torch.zeros(3).copy_(torch.zeros(4))
+
+
+@pytest.mark.parametrize("mode,clip,rule,kept", [("fast", 0.0, "adamw", {}), ("lean", 1.0, "lion", {}),
+                                                ("fast", 1.0, "adamw", dict(resident_units=1, gpu_updated_units=1))])
+def test_a_host_update_recorded_a_region_at_a_time_replays_as_its_tiles(mode, clip, rule, kept):
+    """fake.whole_regions (every fake run's default): the host update recorded one call per region, each op counted
+    for the tiles the engine runs, replays as the tiled recording does -- the step within 1e-6 (each tile's kernel
+    call also reads the unit's 4-byte step count, which a region's call reads once), the lanes' busy and
+    critical-path shares, the peak, the bottleneck -- from a small fraction of the optimizer thread's ops. An update
+    on the GPU (a resident or GPU-updated unit) is one call per region in the engine too: counted once."""
+    cfg = dataclasses.replace(model.PRESETS["7b"], n_layer=2)
+    got = {}
+    for tiles in (True, False):
+        ops, tw = Ops(), twin.Twin(hardware.HARDWARE["h100"])
+        record.run(cfg, [ops, tw], 3, fake=True, sources=False, costs=True, batch=(1, 512), dtype=torch.bfloat16,
+                   mode=mode, grad_clip=clip, rule=engine.RULES[rule](), tiles=tiles, **kept)
+        got[tiles] = sum(actor == "worker" for actor, *_ in ops.seen), tw.result_of(cfg, 512)
+    (n_tiled, tiled), (n_whole, whole) = got[True], got[False]
+    print(f"{mode} clip {clip} {rule} {kept}: {n_tiled} ops of the optimizer thread -> {n_whole}; step "
+          f"{tiled['step_time_s']:.6f} s -> {whole['step_time_s']:.6f} s")
+    assert abs(whole["step_time_s"] / tiled["step_time_s"] - 1) < 1e-6
+    for share in ("busy", "critical_path"):
+        assert all(abs(whole[share][a] - tiled[share][a]) < 1e-6 for a in tiled[share]), (share, whole, tiled)
+    assert (whole["peak_gpu_bytes"], whole["bottleneck"]) == (tiled["peak_gpu_bytes"], tiled["bottleneck"])
+    assert n_whole * 10 < n_tiled
