@@ -1,7 +1,8 @@
 """record.py -- the engine on checked lanes: every op and ordering point it issues, recorded.
 
 What it is
-    stream.Trainer runs unchanged on SimLanes, a backend of stream.Lanes in which every lane (h2d,
+    stream.Trainer runs unchanged on SimLanes (at full size on fake tensors: its host update a
+    region at a time, sim/fake.py), a backend of stream.Lanes in which every lane (h2d,
     compute, d2h, comm and the legacy default stream) and every host thread (main, the optimizer
     worker) has an identity. A TorchDispatchMode (Recorder) attributes every aten op to one of them,
     with what it reads and writes (storage and byte range, from the op schema's alias info), and

@@ -261,7 +261,8 @@ def test_ops_answered_on_fake_tensors_leave_the_stream_and_the_twin_unchanged(mo
 def test_a_host_update_recorded_a_region_at_a_time_replays_as_its_tiles(mode, clip, rule, kept):
     """fake.whole_regions (every fake run's default): the host update recorded one call per region, each op counted
     for the tiles the engine runs, replays as the tiled recording does -- the step within 1e-6 (each tile's kernel
-    call also reads the unit's 4-byte step count, which a region's call reads once), the lanes' busy and
+    call also reads a few scalar bytes -- the step count, a clip scale -- which a region's call reads once), the
+    lanes' busy and
     critical-path shares, the peak, the bottleneck -- from a small fraction of the optimizer thread's ops. An update
     on the GPU (a resident or GPU-updated unit) is one call per region in the engine too: counted once."""
     cfg = dataclasses.replace(model.PRESETS["7b"], n_layer=2)
