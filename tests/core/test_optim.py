@@ -13,18 +13,19 @@ from megatrain_min.engine.lion import Lion
 from optim import AdamW, HostStore, clip_coef
 
 
-@pytest.mark.parametrize("max_norm", [0.0, 1.0])
-def test_equals_torch_adamw_fused_over_10_steps(max_norm):
+def side_by_side(make_ref, rule, max_norm, lr, weight_decay, moment):
+    """10 steps of the store running `rule` on one unit ([2 matrices | 2 vectors]) beside the reference optimizer
+    make_ref(param_groups) on the same tensors and gradients, clipping as torch.nn.utils.clip_grad_norm_ does: the
+    store after each step within 1e-6 of the reference, and its first moment (the reference's state `moment`) at
+    the end within 1e-5. Returns the store and the last step's max relative difference."""
     g = torch.Generator().manual_seed(0)
     mats = [torch.randn(48, 32, generator=g), torch.randn(16, 8, generator=g)]
     vecs = [torch.randn(32, generator=g), torch.randn(8, generator=g)]
     params = [t.clone().requires_grad_() for t in mats + vecs]
-    hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-    ref = torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1},
-                             {"params": params[2:], "weight_decay": 0.0}], fused=True, **hp)
+    ref = make_ref([{"params": params[:2], "weight_decay": weight_decay}, {"params": params[2:], "weight_decay": 0.0}])
     n_decay = sum(t.numel() for t in mats)
     n = n_decay + sum(t.numel() for t in vecs)
-    opt = HostStore([(n, n_decay)], AdamW(hp["betas"], hp["eps"]), lr=hp["lr"], weight_decay=0.1)
+    opt = HostStore([(n, n_decay)], rule, lr=lr, weight_decay=weight_decay)
     opt.master[0].copy_(torch.cat([t.flatten() for t in mats + vecs]))
     for step in range(10):
         grads = [torch.randn(p.shape, generator=g) * (step + 1) for p in params]
@@ -38,41 +39,28 @@ def test_equals_torch_adamw_fused_over_10_steps(max_norm):
         flat = torch.cat([p.detach().flatten() for p in params])
         err = ((flat - opt.master[0]).abs().max() / flat.abs().max()).item()
         assert err <= 1e-6, f"step {step}: max rel diff {err:.2e}"
+    m_ref = torch.cat([ref.state[p][moment].flatten() for p in params])
+    assert torch.allclose(m_ref, opt.tensors(0)["m"], rtol=1e-5, atol=1e-9)   # the moments match too
+    return opt, err
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_equals_torch_adamw_fused_over_10_steps(max_norm):
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    _, err = side_by_side(lambda groups: torch.optim.AdamW(groups, fused=True, **hp), AdamW(hp["betas"], hp["eps"]),
+                          max_norm, hp["lr"], 0.1, "exp_avg")
     print(f"HostStore (AdamW) vs torch AdamW(fused) after 10 steps: max rel diff {err:.2e}")
-    # the moments match too
-    m_ref = torch.cat([ref.state[p]["exp_avg"].flatten() for p in params])
-    assert torch.allclose(m_ref, opt.tensors(0)["m"], rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
 def test_lion_equals_the_papers_rule_over_10_steps(max_norm):
     """megatrain_min.engine.lion.Lion run by the store (one region decayed, one not, one fp32 moment) against Lion written
-    from the paper in plain PyTorch (conftest.ReferenceLion), clipping as torch.nn.utils.clip_grad_norm_ does."""
-    g = torch.Generator().manual_seed(0)
-    mats = [torch.randn(48, 32, generator=g), torch.randn(16, 8, generator=g)]
-    vecs = [torch.randn(32, generator=g), torch.randn(8, generator=g)]
-    params = [t.clone().requires_grad_() for t in mats + vecs]
-    ref = ReferenceLion([{"params": params[:2], "weight_decay": 1.0}, {"params": params[2:], "weight_decay": 0.0}],
-                        lr=1e-3, betas=(0.9, 0.99))
-    n_decay = sum(t.numel() for t in mats)
-    n = n_decay + sum(t.numel() for t in vecs)
-    opt = HostStore([(n, n_decay)], Lion((0.9, 0.99)), lr=1e-3, weight_decay=1.0)
+    from the paper in plain PyTorch (conftest.ReferenceLion), clipping as torch.nn.utils.clip_grad_norm_ does
+    (measured: 0 difference, the same ops element by element)."""
+    opt, err = side_by_side(lambda groups: ReferenceLion(groups, lr=1e-3, betas=(0.9, 0.99)), Lion((0.9, 0.99)),
+                            max_norm, 1e-3, 1.0, "m")
+    n = opt.sizes[0][0]
     assert list(opt.tensors(0)) == ["master", "m"] and opt.nbytes() == 3 * 4 * n   # master, m, gradient
-    opt.master[0].copy_(torch.cat([t.flatten() for t in mats + vecs]))
-    for step in range(10):
-        grads = [torch.randn(p.shape, generator=g) * (step + 1) for p in params]
-        for p, gr in zip(params, grads):
-            p.grad = gr.clone()
-        if max_norm:
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-        ref.step()
-        opt.grad[0].copy_(torch.cat([gr.flatten() for gr in grads]))
-        opt.step(0, coef=clip_coef(float(opt.grad_sq(0)) ** 0.5, max_norm))
-        flat = torch.cat([p.detach().flatten() for p in params])
-        err = ((flat - opt.master[0]).abs().max() / flat.abs().max()).item()
-        assert err <= 1e-6, f"step {step}: max rel diff {err:.2e}"   # measured 0 (the same ops, element by element)
-    m_ref = torch.cat([ref.state[p]["m"].flatten() for p in params])
-    assert torch.allclose(m_ref, opt.tensors(0)["m"], rtol=1e-5, atol=1e-9)
     print(f"HostStore (Lion) vs the paper's Lion after 10 steps: max rel diff {err:.2e}")
 
 
