@@ -197,12 +197,13 @@ def gen():
 
 
 # ----------------------------------------------------------------------------- train.py as a user runs it, fast
-# Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag. TrainCLI pays it
-# once: a helper process imports train.py's dependencies (and computes nothing, so forking it is safe: no
-# OpenMP team exists yet), then forks one fresh child per run. The child runs train.py (or another script, or
-# `python -m module`) as __main__ in its own process -- own pid, cwd, stdout/stderr files, exit code, signals,
-# file locks -- and ends the way the interpreter ends a script: SystemExit's code, or the traceback of an
-# uncaught exception and exit code 1.
+# Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag, and ~0.65 s more
+# planning the toy (the planner traces a layer under FakeTensorMode). TrainCLI pays both once: a helper process
+# imports train.py's dependencies and makes the toy's trace (cached by config; fake tensors, so nothing is
+# computed and no OpenMP team exists yet: forking it is safe), then forks one fresh child per run. The child runs
+# train.py (or another script, or `python -m module`) as __main__ in its own process -- own pid, cwd,
+# stdout/stderr files, exit code, signals, file locks -- and ends the way the interpreter ends a script:
+# SystemExit's code, or the traceback of an uncaught exception and exit code 1.
 ZYGOTE = r"""
 import json, os, resource, runpy, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
@@ -212,6 +213,11 @@ from megatrain_min.checkpoints import checkpoint  # noqa
 from megatrain_min.engine import reference  # noqa
 import torch._dynamo, torch._subclasses.fake_tensor  # noqa: the planner's FakeTensorMode imports them (~1.7 s)
 import jinja2, safetensors, tokenizers  # noqa: fine-tuning data and exports
+from megatrain_min.plan import cost
+threads = os.listdir("/proc/self/task")           # the import's (OpenBLAS's, which handles a fork)
+for dtype in (torch.float32, torch.bfloat16):     # the toy's trace, fp32 (the CPU's default) and bf16
+    cost.elementwise_bytes(model.PRESETS["toy"], dtype)
+assert os.listdir("/proc/self/task") == threads, "the trace started a thread: forking after it is not safe"
 for line in sys.stdin:
     req = json.loads(line)
     if "wait" in req:
