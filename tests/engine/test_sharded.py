@@ -199,15 +199,14 @@ def torchrun_env(world, local, rank=0):
 
 
 def _run(tmp, out, *extra, world=1, check=True, env=None):
-    """python train.py (forked by conftest's runner), or torchrun --standalone with `world` CPU ranks; returns the
-    CompletedProcess. One OpenMP thread per process, as torchrun sets it."""
+    """python train.py, or torchrun --standalone with `world` CPU ranks (python -m torch.distributed.run), forked
+    by conftest's runner; returns the CompletedProcess. One OpenMP thread per process, as torchrun sets it."""
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     if world == 1:
         r = train_py(*FLAGS, "--out", tmp / out, *extra, cwd=tmp, env=env)
     else:
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(world), str(ROOT / "train.py"), *FLAGS, "--out", str(tmp / out), *extra], cwd=tmp,
-                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        r = train_py("--standalone", "--nproc-per-node", world, ROOT / "train.py", *FLAGS, "--out", tmp / out, *extra,
+                     cwd=tmp, env=env, module="torch.distributed.run")
     assert r.returncode == 0 or not check, r.stderr[-3000:]
     return r
 
@@ -313,44 +312,43 @@ def test_train_py_under_torchrun_refuses_a_batch_the_ranks_cannot_split(tmp_path
     assert r.returncode == 2 and r.stderr == "" and r.stdout == ""    # rank 1 finds the same and leaves it to rank 0
 
 
-def _launch(tmp, out, *extra, steps="8"):
-    """python train.py --nproc-per-node 2 (launch.py) with FLAGS on CPU ranks: a Popen, output to files in tmp."""
-    argv = [sys.executable, str(ROOT / "train.py"), "--nproc-per-node", "2", *FLAGS, "--steps", steps, "--out",
-            str(tmp / out), *extra]
-    logs = [open(tmp / f"{out}.{name}", "w") for name in ("stdout", "stderr")]
-    return subprocess.Popen(argv, cwd=tmp, stdout=logs[0], stderr=logs[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _launch(cli, tmp, out, *extra, steps="8"):
+    """python train.py --nproc-per-node 2 (launch.py) with FLAGS on CPU ranks, started (conftest.TrainCLI)."""
+    return cli.start("--nproc-per-node", "2", *FLAGS, "--steps", steps, "--out", tmp / out, *extra, cwd=tmp,
+                     env={"OMP_NUM_THREADS": "1"})
 
 
-def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, multi_gpu_smoke):
+def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, multi_gpu_smoke, cli):
     """python train.py --nproc-per-node 2: a bad input is refused in one line with exit 2 before any rank starts
     (torchrun: exit 1 after its report); a good run writes torchrun's losses (bench/multi_gpu.py's exact case, the
-    same flags) and prints once; a SIGTERM to it stops the ranks with a save and exit 0, resumable."""
-    bad = _launch(tmp_path, "bad", "--batch-size", "6")
-    assert bad.wait(timeout=120) == 2 and (tmp_path / "bad.stderr").read_text().splitlines() == [
+    same flags) and prints once; a SIGTERM to it stops the ranks with a save and exit 0, resumable; a rank killed
+    is named, exit 128 + 9. The bad and the good run at once, then the stopped and the killed one."""
+    bad, good = _launch(cli, tmp_path, "bad", "--batch-size", "6"), _launch(cli, tmp_path, "good")
+    r = cli.wait(bad)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
         "error: --batch-size 6 is not divisible by 2 ranks x --micro-batches 2 (each rank computes --batch-size / 2 "
         "sequences in --micro-batches micro-batches)"] and not (tmp_path / "bad").exists()
-    good = _launch(tmp_path, "good")
-    assert good.wait(timeout=300) == 0, (tmp_path / "good.stderr").read_text()[-3000:]
+    r = cli.wait(good)
+    assert r.returncode == 0, r.stderr[-3000:]
     got, want = _losses(tmp_path / "good" / "metrics.jsonl"), _losses(multi_gpu_smoke / "exact-2" / "metrics.jsonl")
     print(f"--nproc-per-node 2 vs torchrun: worst loss rel {_close(got, want):.1e}")
     assert sorted(got) == list(range(1, 9)) and _close(got, want) <= 1e-5
-    assert (tmp_path / "good.stdout").read_text().count("done: 8 steps") == 1
-    stop = _launch(tmp_path, "stop", "--save-every", "100000", steps="100000")
+    assert r.stdout.count("done: 8 steps") == 1
+    stop, lost = (_launch(cli, tmp_path, name, "--save-every", "100000", steps="100000") for name in ("stop", "lost"))
     wait_for_training(tmp_path / "stop")
-    stop.send_signal(signal.SIGTERM)
-    assert stop.wait(timeout=120) == 0, (tmp_path / "stop.stderr").read_text()[-3000:]
-    saved = ckpt_read.latest(tmp_path / "stop")
-    assert saved is not None and f"checkpoint {saved}; continue with --resume" in (
-        tmp_path / "stop.stdout").read_text()
-    assert [p.name for p in (tmp_path / "stop").iterdir() if p.name.startswith("ckpt-")] == [saved.name]
-    lost = _launch(tmp_path, "lost", "--save-every", "100000", steps="100000")   # a rank killed: named, 128 + 9
     wait_for_training(tmp_path / "lost")
+    os.kill(stop.pid, signal.SIGTERM)
     ranks_of = [int(p) for f in (Path("/proc") / str(lost.pid) / "task").glob("*/children")
                 for p in f.read_text().split()]
     assert len(ranks_of) == 2
     os.kill(ranks_of[1], signal.SIGKILL)
-    assert lost.wait(timeout=120) == 128 + signal.SIGKILL
-    assert "was killed (signal 9)" in (tmp_path / "lost.stderr").read_text().splitlines()[-1]
+    r = cli.wait(stop)
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = ckpt_read.latest(tmp_path / "stop")
+    assert saved is not None and f"checkpoint {saved}; continue with --resume" in r.stdout
+    assert [p.name for p in (tmp_path / "stop").iterdir() if p.name.startswith("ckpt-")] == [saved.name]
+    r = cli.wait(lost)
+    assert r.returncode == 128 + signal.SIGKILL and "was killed (signal 9)" in r.stderr.splitlines()[-1], r.stderr
 
 
 def test_a_rank_that_exits_any_way_destroys_its_process_group_first(tmp_path):
