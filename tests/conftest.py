@@ -1,6 +1,7 @@
 """Make the repository root importable (model.py, stream.py, optim.py live there) and share helpers: random
 batches, tiny tokenizers, a fast runner of train.py (TrainCLI) and the "nothing lost" check (assert_refused)."""
 import atexit
+import gc
 import json
 import shutil
 import subprocess
@@ -379,3 +380,11 @@ def assert_refused(r, before, code=2, words=()):
     assert r.returncode == code, f"exit {r.returncode}, expected {code}\n{r.stderr}"
     assert len(err) == 1 and all(w in err[0] for w in words), r.stderr
     assert not lost(before), lost(before)
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported: what the imports made (torch, transformers: ~300,000 objects that live as
+    long as the process) is moved out of the garbage collector's sight (gc.freeze). Its full collections, which
+    the recorder's many long-lived ops trigger often, then scan only what the tests made (tests/sim: 9.3 s of
+    them -> 5.5 s)."""
+    gc.freeze()
