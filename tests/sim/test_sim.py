@@ -171,18 +171,21 @@ def mutant(old, new=None, nth=0, name="stream.py"):
     return handed
 
 
-CONFIGS = [dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
+# in the order that finds each deleted wait of test_every_event_wait_is_needed_and_caught in the fewest runs (23;
+# 31 in the order of the engine's features)
+CONFIGS = [dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True),
+           dict(micro_batches=2, grad_clip=1.0, gpu_updated_units=99),     # every streamed unit updated on the GPU
+           dict(micro_batches=2, grad_clip=0.0, offload_activations=True),
            dict(micro_batches=1, grad_clip=1.0, offload_activations=True),
            dict(micro_batches=2, grad_clip=0.0, mode="lean", dtype=torch.bfloat16),
-           dict(micro_batches=1, grad_clip=0.0, skip_nonfinite=True),
            dict(micro_batches=2, grad_clip=0.0, resident_units=2),     # the embedding and layer 0 on the GPU
            dict(micro_batches=1, grad_clip=1.0, resident_units=99),    # every unit: resident training
-           dict(micro_batches=2, grad_clip=1.0, gpu_updated_units=99),     # every streamed unit updated on the GPU
            dict(micro_batches=1, grad_clip=0.0, gpu_updated_units=3, mode="lean", dtype=torch.bfloat16)]
 
 
-def races_of(mutated):
-    """The races a mutant engine shows in the first of CONFIGS that shows any (a home's: those that hold it)."""
+def races_of(mutated, wanted=lambda race: True):
+    """The races a mutant engine shows in the first of CONFIGS that shows a `wanted` one (a home's: those that hold
+    it)."""
     for kw in CONFIGS:
         if callable(mutated):   # a home: the configurations with its units
             counts = kw.get("resident_units", 0), kw.get("gpu_updated_units", 0)
@@ -194,7 +197,7 @@ def races_of(mutated):
         else:
             made = mutated
         c = checked(**{**kw, **made})
-        if c.races:
+        if any(map(wanted, c.races)):
             return c.races
     return []
 
@@ -234,8 +237,8 @@ def test_every_event_wait_is_needed_and_caught():
 ])
 def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
     name = next(n for n, src in SOURCES.items() if old in src)   # StopIteration: the engine changed, update this
-    found = races_of(mutant(old, new, nth, name))
-    assert any(buffer in r["buffer"] and what in r["what"] for r in found), [(r["buffer"], r["what"]) for r in found]
+    found = races_of(mutant(old, new, nth, name), wanted=lambda r: buffer in r["buffer"] and what in r["what"])
+    assert found, f"no configuration shows a race of {buffer} {what}"
 
 
 @pytest.mark.slow
