@@ -200,8 +200,9 @@ def gen():
 # ----------------------------------------------------------------------------- train.py as a user runs it, fast
 # Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag, and ~0.65 s more
 # planning the toy (the planner traces a layer under FakeTensorMode). TrainCLI pays both once: a helper process
-# imports train.py's dependencies and makes the toy's trace (cached by config; fake tensors, so nothing is
-# computed and no OpenMP team exists yet: forking it is safe), then forks one fresh child per run. The child runs
+# imports train.py's dependencies and makes the toy's trace where that starts no thread (cached by config; fake
+# tensors, so nothing is computed and no OpenMP team exists yet: forking it is safe), then forks one fresh child
+# per run. The child runs
 # train.py (or another script, or `python -m module`) as __main__ in its own process -- own pid, cwd,
 # stdout/stderr files, exit code, signals, file locks -- and ends the way the interpreter ends a script:
 # SystemExit's code, or the traceback of an uncaught exception and exit code 1.
@@ -215,10 +216,16 @@ from megatrain_min.engine import reference  # noqa
 import torch._dynamo, torch._subclasses.fake_tensor  # noqa: the planner's FakeTensorMode imports them (~1.7 s)
 import jinja2, safetensors, tokenizers  # noqa: fine-tuning data and exports
 from megatrain_min.plan import cost
-threads = os.listdir("/proc/self/task")           # the import's (OpenBLAS's, which handles a fork)
-for dtype in (torch.float32, torch.bfloat16):     # the toy's trace, fp32 (the CPU's default) and bf16
-    cost.elementwise_bytes(model.PRESETS["toy"], dtype)
-assert os.listdir("/proc/self/task") == threads, "the trace started a thread: forking after it is not safe"
+probe = os.fork()                                 # a child traces first: torch 2.11's autograd starts its device
+if probe == 0:                                    # threads for the trace's backward (2.13's none), and a process
+    n = len(os.listdir("/proc/self/task"))        # with those must not fork (its children's autograd refuses)
+    cost.elementwise_bytes(model.PRESETS["toy"])
+    os._exit(len(os.listdir("/proc/self/task")) != n)
+if os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) == 0:
+    threads = set(os.listdir("/proc/self/task"))
+    for dtype in (torch.float32, torch.bfloat16): # the toy's trace, fp32 (the CPU's default) and bf16
+        cost.elementwise_bytes(model.PRESETS["toy"], dtype)
+    assert set(os.listdir("/proc/self/task")) <= threads, "the trace started a thread: forking after it is unsafe"
 for line in sys.stdin:
     req = json.loads(line)
     if "wait" in req:
