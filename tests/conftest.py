@@ -200,12 +200,12 @@ def gen():
 # ----------------------------------------------------------------------------- train.py as a user runs it, fast
 # Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag, and ~0.65 s more
 # planning the toy (the planner traces a layer under FakeTensorMode). TrainCLI pays both once: a helper process
-# imports train.py's dependencies and makes the toy's trace where that starts no thread (cached by config; fake
-# tensors, so nothing is computed and no OpenMP team exists yet: forking it is safe), then forks one fresh child
-# per run. The child runs
-# train.py (or another script, or `python -m module`) as __main__ in its own process -- own pid, cwd,
-# stdout/stderr files, exit code, signals, file locks -- and ends the way the interpreter ends a script:
-# SystemExit's code, or the traceback of an uncaught exception and exit code 1.
+# imports train.py's dependencies and makes the traces the runs ask most (the toy's, 7b's), where that starts no
+# thread (cached by config; fake tensors, so nothing is computed and no OpenMP team exists yet: forking it is
+# safe), then forks one fresh child per run. The child runs train.py (or another script, or `python -m module`)
+# as __main__ in its own process -- own pid, cwd, stdout/stderr files, exit code, signals, file locks -- and
+# ends the way the interpreter ends a script: SystemExit's code, or the traceback of an uncaught exception and
+# exit code 1.
 ZYGOTE = r"""
 import json, os, resource, runpy, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
@@ -223,8 +223,8 @@ if probe == 0:                                    # threads for the trace's back
     os._exit(len(os.listdir("/proc/self/task")) != n)
 if os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) == 0:
     threads = set(os.listdir("/proc/self/task"))
-    for dtype in (torch.float32, torch.bfloat16): # the toy's trace, fp32 (the CPU's default) and bf16
-        cost.elementwise_bytes(model.PRESETS["toy"], dtype)
+    for name, dtype in (("toy", torch.float32), ("toy", torch.bfloat16), ("7b", torch.bfloat16)):
+        cost.elementwise_bytes(model.PRESETS[name], dtype)
     assert set(os.listdir("/proc/self/task")) <= threads, "the trace started a thread: forking after it is unsafe"
 for line in sys.stdin:
     req = json.loads(line)
