@@ -1080,7 +1080,7 @@ def _rendezvous_nobody_comes(tmp):
         port = s.getsockname()[1]
     env = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port))
-    with mock.patch.dict(os.environ, env), mock.patch.object(sharded, "RENDEZVOUS", datetime.timedelta(seconds=2)):
+    with mock.patch.dict(os.environ, env), mock.patch.object(sharded, "RENDEZVOUS", datetime.timedelta(seconds=1)):
         sharded.init_from_env("cpu")
 
 
