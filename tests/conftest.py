@@ -198,14 +198,14 @@ def gen():
 
 
 # ----------------------------------------------------------------------------- train.py as a user runs it, fast
-# Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag, and ~0.65 s more
-# planning the toy (the planner traces a layer under FakeTensorMode). TrainCLI pays both once: a helper process
-# imports train.py's dependencies and makes the traces the runs ask most (the toy's, 7b's), where that starts no
-# thread (cached by config; fake tensors, so nothing is computed and no OpenMP team exists yet: forking it is
-# safe), then forks one fresh child per run. The child runs train.py (or another script, or `python -m module`)
-# as __main__ in its own process -- own pid, cwd, stdout/stderr files, exit code, signals, file locks -- and
-# ends the way the interpreter ends a script: SystemExit's code, or the traceback of an uncaught exception and
-# exit code 1.
+# Every `python train.py ...` pays ~3 CPU-seconds importing torch before it looks at a flag, and ~0.5 s more
+# planning (the planner traces a layer of the config under FakeTensorMode). TrainCLI pays both once: a helper
+# process imports train.py's dependencies and makes the traces the runs ask most (the toy's, 7b's; a test adds
+# its own configs' with cli.trace), where that starts no thread (cached by config; fake tensors, so nothing is
+# computed and no OpenMP team exists yet: forking it is safe), then forks one fresh child per run. The child
+# runs train.py (or another script, or `python -m module`) as __main__ in its own process -- own pid, cwd,
+# stdout/stderr files, exit code, signals, file locks -- and ends the way the interpreter ends a script:
+# SystemExit's code, or the traceback of an uncaught exception and exit code 1.
 ZYGOTE = r"""
 import json, os, resource, runpy, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
@@ -221,13 +221,24 @@ if probe == 0:                                    # threads for the trace's back
     n = len(os.listdir("/proc/self/task"))        # with those must not fork (its children's autograd refuses)
     cost.elementwise_bytes(model.PRESETS["toy"])
     os._exit(len(os.listdir("/proc/self/task")) != n)
-if os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) == 0:
-    threads = set(os.listdir("/proc/self/task"))
-    for name, dtype in (("toy", torch.float32), ("toy", torch.bfloat16), ("7b", torch.bfloat16)):
-        cost.elementwise_bytes(model.PRESETS[name], dtype)
-    assert set(os.listdir("/proc/self/task")) <= threads, "the trace started a thread: forking after it is unsafe"
+warm = os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) == 0
+
+
+def trace(cfg, dtype):
+    if warm:
+        threads = set(os.listdir("/proc/self/task"))
+        cost.elementwise_bytes(cfg, dtype)
+        assert set(os.listdir("/proc/self/task")) <= threads, "the trace started a thread: forking is unsafe"
+
+
+for name, dtype in (("toy", torch.float32), ("toy", torch.bfloat16), ("7b", torch.bfloat16)):
+    trace(model.PRESETS[name], dtype)
 for line in sys.stdin:
     req = json.loads(line)
+    if "trace" in req:                                # a config the next runs plan (TrainCLI.trace)
+        trace(model.GPTConfig(**req["trace"]), getattr(torch, req["dtype"]))
+        print(json.dumps({"warm": warm}), flush=True)
+        continue
     if "wait" in req:
         print(json.dumps({"rc": os.waitstatus_to_exitcode(os.waitpid(req["wait"], 0)[1])}), flush=True)
         continue
@@ -309,6 +320,11 @@ class TrainCLI:
                              timeout=timeout, script=str(script), module=module, env=env or {},
                              memory=memory, closed_stdout=closed_stdout))["pid"]
         return SimpleNamespace(pid=pid, argv=[module or str(script), *argv], out=out, err=err)
+
+    def trace(self, cfg, dtype="float32"):
+        """The planner's trace of cfg (bf16 or fp32 compute), made once in the helper for the runs to come: where
+        a run's config is made by its test (a tokenizer's vocabulary), not a preset the helper knows."""
+        self._ask(dict(trace=cfg.to_dict(), dtype=dtype))
 
     def wait(self, run):
         rc = self._ask({"wait": run.pid})["rc"]

@@ -94,6 +94,8 @@ def world(tmp_path_factory, cli):
     prepare.prepare([w / "chat.jsonl"], w / "prep-sft", w / "hf-chat")
     r = cli(*TINY, "--save-every", "1", "--data", "prep", "--out", w / "run-prep", cwd=w)
     assert r.returncode == 0, r.stderr
+    for d in (w / "hf", w / "hf-chat"):             # the runs that start from them plan them: traced once
+        cli.trace(hf_load.config_from_hf(json.loads((d / "config.json").read_text())))
     return w
 
 
