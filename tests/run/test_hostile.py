@@ -849,9 +849,7 @@ CLI.update({
     "host-mem-half-a-gb": lambda t, w: (["--host-mem", "0.5"], 2, ["--host-mem 0.5 (GB)", "Try --host-mem"], []),
     "prepare-val-fraction-0": lambda t, w: _prep(t, "--out", t / "p", "--val-fraction", "0", world=w,
                                                  words=["--val-fraction 0", "> 0"], check=_unmade("p")),
-    "heartbeat-a-millisecond": lambda t, w: (["--nproc-per-node", "2", "--out", t / "o"], 0, [], [t / "o"],
-                                             dict(env={BEATS: "0.001", **RANKS},
-                                                  check=_ran(f"warning: {BEATS}=0.001", "5 s is used"))),
+    # MEGATRAIN_MIN_HEARTBEAT_S=0.001 (a warning, 5 s used): test_nothing_lost.py's frozen rank asks for it
     "keep-1-over-a-symlinked-checkpoint": _keep_over_a_symlinked_checkpoint,
     "resume-its-meta-json": _resume_its_meta_json,
     "resident-units-above-the-units": lambda t, w: (["--resident-units", "100", "--gpu-updated-units", "1000000",
