@@ -216,27 +216,25 @@ from megatrain_min.engine import reference  # noqa
 import torch._dynamo, torch._subclasses.fake_tensor  # noqa: the planner's FakeTensorMode imports them (~1.7 s)
 import jinja2, safetensors, tokenizers  # noqa: fine-tuning data and exports
 from megatrain_min.plan import cost
+WARM = [(model.PRESETS["toy"], torch.float32), (model.PRESETS["toy"], torch.bfloat16),
+        (model.PRESETS["7b"], torch.bfloat16)]
 probe = os.fork()                                 # a child traces first: torch 2.11's autograd starts its device
 if probe == 0:                                    # threads for the trace's backward (2.13's none), and a process
-    n = len(os.listdir("/proc/self/task"))        # with those must not fork (its children's autograd refuses)
-    cost.elementwise_bytes(model.PRESETS["toy"])
+    signal.alarm(120)                             # with those must not fork (its children's autograd refuses);
+    n = len(os.listdir("/proc/self/task"))        # (the imports' OpenBLAS threads handle a fork themselves, and
+    for cfg, dtype in WARM:                       # a forked child starts with one thread)
+        cost.elementwise_bytes(cfg, dtype)
     os._exit(len(os.listdir("/proc/self/task")) != n)
 warm = os.waitstatus_to_exitcode(os.waitpid(probe, 0)[1]) == 0
-
-
-def trace(cfg, dtype):
-    if warm:
-        threads = set(os.listdir("/proc/self/task"))
-        cost.elementwise_bytes(cfg, dtype)
-        assert set(os.listdir("/proc/self/task")) <= threads, "the trace started a thread: forking is unsafe"
-
-
-for name, dtype in (("toy", torch.float32), ("toy", torch.bfloat16), ("7b", torch.bfloat16)):
-    trace(model.PRESETS[name], dtype)
+for cfg, dtype in WARM if warm else []:
+    cost.elementwise_bytes(cfg, dtype)
+threads = set(os.listdir("/proc/self/task"))
 for line in sys.stdin:
     req = json.loads(line)
-    if "trace" in req:                                # a config the next runs plan (TrainCLI.trace)
-        trace(model.GPTConfig(**req["trace"]), getattr(torch, req["dtype"]))
+    if "trace" in req:        # a config the next runs plan (TrainCLI.trace): the probe's code, so no thread
+        if warm:              # starts either; should one, stop here
+            cost.elementwise_bytes(model.GPTConfig(**req["trace"]), getattr(torch, req["dtype"]))
+            assert set(os.listdir("/proc/self/task")) <= threads, "a trace started a thread: forking is unsafe"
         print(json.dumps({"warm": warm}), flush=True)
         continue
     if "wait" in req:
@@ -322,9 +320,11 @@ class TrainCLI:
         return SimpleNamespace(pid=pid, argv=[module or str(script), *argv], out=out, err=err)
 
     def trace(self, cfg, dtype="float32"):
-        """The planner's trace of cfg (bf16 or fp32 compute), made once in the helper for the runs to come: where
-        a run's config is made by its test (a tokenizer's vocabulary), not a preset the helper knows."""
-        self._ask(dict(trace=cfg.to_dict(), dtype=dtype))
+        """The planner's trace of cfg (compute dtype: torch's name, "float32" or "bfloat16"), made once in the
+        helper for the runs to come: where a run's config is made by its test (a tokenizer's vocabulary), not a
+        preset the helper knows. Nothing is made where the helper's torch cannot trace without a thread."""
+        assert dtype in ("float32", "bfloat16"), dtype
+        assert "warm" in self._ask(dict(trace=cfg.to_dict(), dtype=dtype))
 
     def wait(self, run):
         rc = self._ask({"wait": run.pid})["rc"]

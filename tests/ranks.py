@@ -34,7 +34,8 @@ def spawn(fn, world, *args, meanwhile=None):
     function), its result something torch.save writes. A failing rank raises here with its traceback.
     The ranks are forked by multiprocessing's forkserver: one process, started on the first spawn, that has
     imported torch and this module and computed nothing (so forking it is safe), instead of a fresh interpreter
-    per rank importing torch (~1.5 s each)."""
+    per rank importing torch (~1.5 s each). So the ranks see os.environ as it was at the first spawn: what a
+    rank needs set goes in through args."""
     mp.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_rank_main, args=(world, tmp, fn, args), nprocs=world, start_method="forkserver",

@@ -335,20 +335,26 @@ def test_train_py_nproc_per_node_checks_first_then_trains_as_torchrun(tmp_path, 
     assert sorted(got) == list(range(1, 9)) and _close(got, want) <= 1e-5
     assert r.stdout.count("done: 8 steps") == 1
     stop, lost = (_launch(cli, tmp_path, name, "--save-every", "100000", steps="100000") for name in ("stop", "lost"))
-    wait_for_training(tmp_path / "stop")
-    wait_for_training(tmp_path / "lost")
-    os.kill(stop.pid, signal.SIGTERM)
-    ranks_of = [int(p) for f in (Path("/proc") / str(lost.pid) / "task").glob("*/children")
-                for p in f.read_text().split()]
-    assert len(ranks_of) == 2
-    os.kill(ranks_of[1], signal.SIGKILL)
-    r = cli.wait(stop)
-    assert r.returncode == 0, r.stderr[-3000:]
+    signalled = False
+    try:
+        wait_for_training(tmp_path / "stop")
+        wait_for_training(tmp_path / "lost")
+        os.kill(stop.pid, signal.SIGTERM)
+        ranks_of = [int(p) for f in (Path("/proc") / str(lost.pid) / "task").glob("*/children")
+                    for p in f.read_text().split()]
+        assert len(ranks_of) == 2
+        os.kill(ranks_of[1], signal.SIGKILL)
+        signalled = True
+    finally:                        # should the above fail, neither leaves its ranks training (SIGTERM: passed on)
+        for run in (stop, lost) if not signalled else ():
+            os.kill(run.pid, signal.SIGTERM)
+        stopped, killed = cli.wait(stop), cli.wait(lost)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
     saved = ckpt_read.latest(tmp_path / "stop")
-    assert saved is not None and f"checkpoint {saved}; continue with --resume" in r.stdout
+    assert saved is not None and f"checkpoint {saved}; continue with --resume" in stopped.stdout
     assert [p.name for p in (tmp_path / "stop").iterdir() if p.name.startswith("ckpt-")] == [saved.name]
-    r = cli.wait(lost)
-    assert r.returncode == 128 + signal.SIGKILL and "was killed (signal 9)" in r.stderr.splitlines()[-1], r.stderr
+    assert killed.returncode == 128 + signal.SIGKILL and "was killed (signal 9)" in killed.stderr.splitlines()[-1], \
+        killed.stderr
 
 
 def test_a_rank_that_exits_any_way_destroys_its_process_group_first(tmp_path):

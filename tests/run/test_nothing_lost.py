@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -600,6 +601,18 @@ def test_a_data_file_truncated_under_a_run_ends_it_in_one_line(cli, tmp_path):
     assert "train.npy shrank" in err[0] and "--resume" in err[0] and str(ckpt_read.latest(out)) in err[0], err
     for _, ck in ckpt_read.checkpoints(out):
         ckpt_read.read_weights(ck)                               # every file there, every CRC right
+
+
+def test_a_heartbeat_below_the_least_is_raised_to_it_with_a_warning(monkeypatch):
+    """The least itself is taken as asked, without a word; anything shorter is raised to it, with a warning."""
+    from megatrain_min.run import launch
+    least = launch.HEARTBEAT_LEAST
+    for asked, used, warned in ((str(least), least, False), ("0.001", least, True), (str(2 * least), 2 * least, False)):
+        monkeypatch.setenv(launch.HEARTBEAT_ENV, asked)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            launch.check_heartbeat()
+        assert launch.heartbeat_s() == used and bool(said) == warned, (asked, [str(w.message) for w in said])
 
 
 def test_a_frozen_rank_is_named_within_the_heartbeat_bound(cli, tmp_path):

@@ -202,6 +202,14 @@ def races_of(mutated, wanted=lambda race: True):
     return []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", CONFIGS, ids=[f"config-{k}" for k in range(len(CONFIGS))])
+def test_the_mutants_configurations_are_race_free(kw):
+    """A race races_of finds in a mutant is the mutant's: the engine as it is shows none in any of CONFIGS."""
+    c = checked(**kw)
+    assert not c.races, c.summary()
+
+
 WAITS = [(name, line.strip()) for name, src in SOURCES.items() for line in src.splitlines()
          if re.search(r"\.wait_event\(|host_wait\(", line) and "def " not in line
          and "self.stream." not in line]   # Lane's own call of CUDA's: what every wait above runs
@@ -238,7 +246,8 @@ def test_every_event_wait_is_needed_and_caught():
 def test_seeded_defect_is_reported_with_its_buffer(old, nth, new, buffer, what):
     name = next(n for n, src in SOURCES.items() if old in src)   # StopIteration: the engine changed, update this
     found = races_of(mutant(old, new, nth, name), wanted=lambda r: buffer in r["buffer"] and what in r["what"])
-    assert found, f"no configuration shows a race of {buffer} {what}"
+    assert found, (f"no configuration shows a race of {buffer} ({what}); the first that shows any: "
+                   f"{[(r['buffer'], r['what']) for r in races_of(mutant(old, new, nth, name))]}")
 
 
 @pytest.mark.slow
